@@ -1,0 +1,125 @@
+// Sparse record codec on the CPU: pack (values, indices) into a flat buffer, scatter-add
+// decode. The record layout is defined once, in record_spans().
+#include "../ops.h"
+#include "common.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+namespace ssf {
+
+std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
+                                          at::ScalarType index_dtype) {
+  TORCH_CHECK(index_dtype == at::kInt || index_dtype == at::kLong,
+              "record: indices must be int32 or int64, got ", index_dtype);
+  const int64_t vb = c10::elementSize(value_dtype), ib = c10::elementSize(index_dtype);
+  TORCH_CHECK(ib % vb == 0 || vb % ib == 0, "record: incompatible element sizes");
+  // Values are padded so the indices start on an index-size boundary (given an aligned
+  // record start), which lets decoders read them in place.
+  const int64_t per = ib > vb ? ib / vb : 1;
+  const int64_t vspan = (k + per - 1) / per * per;
+  const int64_t ispan = (k * ib + vb - 1) / vb;
+  return {vspan, ispan};
+}
+
+namespace {
+
+void check_record(const at::Tensor& values, const at::Tensor& indices, const char* op) {
+  TORCH_CHECK(values.dim() == 1 && indices.dim() == 1 && values.numel() == indices.numel(), op,
+              ": values and indices must be 1-D of equal length (got ", values.sizes(), " and ",
+              indices.sizes(), ")");
+  TORCH_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op,
+              ": indices must be int32 or int64, got ", indices.scalar_type());
+}
+
+template <typename I>
+void check_bounds(const I* idx, int64_t k, int64_t n, const char* op) {
+  for (int64_t j = 0; j < k; ++j)
+    TORCH_CHECK(idx[j] >= 0 && idx[j] < n, op, ": index ", int64_t(idx[j]), " out of range [0, ",
+                n, ")");
+}
+
+}  // namespace
+
+int64_t pack_cpu(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,
+                 int64_t offset) {
+  check_record(values, indices, "pack");
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.device().is_cpu(),
+              "pack: out must be a contiguous 1-D CPU tensor");
+  TORCH_CHECK(out.scalar_type() == values.scalar_type(), "pack: out dtype ", out.scalar_type(),
+              " differs from values dtype ", values.scalar_type());
+  const int64_t k = values.numel();
+  auto [vspan, ispan] = record_spans(k, values.scalar_type(), indices.scalar_type());
+  TORCH_CHECK(offset >= 0 && offset + vspan + ispan <= out.numel(), "pack: record of ", k,
+              " elements at offset ", offset, " does not fit in a buffer of ", out.numel());
+  const at::Tensor v = values.contiguous(), ix = indices.contiguous();
+  const int64_t vb = out.element_size();
+  char* base = static_cast<char*>(out.data_ptr()) + offset * vb;
+  std::memcpy(base, v.const_data_ptr(), k * vb);
+  std::memset(base + k * vb, 0, (vspan - k) * vb);
+  std::memcpy(base + vspan * vb, ix.const_data_ptr(), k * ix.element_size());
+  return offset + vspan + ispan;
+}
+
+void scatter_add_cpu(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
+  check_record(values, indices, "scatter_add");
+  TORCH_CHECK(dense.is_contiguous() && dense.device().is_cpu(),
+              "scatter_add: dense must be a contiguous CPU tensor");
+  TORCH_CHECK(dense.scalar_type() == values.scalar_type(), "scatter_add: dtype mismatch (",
+              dense.scalar_type(), " vs ", values.scalar_type(), ")");
+  const at::Tensor v = values.contiguous(), ix = indices.contiguous();
+  const int64_t n = dense.numel(), k = v.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dense.scalar_type(), "scatter_add", [&] {
+    scalar_t* d = dense.data_ptr<scalar_t>();
+    const scalar_t* pv = v.const_data_ptr<scalar_t>();
+    AT_DISPATCH_INDEX_TYPES(ix.scalar_type(), "scatter_add", [&] {
+      const index_t* pi = ix.const_data_ptr<index_t>();
+      check_bounds(pi, k, n, "scatter_add");
+      for (int64_t j = 0; j < k; ++j) d[pi[j]] += pv[j];  // in order: duplicates add in order
+    });
+  });
+}
+
+void scatter_add_chunks_cpu(at::Tensor& dense, const at::Tensor& gathered, int64_t nchunks,
+                            int64_t chunk_len, int64_t offset, int64_t k,
+                            at::ScalarType index_dtype) {
+  TORCH_CHECK(dense.is_contiguous() && dense.device().is_cpu() && gathered.is_contiguous() &&
+                  gathered.dim() == 1,
+              "scatter_add_chunks: contiguous CPU dense and 1-D gathered buffer required");
+  TORCH_CHECK(dense.scalar_type() == gathered.scalar_type(), "scatter_add_chunks: dtype mismatch");
+  TORCH_CHECK(nchunks >= 0 && chunk_len >= 0 && nchunks * chunk_len == gathered.numel(),
+              "scatter_add_chunks: gathered has ", gathered.numel(), " elements, not ", nchunks,
+              " x ", chunk_len);
+  auto [vspan, ispan] = record_spans(k, gathered.scalar_type(), index_dtype);
+  TORCH_CHECK(offset >= 0 && offset + vspan + ispan <= chunk_len,
+              "scatter_add_chunks: record outside the chunk");
+  const int64_t n = dense.numel(), vb = gathered.element_size();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dense.scalar_type(), "scatter_add_chunks", [&] {
+    scalar_t* d = dense.data_ptr<scalar_t>();
+    const char* g = static_cast<const char*>(gathered.const_data_ptr());
+    AT_DISPATCH_INDEX_TYPES(index_dtype, "scatter_add_chunks", [&] {
+      for (int64_t p = 0; p < nchunks; ++p) {  // chunk order fixes the summation order
+        const char* rec = g + (p * chunk_len + offset) * vb;
+        const scalar_t* pv = reinterpret_cast<const scalar_t*>(rec);
+        const char* pib = rec + vspan * vb;
+        auto idx_at = [&](int64_t j) {
+          index_t i;
+          std::memcpy(&i, pib + j * sizeof(index_t), sizeof(index_t));
+          return i;
+        };
+        for (int64_t j = 0; j < k; ++j) {
+          const index_t i = idx_at(j);
+          TORCH_CHECK(i >= 0 && i < n, "scatter_add_chunks: index ", int64_t(i),
+                      " out of range in chunk ", p);
+        }
+        // Indices are distinct within a chunk, so its adds can run in parallel.
+        at::parallel_for(0, k, int64_t(1) << 14, [&](int64_t b, int64_t e) {
+          for (int64_t j = b; j < e; ++j) d[idx_at(j)] += pv[j];
+        });
+      }
+    });
+  });
+}
+
+}  // namespace ssf

@@ -1,0 +1,71 @@
+"""Build of ssfusion_hvd: setuptools drives CMakeLists.txt for the ``ssfusion_hvd._C``
+extension (pybind11 + libtorch, Ninja generator).
+
+Install with ``bash scripts/install.sh`` (it builds Horovod first); by hand:
+``pip install --no-build-isolation -e .`` inside an environment that has torch, pybind11
+and ninja. The CMake build tree is kept under ``build/`` so rebuilds are incremental.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        import pybind11
+        import torch
+
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        tag = f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
+        build_dir = ROOT / "build" / f"cmake-{tag}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}",
+            f"-DCMAKE_BUILD_TYPE={os.environ.get('SSF_BUILD_TYPE', 'Release')}",
+            f"-DSSF_TORCH_CUDA={'ON' if torch.version.cuda else 'OFF'}",
+            # SSF_COMPILE_CUDA=0 skips csrc/cuda even when nvcc is found (CI never sets it)
+            f"-DSSF_COMPILE_CUDA={'OFF' if os.environ.get('SSF_COMPILE_CUDA') == '0' else 'ON'}",
+        ]
+        if torch.version.cuda and os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(".", "").replace("+PTX", "")
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs.replace(' ', ';')}")
+        ninja = shutil.which("ninja")
+        try:
+            import ninja as ninja_pkg  # the PyPI package ships a binary
+
+            ninja = ninja or os.path.join(ninja_pkg.BIN_DIR, "ninja")
+        except ImportError:
+            pass
+        if ninja:
+            args += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+        cmake = shutil.which("cmake") or "cmake"
+        jobs = os.environ.get("SSF_BUILD_JOBS", str(os.cpu_count() or 2))
+        subprocess.check_call([cmake, str(ROOT)] + args, cwd=build_dir)
+        subprocess.check_call([cmake, "--build", ".", "-j", jobs], cwd=build_dir)
+
+
+setup(
+    name="ssfusion-hvd",
+    version="0.1.0",
+    description="Tensor fusion with selective sparsification for Horovod + PyTorch",
+    packages=find_packages(include=["ssfusion_hvd", "ssfusion_hvd.*"]),
+    ext_modules=[CMakeExtension("ssfusion_hvd._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.1", "numpy"],
+    zip_safe=False,
+)

@@ -1,0 +1,227 @@
+"""The only door to the compiled extension ``ssfusion_hvd._C``.
+
+Every op here has two implementations with identical results: the native kernel (C++ on
+CPU, CUDA on GPU; ``csrc/``) and a pure-torch fallback. ``backend=None`` picks the native
+kernel when it is built for the tensor's device, else the fallback; ``"native"`` or
+``"torch"`` force one (tests compare them).
+
+Shared semantics (also documented in ``csrc/ops.h``):
+
+* Values are float32, float16 or bfloat16; inputs are read as ``x.flatten()``.
+* Magnitude order is a total order: IEEE order of ``|x|`` for numbers, NaN above +Inf, so a
+  NaN gradient is always selected and never dropped silently. Ties go to the lower index.
+* Selections are returned in ascending index order, indices int32 (int64 from 2^31 elements).
+* A *sparse record* of k elements in a flat buffer of the values' dtype is k values, zero
+  padding up to the index size, then the k indices stored bit for bit (:func:`record_spans`).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+try:  # the extension links against libtorch: torch must be imported first (it is, above)
+    from . import _C  # type: ignore[attr-defined]
+
+    _IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    _C = None
+    _IMPORT_ERROR = exc
+
+VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT32_MAX = 2**31 - 1
+_SIGN_CLEAR = {4: (torch.int32, 0x7FFFFFFF), 2: (torch.int16, 0x7FFF)}
+
+
+def have_extension() -> bool:
+    """True when ``ssfusion_hvd._C`` imported."""
+    return _C is not None
+
+
+def build_info() -> dict:
+    """What the extension was built with (``cuda_kernels``, ``cuda_sources_compiled``)."""
+    if _C is None:
+        return {"extension": False, "error": repr(_IMPORT_ERROR)}
+    return {"extension": True, **dict(_C.build_info)}
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """Index dtype of selections from a tensor of ``numel`` elements."""
+    return torch.int32 if numel <= _INT32_MAX else torch.int64
+
+
+def _check_values(x: torch.Tensor, op: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in VALUE_DTYPES:
+        raise TypeError(f"{op}: unsupported dtype {x.dtype}; supported: float32, float16, bfloat16")
+
+
+def _native(x: torch.Tensor, op: str, backend: Optional[str]):
+    """The native function for x's device, or None for the torch fallback."""
+    if backend not in (None, "native", "torch"):
+        raise ValueError(f"backend must be None, 'native' or 'torch', got {backend!r}")
+    if backend == "torch":
+        return None
+    fn = getattr(_C, f"{op}_{x.device.type}", None) if _C is not None else None
+    if fn is None and backend == "native":
+        raise RuntimeError(f"no native {op} kernel for device {x.device} ({build_info()})")
+    return fn
+
+
+def magnitude_key(x: torch.Tensor) -> torch.Tensor:
+    """Integer key whose order is the magnitude order (NaN above Inf), same shape as x."""
+    idt, mask = _SIGN_CLEAR[x.element_size()]
+    return x.contiguous().view(idt).bitwise_and(mask)
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def topk(x: torch.Tensor, k: int, *, backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact magnitude top-k of ``x.flatten()``: ``(values, indices)`` in index order.
+
+    Values keep their sign. Ties at the k-th magnitude go to the lower indices.
+    """
+    _check_values(x, "topk")
+    n = x.numel()
+    k = int(k)
+    if not 0 <= k <= n:
+        raise ValueError(f"topk: k={k} out of range [0, {n}]")
+    flat = x.reshape(-1)
+    fn = _native(x, "topk", backend)
+    if fn is not None:
+        return fn(flat.contiguous(), k)
+    idt = index_dtype(n)
+    if k == 0:
+        return flat[:0].clone(), torch.empty(0, dtype=idt, device=x.device)
+    key = magnitude_key(flat)
+    kth = torch.topk(key, k, sorted=True).values[-1]  # the exact k-th key, whatever the ties
+    above = key > kth
+    ties = (key == kth).nonzero().flatten()[: k - int(above.sum())]
+    idx = torch.cat([above.nonzero().flatten(), ties]).sort().values
+    return flat[idx], idx.to(idt)
+
+
+def threshold_select(x: torch.Tensor, thr: float, *, backend: Optional[str] = None):
+    """All elements with ``|x| >= thr`` (compared in float64) and every NaN, in index order."""
+    _check_values(x, "threshold_select")
+    thr = float(thr)
+    if thr != thr:
+        raise ValueError("threshold_select: threshold is NaN")
+    flat = x.reshape(-1)
+    fn = _native(x, "threshold_select", backend)
+    if fn is not None:
+        return fn(flat.contiguous(), thr)
+    mask = (flat.abs().double() >= thr) | flat.isnan()
+    idx = mask.nonzero().flatten()
+    return flat[idx], idx.to(index_dtype(flat.numel()))
+
+
+def threshold_count(x: torch.Tensor, thr: float, *, backend: Optional[str] = None) -> int:
+    """Number of elements :func:`threshold_select` would return."""
+    _check_values(x, "threshold_count")
+    thr = float(thr)
+    if thr != thr:
+        raise ValueError("threshold_count: threshold is NaN")
+    flat = x.reshape(-1)
+    fn = _native(x, "threshold_count", backend)
+    if fn is not None:
+        return int(fn(flat.contiguous(), thr))
+    return int(((flat.abs().double() >= thr) | flat.isnan()).sum())
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def record_spans(k: int, value_dtype: torch.dtype, idx_dtype: torch.dtype = torch.int32) -> Tuple[int, int]:
+    """Buffer elements (of ``value_dtype``) taken by a record's padded values and its indices."""
+    if idx_dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be int32 or int64, got {idx_dtype}")
+    vb = torch.empty(0, dtype=value_dtype).element_size()
+    ib = torch.empty(0, dtype=idx_dtype).element_size()
+    per = ib // vb if ib > vb else 1
+    vspan = -(-k // per) * per
+    ispan = -(-(k * ib) // vb)
+    return vspan, ispan
+
+
+def record_numel(k: int, value_dtype: torch.dtype, idx_dtype: torch.dtype = torch.int32) -> int:
+    """Total buffer elements of a record of k elements."""
+    return sum(record_spans(k, value_dtype, idx_dtype))
+
+
+def _byte_view(buf: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """Bytes [start, start+nbytes) of a contiguous 1-D buffer, as a uint8 view."""
+    return buf.view(torch.uint8)[start : start + nbytes]
+
+
+def pack(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, offset: int,
+         *, backend: Optional[str] = None) -> int:
+    """Writes the record (values, indices) into ``out`` at ``offset``; returns the next offset."""
+    _check_values(values, "pack")
+    if out.dtype != values.dtype or out.dim() != 1 or not out.is_contiguous():
+        raise ValueError(f"pack: out must be a contiguous 1-D {values.dtype} buffer, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    if values.dim() != 1 or indices.dim() != 1 or values.numel() != indices.numel():
+        raise ValueError("pack: values and indices must be 1-D of equal length")
+    fn = _native(out, "pack", backend)
+    if fn is not None:
+        return int(fn(values, indices, out, int(offset)))
+    k = values.numel()
+    vspan, ispan = record_spans(k, values.dtype, indices.dtype)
+    if offset < 0 or offset + vspan + ispan > out.numel():
+        raise ValueError(f"pack: record of {k} elements at offset {offset} does not fit in "
+                         f"a buffer of {out.numel()}")
+    out[offset : offset + k].copy_(values)
+    out[offset + k : offset + vspan].zero_()
+    eb = out.element_size()
+    ib = indices.element_size()
+    _byte_view(out, (offset + vspan) * eb, k * ib).copy_(indices.contiguous().view(torch.uint8))
+    return offset + vspan + ispan
+
+
+def unpack(buf: torch.Tensor, offset: int, k: int, idx_dtype: torch.dtype = torch.int32):
+    """``(values, indices)`` of the record of k elements at ``offset`` of ``buf`` (copies)."""
+    vspan, _ = record_spans(k, buf.dtype, idx_dtype)
+    values = buf[offset : offset + k].clone()
+    ib = torch.empty(0, dtype=idx_dtype).element_size()
+    raw = _byte_view(buf, (offset + vspan) * buf.element_size(), k * ib).clone()
+    return values, raw.view(idx_dtype)
+
+
+def scatter_add(dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
+                *, backend: Optional[str] = None) -> torch.Tensor:
+    """``dense.view(-1)[indices] += values``, duplicates adding in order; returns dense."""
+    _check_values(dense, "scatter_add")
+    if not dense.is_contiguous():
+        raise ValueError("scatter_add: dense must be contiguous")
+    fn = _native(dense, "scatter_add", backend)
+    if fn is not None:
+        fn(dense, values, indices)
+        return dense
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= dense.numel()):
+        raise IndexError("scatter_add: index out of range")
+    dense.view(-1).index_add_(0, indices.long(), values)
+    return dense
+
+
+def scatter_add_chunks(dense: torch.Tensor, gathered: torch.Tensor, nchunks: int, offset: int,
+                       k: int, idx_dtype: torch.dtype = torch.int32,
+                       *, backend: Optional[str] = None) -> torch.Tensor:
+    """Decode: adds the record at ``offset`` of each of the ``nchunks`` equal chunks of the
+    allgathered buffer ``gathered`` into ``dense``, chunk 0 first (every rank sums in the same
+    order). Indices must be distinct within a chunk (true of every selection op)."""
+    _check_values(dense, "scatter_add_chunks")
+    if gathered.dim() != 1 or gathered.numel() % max(nchunks, 1):
+        raise ValueError(f"scatter_add_chunks: {gathered.numel()} elements do not split into "
+                         f"{nchunks} chunks")
+    chunk_len = gathered.numel() // nchunks if nchunks else 0
+    fn = _native(dense, "scatter_add_chunks", backend)
+    if fn is not None:
+        fn(dense, gathered, int(nchunks), chunk_len, int(offset), int(k), idx_dtype)
+        return dense
+    for p in range(nchunks):  # loop over ranks, not tensors
+        v, i = unpack(gathered, p * chunk_len + offset, k, idx_dtype)
+        scatter_add(dense, v, i, backend="torch")
+    return dense

@@ -1,0 +1,252 @@
+"""``ssfusion_hvd.DistributedOptimizer``: a drop-in for ``hvd.DistributedOptimizer``.
+
+Every Horovod argument keeps its meaning; three keyword-only arguments choose how gradients
+travel (``scheme``), how sparse ones are selected (``sparsifier``) and how many elements
+are sent (``density``). The optimizer owns what Horovod's does — hooks, backward passes per
+step, gradients that never arrived, ``synchronize()``/``skip_synchronize()``/``step()`` —
+and hands each finished gradient to the scheme (``ssfusion_hvd/schemes/``).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from contextlib import contextmanager
+
+import horovod.torch as hvd
+import torch
+from horovod.torch.compression import Compression
+from horovod.torch.mpi_ops import Adasum, Average, global_process_set
+
+from .schemes import SCHEMES, SyncConfig
+from .sparsify import SPARSIFIERS
+
+__all__ = ["DistributedOptimizer", "SCHEMES"]
+
+_STATE_KEY = "ssfusion"
+
+
+def _named_parameters(named_parameters, param_groups):
+    """Validated (name, param) list in canonical order; raises ValueError like Horovod."""
+    if named_parameters is not None:
+        named = list(named_parameters)
+    else:
+        named = [(f"allreduce.noname.{i}.{j}", v) for i, g in enumerate(param_groups)
+                 for j, v in enumerate(g["params"])]
+    if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    seen, dups = set(), set()
+    for name, _ in named:
+        (dups if name in seen else seen).add(name)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. "
+                         f"Found duplicates: {', '.join(sorted(dups))}")
+    named_ids = {id(v) for _, v in named}
+    unnamed = [v for g in param_groups for v in g["params"] if id(v) not in named_ids]
+    if unnamed:
+        shapes = ", ".join(str(tuple(v.shape)) for v in unnamed)
+        raise ValueError("named_parameters was specified, but one or more model parameters "
+                         f"were not named (shapes: {shapes})")
+    in_groups = {id(v) for g in param_groups for v in g["params"]}
+    # parameters named but not optimized are not synchronized (Horovod ignores them too)
+    return sorted(((k, v) for k, v in named if id(v) in in_groups), key=lambda t: t[0])
+
+
+def _check_choice(kind, value, registry):
+    if not isinstance(value, str) or value not in registry:
+        raise ValueError(f"unknown {kind} {value!r}; available: {', '.join(sorted(registry))}")
+
+
+def _check_density(density):
+    ok = (isinstance(density, numbers.Real) and not isinstance(density, bool)
+          and math.isfinite(float(density)) and 0.0 < float(density) <= 1.0)
+    if not ok:
+        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+    return float(density)
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
+
+    def __init__(self, params, config: SyncConfig, scheme: str, backward_passes_per_step: int):
+        super(self.__class__, self).__init__(params)
+        self._config = config
+        self._scheme_name = scheme
+        self._scheme = SCHEMES[scheme](config)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._delay = {p: backward_passes_per_step for p in config.order}
+        self._submitted = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._requires_update = [p for p in config.order if p.requires_grad]
+        self._hook_handles = []
+        if config.process_set.included():
+            for p in self._requires_update:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # ------------------------------------------------------------------ hooks
+    @property
+    def scheme(self) -> str:
+        return self._scheme_name
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if self._delay[p] <= 0:
+            raise AssertionError("Gradients were computed more than backward_passes_per_step "
+                                 "times before call to step(). Increase backward_passes_per_step "
+                                 "to accumulate gradients locally.")
+        assert not p.grad.requires_grad
+        self._delay[p] -= 1
+        if self._delay[p] == 0:
+            self._submit(p)
+
+    def _submit(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            # Another rank may have a gradient for p (dynamic graphs): contribute zeros.
+            p.grad = torch.zeros_like(p)
+        self._submitted.add(p)
+        self._scheme.submit(p)
+
+    # ------------------------------------------------------------------ Horovod API
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        for p in self._delay:
+            self._delay[p] = passes
+
+    def synchronize(self) -> None:
+        """Waits for every gradient's collective; synchronized gradients land in ``p.grad``."""
+        if not self._config.process_set.included():
+            self._synchronized = True
+            return
+        for p in self._requires_update:  # canonical order: every rank submits alike
+            if p not in self._submitted:
+                self._submit(p)
+        self._scheme.finish()
+        self._submitted.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this context does not synchronize (after a manual ``synchronize()``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._submitted or self._scheme.pending():
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(). This is "
+                                 "prohibited as it can cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self):
+        state = super(self.__class__, self).state_dict()
+        state[_STATE_KEY] = {"scheme": self._scheme_name, "state": self._scheme.state_dict()}
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        ours = state_dict.pop(_STATE_KEY, None)
+        if ours is not None and ours["scheme"] != self._scheme_name:
+            raise ValueError(f"checkpoint was written by scheme {ours['scheme']!r}, "
+                             f"this optimizer runs {self._scheme_name!r}")
+        self._scheme.reset()
+        self._submitted.clear()
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        super(self.__class__, self).load_state_dict(state_dict)
+        if ours is not None:
+            self._scheme.load_state_dict(ours["state"])
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=global_process_set, *, scheme="dense", sparsifier="topk",
+                         density=0.01):
+    """Wraps ``optimizer`` so that ``step()`` applies gradients synchronized across workers.
+
+    Horovod arguments (same meaning as in ``hvd.DistributedOptimizer``):
+        named_parameters: ``model.named_parameters()``; names must be unique and cover every
+            optimized parameter.
+        compression, backward_passes_per_step, op, gradient_predivide_factor, num_groups,
+        groups, sparse_as_dense, process_set: as in Horovod.
+
+    ssfusion-hvd arguments:
+        scheme: how gradients travel; one of ``ssfusion_hvd.SCHEMES`` ("dense" behaves
+            exactly like Horovod's optimizer).
+        sparsifier: how sparse schemes select elements; one of ``ssfusion_hvd.SPARSIFIERS``.
+        density: fraction of gradient elements sent by sparse schemes, in (0, 1].
+
+    Bad arguments raise ``ValueError`` on every rank before any collective is submitted.
+    The wrapped optimizer's state (e.g. momentum) is carried over.
+    """
+    _check_choice("scheme", scheme, SCHEMES)
+    _check_choice("sparsifier", sparsifier, SPARSIFIERS)
+    density = _check_density(density)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step <= 0:
+        raise ValueError(f"backward_passes_per_step must be a positive int, got "
+                         f"{backward_passes_per_step!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
+                      "in v0.23.0.", DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+    if groups is not None:
+        if isinstance(groups, list):
+            seen = set()
+            for g in groups:
+                for p in g:
+                    if not isinstance(p, torch.Tensor):
+                        raise ValueError("groups must consist of torch.Tensor.")
+                    if id(p) in seen:
+                        raise ValueError("A parameter can only appear once in groups.")
+                    seen.add(id(p))
+        elif isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+            raise ValueError("groups should be a non-negative integer or a list of list of "
+                             "torch.Tensor.")
+    named = _named_parameters(named_parameters, optimizer.param_groups)
+    if op == Adasum and hvd.size() > 1:
+        if scheme != "dense":
+            raise ValueError(f"op=Adasum is only supported with scheme='dense', got {scheme!r}")
+        # Horovod's Adasum optimizer is a different algorithm: use it as is.
+        return hvd.DistributedOptimizer(optimizer, named_parameters=named, compression=compression,
+                                        backward_passes_per_step=backward_passes_per_step, op=op,
+                                        process_set=process_set)
+
+    config = SyncConfig(
+        names={v: k for k, v in named}, order=[v for _, v in named],
+        declared=[v for g in optimizer.param_groups for v in g["params"]],
+        compression=compression, op=op, gradient_predivide_factor=float(gradient_predivide_factor),
+        groups=groups, sparse_as_dense=sparse_as_dense, process_set=process_set,
+        sparsifier=sparsifier, density=density)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    wrapped = cls(optimizer.param_groups, config, scheme, backward_passes_per_step)
+    if optimizer.state:
+        super(cls, wrapped).load_state_dict(optimizer.state_dict())  # nothing lost
+    return wrapped

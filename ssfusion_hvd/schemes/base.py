@@ -1,0 +1,71 @@
+"""The interface every synchronization scheme implements.
+
+The optimizer (``ssfusion_hvd/optimizer.py``) owns the hooks and the bookkeeping that
+Horovod's optimizer has (backward passes per step, missing gradients, ``step()``); a scheme
+only decides how finished gradients travel and how the synchronized gradient is rebuilt:
+
+* ``submit(p)`` is called once per step for each parameter whose gradient is final (from
+  the backward hook, in the order gradients become ready, or from ``synchronize()`` for a
+  parameter whose hook did not fire). It may start asynchronous collectives at once, so
+  communication overlaps the rest of backward.
+* ``finish()`` waits for everything submitted and leaves the synchronized gradient in
+  ``p.grad`` of every submitted parameter.
+* ``state_dict()`` / ``load_state_dict()`` carry what a scheme must not lose across a
+  checkpoint (residuals, the plan).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+import torch
+
+
+@dataclass
+class SyncConfig:
+    """Everything a scheme needs to know about the job; identical on every rank."""
+
+    names: Dict[torch.Tensor, str]  # parameter -> user-visible name
+    order: List[torch.Tensor]  # parameters in canonical order (sorted by name, as Horovod)
+    declared: List[torch.Tensor]  # parameters in the optimizer's param_groups order
+    compression: Any
+    op: Any
+    gradient_predivide_factor: float
+    groups: Any
+    sparse_as_dense: bool
+    process_set: Any
+    sparsifier: str
+    density: float
+    index: Dict[torch.Tensor, int] = field(init=False)  # parameter -> position in order
+
+    def __post_init__(self):
+        self.index = {p: i for i, p in enumerate(self.order)}
+
+
+class Scheme:
+    """Base class of synchronization schemes; see the module docstring."""
+
+    name = "base"
+
+    def __init__(self, config: SyncConfig):
+        self.config = config
+
+    def submit(self, p: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+    def pending(self) -> bool:
+        """True while submitted work has not been finished."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget submitted-but-unfinished work (used by ``load_state_dict``)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"scheme {self.name!r} has no state, got keys {sorted(state)}")

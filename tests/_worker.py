@@ -1,0 +1,29 @@
+"""Entry point of one Horovod worker launched by tests/hvdrun.py (not a test module)."""
+import importlib
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import horovod.torch as hvd  # noqa: E402
+import torch  # noqa: E402
+
+
+def main():
+    target, outdir, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    hvd.init()
+    module, func = target.split(":")
+    try:
+        result = getattr(importlib.import_module(module), func)(**kwargs)
+    except BaseException:
+        sys.stderr.write(f"[rank {hvd.rank()}] {traceback.format_exc()}")
+        sys.stderr.flush()
+        os._exit(1)  # do not wait for peers in shutdown
+    torch.save(result, os.path.join(outdir, f"rank{hvd.rank()}.pt"))
+
+
+if __name__ == "__main__":
+    main()

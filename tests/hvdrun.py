@@ -1,0 +1,52 @@
+"""Runs a test function on real Horovod workers (``horovodrun --gloo``) and collects results.
+
+``run_workers("workers_dense:equivalence", np=2, steps=20)`` launches ``np`` processes;
+each calls ``hvd.init()`` then the function with the keyword arguments, and returns a
+picklable result. The call returns the per-rank results (rank order) or raises
+``WorkerError`` with the workers' output; a run past ``timeout`` is killed with its whole
+process group, so a hang fails the test instead of freezing the suite.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).resolve().parent
+HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def launch(args, np: int, timeout: float, env=None):
+    """Runs ``horovodrun -np N --gloo <args>``; returns (returncode, output)."""
+    cmd = [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", "--gloo"] + list(args)
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise WorkerError(f"workers did not finish within {timeout}s:\n{out[-6000:]}")
+    return proc.returncode, out
+
+
+def run_workers(target: str, np: int = 2, timeout: float = 180, env=None, **kwargs):
+    with tempfile.TemporaryDirectory(prefix="ssf-workers-") as outdir:
+        rc, out = launch([sys.executable, str(TESTS / "_worker.py"), target, outdir,
+                          json.dumps(kwargs)], np, timeout, env)
+        if rc != 0:
+            raise WorkerError(f"horovodrun exited {rc}:\n{out[-6000:]}")
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+                for r in range(np)]
