@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m ssfusion_hvd.examples.train`` under ``horovodrun``."""

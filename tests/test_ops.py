@@ -1,0 +1,179 @@
+"""Native kernels (ssfusion_hvd._C) against the pure-torch fallback: identical results."""
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ssfusion_hvd import ops
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 2, 7, 100, 1000, 4097, 65536 + 3, 300_001]
+
+
+def _data(n, dtype, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        x = torch.randn(n, generator=g)
+    elif kind == "ties":  # few distinct magnitudes, both signs: heavy ties everywhere
+        x = torch.randint(-3, 4, (n,), generator=g).float()
+    elif kind == "scaled":  # per-layer scale differences, like real gradients
+        x = torch.randn(n, generator=g) * torch.logspace(-6, 2, n)[torch.randperm(n, generator=g)]
+    else:
+        raise ValueError(kind)
+    return x.to(dtype)
+
+
+def _same(a, b):
+    """Bitwise equality of (values, indices) pairs."""
+    assert a[1].dtype == b[1].dtype and a[0].dtype == b[0].dtype
+    assert torch.equal(a[1], b[1])
+    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) if a[0].numel() else True
+
+
+def test_extension_built():
+    assert ops.have_extension(), ops.build_info()
+
+
+def test_cuda_sources_compiled_when_nvcc_present():
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    assert ops.build_info()["cuda_sources_compiled"], ops.build_info()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", ["normal", "ties", "scaled"])
+def test_topk_native_equals_torch(n, dtype, kind):
+    x = _data(n, dtype, kind, seed=n)
+    for k in sorted({0, 1, max(1, n // 100), max(1, n // 10), n // 2, n}):
+        _same(ops.topk(x, k, backend="native"), ops.topk(x, k, backend="torch"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 3000), st.sampled_from(DTYPES), st.data())
+def test_topk_random(n, dtype, data):
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    x = _data(n, dtype, data.draw(st.sampled_from(["normal", "ties", "scaled"])), seed)
+    k = data.draw(st.integers(0, n))
+    got = ops.topk(x, k, backend="native")
+    _same(got, ops.topk(x, k, backend="torch"))
+    # definition check, independent of both implementations: the k largest keys, lowest
+    # indices among ties, ascending indices
+    key = ops.magnitude_key(x).long()
+    order = sorted(range(n), key=lambda i: (-int(key[i]), i))[:k]
+    assert got[1].tolist() == sorted(order)
+
+
+def test_topk_ties_go_to_lower_index_and_keep_sign():
+    x = torch.tensor([1.0, -3.0, 2.0, 3.0, -2.0, 2.0])
+    v, i = ops.topk(x, 4)
+    assert i.tolist() == [1, 2, 3, 4] and v.tolist() == [-3.0, 2.0, 3.0, -2.0]
+
+
+def test_topk_nan_inf_are_selected_first():
+    x = torch.tensor([0.5, float("nan"), -float("inf"), 7.0, 1e30])
+    for backend in ("native", "torch"):
+        v, i = ops.topk(x, 2, backend=backend)
+        assert i.tolist() == [1, 2]
+        assert torch.isnan(v[0]) and v[1] == -float("inf")
+
+
+def test_topk_noncontiguous_and_shapes():
+    x = torch.randn(64, 33)[:, ::2]
+    assert not x.is_contiguous()
+    _same(ops.topk(x, 50, backend="native"), ops.topk(x.contiguous(), 50, backend="torch"))
+
+
+def test_topk_rejects_bad_input():
+    with pytest.raises(ValueError, match="out of range"):
+        ops.topk(torch.randn(10), 11)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        ops.topk(torch.arange(10), 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 1000, 300_001])
+def test_threshold_select_native_equals_torch(n, dtype):
+    x = _data(n, dtype, "scaled", seed=7)
+    if n:
+        x[n // 2] = float("nan")
+    for thr in [0.0, 1e-3, 0.5, 2.0, 1e9, -1.0]:
+        got = ops.threshold_select(x, thr, backend="native")
+        _same(got, ops.threshold_select(x, thr, backend="torch"))
+        assert ops.threshold_count(x, thr, backend="native") == got[1].numel()
+        assert ops.threshold_count(x, thr, backend="torch") == got[1].numel()
+    if n:
+        assert n // 2 in ops.threshold_select(x, 1e9)[1].tolist()  # NaN never dropped
+
+
+def test_threshold_nan_threshold_rejected():
+    with pytest.raises(ValueError, match="NaN"):
+        ops.threshold_select(torch.randn(4), float("nan"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("k", [0, 1, 5, 1000])
+def test_pack_native_equals_torch(dtype, idx_dtype, k):
+    x = torch.randn(5000).to(dtype)
+    v, i = ops.topk(x, k)
+    i = i.to(idx_dtype)
+    size = 3 + ops.record_numel(k, dtype, idx_dtype) + 11
+    a, b = torch.full((size,), 9.0, dtype=dtype), torch.full((size,), 9.0, dtype=dtype)
+    end_a = ops.pack(v, i, a, 3, backend="native")
+    end_b = ops.pack(v, i, b, 3, backend="torch")
+    assert end_a == end_b == 3 + ops.record_numel(k, dtype, idx_dtype)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert (a[end_a:] == 9).all() and (a[:3] == 9).all()  # nothing outside the record written
+    v2, i2 = ops.unpack(a, 3, k, idx_dtype)
+    assert torch.equal(v2, v) and torch.equal(i2, i)
+
+
+def test_record_spans_match_native():
+    from ssfusion_hvd import _C
+
+    for dtype in DTYPES:
+        for idt in (torch.int32, torch.int64):
+            for k in (0, 1, 2, 3, 17):
+                assert tuple(_C.record_spans(k, dtype, idt)) == ops.record_spans(k, dtype, idt)
+
+
+def test_pack_overflow_rejected():
+    v, i = ops.topk(torch.randn(100), 10)
+    for backend in ("native", "torch"):
+        with pytest.raises((ValueError, RuntimeError), match="does not fit"):
+            ops.pack(v, i, torch.zeros(15), 0, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nchunks", [1, 2, 3, 5])
+def test_scatter_add_chunks_native_equals_torch(dtype, nchunks):
+    n, k, off = 20_000, 700, 4
+    g = torch.Generator().manual_seed(nchunks)
+    chunk_len = off + ops.record_numel(k, dtype) + 6
+    gathered = torch.zeros(nchunks * chunk_len, dtype=dtype)
+    expected = torch.zeros(n, dtype=torch.float64)
+    for p in range(nchunks):  # each rank's own top-k: indices overlap across chunks
+        x = torch.randn(n, generator=g).to(dtype)
+        v, i = ops.topk(x, k)
+        ops.pack(v, i, gathered[p * chunk_len:(p + 1) * chunk_len], off)
+        expected.index_add_(0, i.long(), v.double())
+    a = torch.zeros(n, dtype=dtype)
+    b = torch.zeros(n, dtype=dtype)
+    ops.scatter_add_chunks(a, gathered, nchunks, off, k, backend="native")
+    ops.scatter_add_chunks(b, gathered, nchunks, off, k, backend="torch")
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    assert torch.allclose(a.double(), expected, atol=tol * nchunks, rtol=tol)
+
+
+def test_scatter_add_duplicates_add_in_order():
+    for backend in ("native", "torch"):
+        d = torch.zeros(4)
+        ops.scatter_add(d, torch.tensor([1.0, 2.0, 4.0]), torch.tensor([3, 0, 3], dtype=torch.int32),
+                        backend=backend)
+        assert d.tolist() == [2.0, 0.0, 0.0, 5.0]
+        with pytest.raises((IndexError, RuntimeError), match="out of range"):
+            ops.scatter_add(d, torch.tensor([1.0]), torch.tensor([4]), backend=backend)
