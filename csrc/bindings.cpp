@@ -10,6 +10,10 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "ssfusion_hvd native kernels (see csrc/ops.h)";
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("topk_cpu", &ssf::topk_cpu, py::arg("x"), py::arg("k"), nogil);
+  m.def("segmented_topk_cpu", &ssf::segmented_topk_cpu, py::arg("flat"), py::arg("offsets"),
+        py::arg("ks"), nogil);
+  m.def("sampled_threshold_cpu", &ssf::sampled_threshold_cpu, py::arg("x"), py::arg("k"),
+        py::arg("samples"), nogil);
   m.def("threshold_select_cpu", &ssf::threshold_select_cpu, py::arg("x"), py::arg("thr"), nogil);
   m.def("threshold_count_cpu", &ssf::threshold_count_cpu, py::arg("x"), py::arg("thr"), nogil);
   m.def("pack_cpu", &ssf::pack_cpu, py::arg("values"), py::arg("indices"), py::arg("out"),

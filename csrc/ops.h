@@ -19,6 +19,14 @@ namespace ssf {
 
 // Exact top-k of x.flatten() by magnitude. Returns (values with sign, indices).
 std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x, int64_t k);
+// Per-segment top-k: segment s is flat[offsets[s], offsets[s+1]), ks[s] elements are taken
+// from it; results are concatenated in segment order, indices are positions in flat.
+std::tuple<at::Tensor, at::Tensor> segmented_topk_cpu(const at::Tensor& flat,
+                                                      const at::Tensor& offsets,
+                                                      const at::Tensor& ks);
+// DGC's sampled threshold: the magnitude that keeps about k of x's n elements, estimated from
+// `samples` evenly strided elements (NaN counts as +Inf).
+double sampled_threshold_cpu(const at::Tensor& x, int64_t k, int64_t samples);
 // All elements with |x| >= thr (compared in float64) plus every NaN, in index order.
 std::tuple<at::Tensor, at::Tensor> threshold_select_cpu(const at::Tensor& x, double thr);
 // Number of elements threshold_select_cpu would return.

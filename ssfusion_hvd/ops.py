@@ -103,6 +103,52 @@ def topk(x: torch.Tensor, k: int, *, backend: Optional[str] = None) -> Tuple[tor
     return flat[idx], idx.to(idt)
 
 
+def segmented_topk(flat: torch.Tensor, offsets, ks, *, backend: Optional[str] = None):
+    """Per-segment magnitude top-k in ONE call: segment ``s`` is ``flat[offsets[s]:offsets[s+1]]``
+    and gives ``ks[s]`` elements. Results are concatenated in segment order (each segment in
+    index order); indices are positions in ``flat``. This is what makes per-tensor
+    sparsification of a fusion buffer as cheap as one selection over the whole buffer."""
+    _check_values(flat, "segmented_topk")
+    flat = flat.reshape(-1)
+    offsets = torch.as_tensor(offsets, dtype=torch.int64, device="cpu")
+    ks = torch.as_tensor(ks, dtype=torch.int64, device="cpu")
+    if offsets.numel() != ks.numel() + 1:
+        raise ValueError(f"segmented_topk: {offsets.numel()} offsets for {ks.numel()} segments "
+                         "(need len(ks) + 1)")
+    fn = _native(flat, "segmented_topk", backend)
+    if fn is not None:
+        return fn(flat.contiguous(), offsets, ks)
+    vals, idxs = [flat[:0]], [torch.empty(0, dtype=index_dtype(flat.numel()), device=flat.device)]
+    for s in range(ks.numel()):  # reference only; the native kernel does this in one call
+        lo, hi = int(offsets[s]), int(offsets[s + 1])
+        if hi < lo or lo < 0 or hi > flat.numel():
+            raise ValueError(f"segmented_topk: bad segment [{lo}, {hi}) of {flat.numel()}")
+        v, i = topk(flat[lo:hi], int(ks[s]), backend="torch")
+        vals.append(v)
+        idxs.append(i.to(idxs[0].dtype) + lo)
+    return torch.cat(vals), torch.cat(idxs)
+
+
+def sampled_threshold(x: torch.Tensor, k: int, samples: int, *, backend: Optional[str] = None) -> float:
+    """DGC's threshold estimate (Lin et al. 2018, §3): the magnitude keeping about k of the n
+    elements, read off ``samples`` evenly strided elements (``x[j*n // samples]``); NaN
+    counts as +Inf. Deterministic, so every rank estimates alike from the same data."""
+    _check_values(x, "sampled_threshold")
+    flat = x.reshape(-1)
+    n = flat.numel()
+    k = int(k)
+    if not 1 <= k <= n:
+        raise ValueError(f"sampled_threshold: k={k} out of range [1, {n}]")
+    fn = _native(flat, "sampled_threshold", backend)
+    if fn is not None:
+        return float(fn(flat.contiguous(), k, int(samples)))
+    samples = max(1, min(int(samples), n))
+    kk = max(1, -(-(k * samples) // n))
+    pos = torch.arange(samples, dtype=torch.int64, device=flat.device) * n // samples
+    mag = flat[pos].float().abs().nan_to_num(nan=float("inf"))
+    return float(torch.topk(mag, kk).values[-1])
+
+
 def threshold_select(x: torch.Tensor, thr: float, *, backend: Optional[str] = None):
     """All elements with ``|x| >= thr`` (compared in float64) and every NaN, in index order."""
     _check_values(x, "threshold_select")

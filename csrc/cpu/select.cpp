@@ -14,6 +14,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -25,8 +26,10 @@ namespace {
 using cpu::Chunks;
 using cpu::Key;
 
+// Top-k of x[0, n) into out_v/out_i (k entries, index order); indices are written as
+// base + position, so a segment of a larger buffer reports positions in that buffer.
 template <typename U, typename I>
-void topk_bits(const U* x, int64_t n, int64_t k, U* out_v, I* out_i) {
+void topk_bits(const U* x, int64_t n, int64_t k, U* out_v, I* out_i, int64_t base = 0) {
   constexpr int kHiBits = Key<U>::kBits < 11 ? Key<U>::kBits : 11;
   constexpr int kShift = Key<U>::kBits - kHiBits;
   constexpr int64_t kBins = int64_t(1) << kHiBits;
@@ -35,7 +38,7 @@ void topk_bits(const U* x, int64_t n, int64_t k, U* out_v, I* out_i) {
   if (k == n) {
     for (int64_t i = 0; i < n; ++i) {
       out_v[i] = x[i];
-      out_i[i] = static_cast<I>(i);
+      out_i[i] = static_cast<I>(base + i);
     }
     return;
   }
@@ -116,7 +119,7 @@ void topk_bits(const U* x, int64_t n, int64_t k, U* out_v, I* out_i) {
         while (q < qe && !take[q]) ++q;
       }
       out_v[o] = x[idx];
-      out_i[o++] = idx;
+      out_i[o++] = static_cast<I>(base + idx);
     }
   });
 }
@@ -195,6 +198,76 @@ std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x_in, int64_t k) {
     }
   });
   return {values, indices};
+}
+
+std::tuple<at::Tensor, at::Tensor> segmented_topk_cpu(const at::Tensor& flat_in,
+                                                      const at::Tensor& offsets_in,
+                                                      const at::Tensor& ks_in) {
+  check_values(flat_in, "segmented_topk");
+  const at::Tensor flat = flat_in.reshape({-1});
+  const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
+  const at::Tensor ks = ks_in.to(at::kLong).contiguous();
+  const int64_t nseg = ks.numel(), n = flat.numel();
+  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() == nseg + 1,
+              "segmented_topk: offsets must have len(ks) + 1 entries");
+  const int64_t* off = offsets.const_data_ptr<int64_t>();
+  const int64_t* kp = ks.const_data_ptr<int64_t>();
+  std::vector<int64_t> out_off(nseg + 1, 0);
+  TORCH_CHECK(nseg == 0 || (off[0] >= 0 && off[nseg] <= n), "segmented_topk: offsets outside [0, ",
+              n, "]");
+  for (int64_t s = 0; s < nseg; ++s) {
+    TORCH_CHECK(off[s + 1] >= off[s], "segmented_topk: offsets must be non-decreasing");
+    TORCH_CHECK(kp[s] >= 0 && kp[s] <= off[s + 1] - off[s], "segmented_topk: k=", kp[s],
+                " out of range for segment ", s, " of ", off[s + 1] - off[s], " elements");
+    out_off[s + 1] = out_off[s] + kp[s];
+  }
+  const auto idt = index_dtype_for(n);
+  at::Tensor values = at::empty({out_off[nseg]}, flat.options());
+  at::Tensor indices = at::empty({out_off[nseg]}, flat.options().dtype(idt));
+  // Large segments use every thread inside one selection; small ones run one per thread.
+  constexpr int64_t kLarge = int64_t(1) << 20;
+  std::vector<int64_t> small, large;
+  for (int64_t s = 0; s < nseg; ++s) (off[s + 1] - off[s] >= kLarge ? large : small).push_back(s);
+  SSF_DISPATCH_INDEX(idt, I, [&] {
+    auto run = [&](auto tag, int64_t s) {
+      using U = decltype(tag);
+      const U* x = static_cast<const U*>(flat.const_data_ptr());
+      topk_bits<U, I>(x + off[s], off[s + 1] - off[s], kp[s],
+                      static_cast<U*>(values.data_ptr()) + out_off[s],
+                      indices.data_ptr<I>() + out_off[s], off[s]);
+    };
+    auto run_any = [&](int64_t s) {
+      if (flat.element_size() == 4) run(uint32_t{}, s); else run(uint16_t{}, s);
+    };
+    for (int64_t s : large) run_any(s);
+    at::parallel_for(0, int64_t(small.size()), 1, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) run_any(small[j]);
+    });
+  });
+  return {values, indices};
+}
+
+double sampled_threshold_cpu(const at::Tensor& x_in, int64_t k, int64_t samples) {
+  check_values(x_in, "sampled_threshold");
+  const at::Tensor x = x_in.reshape({-1});
+  const int64_t n = x.numel();
+  TORCH_CHECK(k >= 1 && k <= n, "sampled_threshold: k=", k, " out of range [1, ", n, "]");
+  samples = std::max<int64_t>(1, std::min(samples, n));
+  // The k-th largest of n is estimated by the ceil(k * samples / n)-th largest of an evenly
+  // strided sample (deterministic: every rank estimates the same way from the same data).
+  const int64_t kk = std::max<int64_t>(1, (k * samples + n - 1) / n);
+  double thr = 0.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sampled_threshold", [&] {
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    std::vector<float> mag(samples);
+    for (int64_t j = 0; j < samples; ++j) {
+      const float f = static_cast<float>(px[(j * n) / samples]);
+      mag[j] = std::isnan(f) ? std::numeric_limits<float>::infinity() : std::fabs(f);
+    }
+    std::nth_element(mag.begin(), mag.begin() + (kk - 1), mag.end(), std::greater<float>());
+    thr = mag[kk - 1];
+  });
+  return thr;
 }
 
 int64_t threshold_count_cpu(const at::Tensor& x_in, double thr) {

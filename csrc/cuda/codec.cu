@@ -1,0 +1,378 @@
+// Sparse record codec on CUDA: pack, scatter-add decode (see kernels.cuh).
+//
+//   pack: three stream-ordered copies (values, zero padding, index bytes); the index bytes
+//         are copied as bytes, so a record may start anywhere (as on the CPU, memcpy).
+//   scatter_add: duplicates must add in index-list order, rounding after every add, to
+//         match the CPU bit for bit; float atomics would add in an arbitrary order. So the
+//         (index, position) pairs are stably radix-sorted by index (cub::DeviceRadixSort)
+//         and one thread per distinct index adds its values in ascending position. Costs a
+//         sort of k pairs; a pathological input with many duplicates of one index is
+//         serial in that index (correct, just slow).
+//   scatter_add_chunks: indices are distinct within a chunk, so a chunk is one kernel with
+//         a plain read-add-write per element; chunks are launched in order on one stream,
+//         which is the CPU's summation order.
+// Adds round like the CPU: float32 adds in float32; float16/bfloat16 convert both operands
+// to float32, add, and round to nearest even (c10::Half / c10::BFloat16 arithmetic).
+#include "kernels.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <algorithm>
+#include <cassert>
+#include <limits>
+#include <type_traits>
+
+namespace ssf {
+namespace cuda {
+namespace {
+
+// Device-side check that survives NDEBUG (Release builds), like torch's CUDA_KERNEL_ASSERT:
+// a bad index stops the kernel with a message instead of corrupting memory.
+#define SSF_KERNEL_ASSERT(cond)                                             \
+  do {                                                                      \
+    if (!(cond)) __assert_fail(#cond, __FILE__, __LINE__, __func__);        \
+  } while (0)
+
+template <int KIND>
+__device__ __forceinline__ uint32_t add_bits(uint32_t a, uint32_t b);
+
+template <>
+__device__ __forceinline__ uint32_t add_bits<int(ValueKind::kFloat32)>(uint32_t a, uint32_t b) {
+  return __float_as_uint(__fadd_rn(__uint_as_float(a), __uint_as_float(b)));
+}
+
+template <>
+__device__ __forceinline__ uint32_t add_bits<int(ValueKind::kFloat16)>(uint32_t a, uint32_t b) {
+  const float s = __fadd_rn(__half2float(__ushort_as_half((unsigned short)a)),
+                            __half2float(__ushort_as_half((unsigned short)b)));
+  return __half_as_ushort(__float2half_rn(s));
+}
+
+template <>
+__device__ __forceinline__ uint32_t add_bits<int(ValueKind::kBFloat16)>(uint32_t a, uint32_t b) {
+  const float s = __fadd_rn(__uint_as_float(a << 16), __uint_as_float(b << 16));
+  return __bfloat16_as_ushort(__float2bfloat16_rn(s));
+}
+
+// Index j of a record whose index area starts at `words` (value-sized words): assembled
+// word by word (little endian), so any value-aligned record start works.
+template <typename U, typename I>
+__device__ __forceinline__ I load_index(const U* __restrict__ words, int64_t j) {
+  constexpr int kWords = int(sizeof(I) / sizeof(U));
+  static_assert(kWords >= 1 && sizeof(I) % sizeof(U) == 0, "index must span whole words");
+  unsigned long long r = 0;
+  for (int w = 0; w < kWords; ++w)
+    r |= (unsigned long long)words[j * kWords + w] << (8 * sizeof(U) * w);
+  using UI = typename std::conditional<sizeof(I) == 4, uint32_t, unsigned long long>::type;
+  return static_cast<I>(static_cast<UI>(r));
+}
+
+template <typename U, typename I, int KIND>
+__global__ void chunk_add_kernel(U* __restrict__ dense, int64_t n, const U* __restrict__ vals,
+                                 const U* __restrict__ idx_words, int64_t k) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
+    const I i = load_index<U, I>(idx_words, j);
+    SSF_KERNEL_ASSERT(i >= 0 && int64_t(i) < n);
+    if (i < 0 || int64_t(i) >= n) continue;
+    dense[i] = static_cast<U>(add_bits<KIND>(uint32_t(dense[i]), uint32_t(vals[j])));
+  }
+}
+
+template <typename P>
+__global__ void iota_kernel(P* __restrict__ out, int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = static_cast<P>(i);
+}
+
+// Sorted by index (stable, so positions ascend within an index): the first position of
+// each run of equal indices adds the whole run, in order.
+template <typename U, typename I, int KIND>
+__global__ void run_add_kernel(U* __restrict__ dense, int64_t n, const U* __restrict__ vals,
+                               const I* __restrict__ sorted_idx,
+                               const long long* __restrict__ sorted_pos, int64_t k) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < k; p += stride) {
+    const I i = sorted_idx[p];
+    if (p > 0 && sorted_idx[p - 1] == i) continue;  // not the head of its run
+    SSF_KERNEL_ASSERT(i >= 0 && int64_t(i) < n);
+    if (i < 0 || int64_t(i) >= n) continue;
+    uint32_t acc = uint32_t(dense[i]);
+    for (int64_t q = p; q < k && sorted_idx[q] == i; ++q)
+      acc = add_bits<KIND>(acc, uint32_t(vals[sorted_pos[q]]));
+    dense[i] = static_cast<U>(acc);
+  }
+}
+
+unsigned int grid_for(int64_t n, int threads, int64_t max_blocks) {
+  const int64_t b = (n + threads - 1) / threads;
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, max_blocks)));
+}
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 65535;
+
+// Workspace of scatter_add: sorted indices, positions in/out, radix sort temp storage.
+template <typename I>
+struct SortLayout {
+  I* keys_out = nullptr;
+  long long *pos_in = nullptr, *pos_out = nullptr;
+  void* sort_tmp = nullptr;
+  size_t sort_bytes = 0;
+  size_t bytes = 0;
+};
+
+template <typename I>
+SortLayout<I> carve_sort(void* ws, int64_t k) {
+  char* base = static_cast<char*>(ws);
+  size_t off = 0;
+  auto take = [&](size_t nbytes) -> void* {
+    off = (off + 255) / 256 * 256;
+    void* p = base ? base + off : nullptr;
+    off += nbytes;
+    return p;
+  };
+  SortLayout<I> L;
+  L.keys_out = static_cast<I*>(take(size_t(k) * sizeof(I)));
+  L.pos_in = static_cast<long long*>(take(size_t(k) * sizeof(long long)));
+  L.pos_out = static_cast<long long*>(take(size_t(k) * sizeof(long long)));
+  SSF_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, L.sort_bytes, (const I*)nullptr,
+                                                 (I*)nullptr, (const long long*)nullptr,
+                                                 (long long*)nullptr, k));
+  L.sort_tmp = take(L.sort_bytes);
+  L.bytes = off;
+  return L;
+}
+
+template <typename U, typename I, typename F>
+void dispatch_kind(ValueKind kind, const F& fn) {
+  switch (kind) {
+    case ValueKind::kFloat32:
+      if (sizeof(U) != 4) break;
+      fn(std::integral_constant<int, int(ValueKind::kFloat32)>{});
+      return;
+    case ValueKind::kFloat16:
+      if (sizeof(U) != 2) break;
+      fn(std::integral_constant<int, int(ValueKind::kFloat16)>{});
+      return;
+    case ValueKind::kBFloat16:
+      if (sizeof(U) != 2) break;
+      fn(std::integral_constant<int, int(ValueKind::kBFloat16)>{});
+      return;
+  }
+  throw std::runtime_error("ssfusion_hvd CUDA: value kind does not match the value width");
+}
+
+}  // namespace
+
+template <typename U, typename I>
+int64_t pack(const U* values, const I* indices, int64_t k, U* out, int64_t offset,
+             cudaStream_t s) {
+  int64_t vspan, ispan;
+  record_spans_raw(k, sizeof(U), sizeof(I), &vspan, &ispan);
+  U* rec = out + offset;
+  if (k > 0) {
+    SSF_CUDA_CHECK(cudaMemcpyAsync(rec, values, size_t(k) * sizeof(U), cudaMemcpyDeviceToDevice, s));
+    SSF_CUDA_CHECK(cudaMemcpyAsync(rec + vspan, indices, size_t(k) * sizeof(I),
+                                   cudaMemcpyDeviceToDevice, s));
+  }
+  if (vspan > k) SSF_CUDA_CHECK(cudaMemsetAsync(rec + k, 0, size_t(vspan - k) * sizeof(U), s));
+  return offset + vspan + ispan;
+}
+
+template <typename I>
+size_t scatter_add_workspace_bytes(int64_t k) {
+  return k > 0 ? carve_sort<I>(nullptr, k).bytes : 0;
+}
+
+template <typename U, typename I>
+void scatter_add(U* dense, int64_t n, ValueKind kind, const U* values, const I* indices,
+                 int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t s) {
+  if (k <= 0) return;
+  const SortLayout<I> L = carve_sort<I>(workspace, k);
+  if (workspace == nullptr || workspace_bytes < L.bytes)
+    throw std::runtime_error("ssfusion_hvd CUDA scatter_add: workspace too small");
+  const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
+  iota_kernel<long long><<<grid, kThreads, 0, s>>>(L.pos_in, k);
+  SSF_CUDA_CHECK_LAUNCH();
+  size_t bytes = L.sort_bytes;
+  SSF_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(L.sort_tmp, bytes, indices, L.keys_out,
+                                                 L.pos_in, L.pos_out, k, 0,
+                                                 int(sizeof(I) * 8), s));
+  dispatch_kind<U, I>(kind, [&](auto kc) {
+    run_add_kernel<U, I, decltype(kc)::value><<<grid, kThreads, 0, s>>>(
+        dense, n, values, L.keys_out, L.pos_out, k);
+    SSF_CUDA_CHECK_LAUNCH();
+  });
+}
+
+template <typename U, typename I>
+void scatter_add_chunks(U* dense, int64_t n, ValueKind kind, const U* gathered,
+                        int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k,
+                        cudaStream_t s) {
+  if (k <= 0 || nchunks <= 0) return;
+  int64_t vspan, ispan;
+  record_spans_raw(k, sizeof(U), sizeof(I), &vspan, &ispan);
+  const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
+  dispatch_kind<U, I>(kind, [&](auto kc) {
+    for (int64_t p = 0; p < nchunks; ++p) {  // chunk order is the summation order
+      const U* rec = gathered + p * chunk_len + offset;
+      chunk_add_kernel<U, I, decltype(kc)::value><<<grid, kThreads, 0, s>>>(
+          dense, n, rec, rec + vspan, k);
+      SSF_CUDA_CHECK_LAUNCH();
+    }
+  });
+}
+
+#define SSF_INST_UI(U, I)                                                                   \
+  template int64_t pack<U, I>(const U*, const I*, int64_t, U*, int64_t, cudaStream_t);      \
+  template void scatter_add<U, I>(U*, int64_t, ValueKind, const U*, const I*, int64_t,      \
+                                  void*, size_t, cudaStream_t);                             \
+  template void scatter_add_chunks<U, I>(U*, int64_t, ValueKind, const U*, int64_t, int64_t, \
+                                         int64_t, int64_t, cudaStream_t);
+template size_t scatter_add_workspace_bytes<int32_t>(int64_t);
+template size_t scatter_add_workspace_bytes<int64_t>(int64_t);
+SSF_INST_UI(uint16_t, int32_t)
+SSF_INST_UI(uint16_t, int64_t)
+SSF_INST_UI(uint32_t, int32_t)
+SSF_INST_UI(uint32_t, int64_t)
+#undef SSF_INST_UI
+
+}  // namespace cuda
+}  // namespace ssf
+
+// ============================================================================ torch glue
+#ifdef SSF_WITH_CUDA
+#include "../ops.h"
+
+// c10::cuda::getCurrentCUDAStream is what at::cuda::getCurrentCUDAStream forwards to;
+// ATen/cuda/CUDAContext.h would also pull in cuBLAS/cuSPARSE headers the kernels do not need.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+namespace ssf {
+namespace {
+
+void check_record_cuda(const at::Tensor& values, const at::Tensor& indices, const char* op) {
+  TORCH_CHECK(values.dim() == 1 && indices.dim() == 1 && values.numel() == indices.numel(), op,
+              ": values and indices must be 1-D of equal length (got ", values.sizes(), " and ",
+              indices.sizes(), ")");
+  TORCH_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op,
+              ": indices must be int32 or int64, got ", indices.scalar_type());
+}
+
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op) {
+  TORCH_CHECK(b.device() == a.device(), op, ": expected all tensors on ", a.device(), ", got ",
+              b.device());
+}
+
+void check_value_dtype(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
+                  x.scalar_type() == at::kBFloat16,
+              op, ": unsupported dtype ", x.scalar_type(), " (float32, float16, bfloat16)");
+}
+
+cuda::ValueKind kind_of(at::ScalarType t) {
+  return t == at::kFloat ? cuda::ValueKind::kFloat32
+                         : (t == at::kHalf ? cuda::ValueKind::kFloat16 : cuda::ValueKind::kBFloat16);
+}
+
+// Calls fn(U{}, I{}) with the raw bits type of the values and the index type.
+template <typename F>
+void dispatch_bits_index(int64_t value_bytes, at::ScalarType idt, const F& fn) {
+  if (value_bytes == 4) {
+    if (idt == at::kInt) fn(uint32_t{}, int32_t{}); else fn(uint32_t{}, int64_t{});
+  } else {
+    if (idt == at::kInt) fn(uint16_t{}, int32_t{}); else fn(uint16_t{}, int64_t{});
+  }
+}
+
+}  // namespace
+
+int64_t pack_cuda(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,
+                  int64_t offset) {
+  check_record_cuda(values, indices, "pack");
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.device().is_cuda(),
+              "pack: out must be a contiguous 1-D CUDA tensor");
+  TORCH_CHECK(out.scalar_type() == values.scalar_type(), "pack: out dtype ", out.scalar_type(),
+              " differs from values dtype ", values.scalar_type());
+  check_value_dtype(out, "pack");
+  check_same_device(out, values, "pack");
+  check_same_device(out, indices, "pack");
+  const int64_t k = values.numel();
+  auto [vspan, ispan] = record_spans(k, values.scalar_type(), indices.scalar_type());
+  TORCH_CHECK(offset >= 0 && offset + vspan + ispan <= out.numel(), "pack: record of ", k,
+              " elements at offset ", offset, " does not fit in a buffer of ", out.numel());
+  const c10::cuda::CUDAGuard guard(out.device());
+  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const at::Tensor v = values.contiguous(), ix = indices.contiguous();
+  int64_t next = 0;
+  dispatch_bits_index(out.element_size(), ix.scalar_type(), [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    next = cuda::pack<U, I>(static_cast<const U*>(v.const_data_ptr()), ix.const_data_ptr<I>(),
+                            k, static_cast<U*>(out.data_ptr()), offset, s);
+  });
+  return next;
+}
+
+void scatter_add_cuda(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
+  check_record_cuda(values, indices, "scatter_add");
+  TORCH_CHECK(dense.is_contiguous() && dense.device().is_cuda(),
+              "scatter_add: dense must be a contiguous CUDA tensor");
+  TORCH_CHECK(dense.scalar_type() == values.scalar_type(), "scatter_add: dtype mismatch (",
+              dense.scalar_type(), " vs ", values.scalar_type(), ")");
+  check_value_dtype(dense, "scatter_add");
+  check_same_device(dense, values, "scatter_add");
+  check_same_device(dense, indices, "scatter_add");
+  const int64_t n = dense.numel(), k = values.numel();
+  if (k == 0) return;
+  const c10::cuda::CUDAGuard guard(dense.device());
+  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const at::Tensor v = values.contiguous(), ix = indices.contiguous();
+  dispatch_bits_index(dense.element_size(), ix.scalar_type(), [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    const size_t bytes = cuda::scatter_add_workspace_bytes<I>(k);
+    at::Tensor ws = at::empty({int64_t(std::max<size_t>(bytes, 1))}, dense.options().dtype(at::kByte));
+    cuda::scatter_add<U, I>(static_cast<U*>(dense.data_ptr()), n, kind_of(dense.scalar_type()),
+                            static_cast<const U*>(v.const_data_ptr()), ix.const_data_ptr<I>(), k,
+                            ws.data_ptr(), size_t(ws.numel()), s);
+  });
+}
+
+void scatter_add_chunks_cuda(at::Tensor& dense, const at::Tensor& gathered, int64_t nchunks,
+                             int64_t chunk_len, int64_t offset, int64_t k,
+                             at::ScalarType index_dtype) {
+  TORCH_CHECK(dense.is_contiguous() && dense.device().is_cuda() && gathered.is_contiguous() &&
+                  gathered.dim() == 1,
+              "scatter_add_chunks: contiguous CUDA dense and 1-D gathered buffer required");
+  TORCH_CHECK(dense.scalar_type() == gathered.scalar_type(), "scatter_add_chunks: dtype mismatch");
+  check_value_dtype(dense, "scatter_add_chunks");
+  check_same_device(dense, gathered, "scatter_add_chunks");
+  TORCH_CHECK(nchunks >= 0 && chunk_len >= 0 && nchunks * chunk_len == gathered.numel(),
+              "scatter_add_chunks: gathered has ", gathered.numel(), " elements, not ", nchunks,
+              " x ", chunk_len);
+  auto [vspan, ispan] = record_spans(k, gathered.scalar_type(), index_dtype);
+  TORCH_CHECK(offset >= 0 && offset + vspan + ispan <= chunk_len,
+              "scatter_add_chunks: record outside the chunk");
+  if (k == 0 || nchunks == 0) return;
+  const c10::cuda::CUDAGuard guard(dense.device());
+  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  dispatch_bits_index(dense.element_size(), index_dtype, [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    cuda::scatter_add_chunks<U, I>(static_cast<U*>(dense.data_ptr()), dense.numel(),
+                                   kind_of(dense.scalar_type()),
+                                   static_cast<const U*>(gathered.const_data_ptr()), nchunks,
+                                   chunk_len, offset, k, s);
+  });
+}
+
+}  // namespace ssf
+#endif  // SSF_WITH_CUDA

@@ -1,0 +1,114 @@
+// Raw CUDA API of the ssfusion_hvd kernels: plain pointers + cudaStream_t, no torch.
+//
+// The torch glue (select.cu / codec.cu under SSF_WITH_CUDA) validates tensors and calls
+// these; without SSF_WITH_CUDA the .cu files still build with nvcc alone (CI compile check).
+//
+// Conventions (the same as csrc/ops.h and the CPU kernels in csrc/cpu/):
+//   * Values are handled as raw bits U: uint32_t for float32, uint16_t for float16/bfloat16.
+//     The magnitude key is the bits with the sign bit cleared, compared unsigned, so NaN
+//     ranks above +Inf. Selection ops copy values bit for bit.
+//   * Index type I is int32_t or int64_t; selections come out in ascending index order,
+//     ties at the k-th key go to the lower indices.
+//   * Every op runs on the given stream only; none synchronizes the host except
+//     threshold_count_result(), which must learn a size. Errors from the CUDA runtime are
+//     thrown as std::runtime_error (pybind11 turns them into RuntimeError).
+//   * Temporary device memory is caller-provided: query *_workspace_bytes(), allocate that
+//     many bytes 256-byte aligned (e.g. torch's caching allocator), pass it in. The
+//     workspace must stay allocated until the stream has run the work (stream-ordered
+//     allocators such as torch's satisfy this when the same stream is used).
+//   * Bad indices (scatter ops) cannot be reported without a sync: they fail a device-side
+//     assertion (like torch's own index kernels) and are never written.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace ssf {
+namespace cuda {
+
+// Arithmetic type of the raw bits (only the scatter-add ops do arithmetic).
+enum class ValueKind : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Throws on a CUDA runtime error, naming the call site.
+inline void check(cudaError_t err, const char* what, const char* file, int line) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("ssfusion_hvd CUDA error in ") + what + " (" + file +
+                             ":" + std::to_string(line) + "): " + cudaGetErrorString(err));
+  }
+}
+#define SSF_CUDA_CHECK(expr) ::ssf::cuda::check((expr), #expr, __FILE__, __LINE__)
+// After a kernel launch: launch-configuration errors surface here, not later.
+#define SSF_CUDA_CHECK_LAUNCH() ::ssf::cuda::check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
+
+// Record layout (same as ssf::record_spans in csrc/cpu/codec.cpp): k values, zero padding
+// up to a multiple of index_bytes/value_bytes values, then the k indices bit for bit.
+// Spans are counted in value elements.
+inline void record_spans_raw(int64_t k, int64_t value_bytes, int64_t index_bytes,
+                             int64_t* vspan, int64_t* ispan) {
+  const int64_t per = index_bytes > value_bytes ? index_bytes / value_bytes : 1;
+  *vspan = (k + per - 1) / per * per;
+  *ispan = (k * index_bytes + value_bytes - 1) / value_bytes;
+}
+
+// ----------------------------------------------------------------------------- selection
+
+// Exact magnitude top-k of x[0, n): out_v/out_i receive k values (bits) and indices in
+// ascending index order. 0 <= k <= n. No host synchronization.
+template <typename U>
+size_t topk_workspace_bytes(int64_t n, int64_t k);
+template <typename U, typename I>
+void topk(const U* x, int64_t n, int64_t k, U* out_v, I* out_i, void* workspace,
+          size_t workspace_bytes, cudaStream_t stream);
+
+// Threshold select keeps isnan(v) || (double)|v| >= thr. On the key this is exactly
+// key >= threshold_key(thr, kind) (the predicate is monotone in the key), computed on the
+// host once so the device compares integers only. thr must not be NaN.
+uint32_t threshold_key(double thr, ValueKind kind);
+
+// Two phases, sharing one workspace: threshold_prepare counts per tile and scans the
+// counts (async); threshold_count_result copies the total to the host (the one sync);
+// threshold_write compacts into outputs of that size (async).
+template <typename U>
+size_t threshold_workspace_bytes(int64_t n);
+template <typename U>
+void threshold_prepare(const U* x, int64_t n, uint32_t key_min, void* workspace,
+                       size_t workspace_bytes, cudaStream_t stream);
+int64_t threshold_count_result(const void* workspace, int64_t n, cudaStream_t stream);
+template <typename U, typename I>
+void threshold_write(const U* x, int64_t n, uint32_t key_min, U* out_v, I* out_i,
+                     const void* workspace, cudaStream_t stream);
+
+// ----------------------------------------------------------------------------- codec
+
+// Writes the record (values[0,k), indices[0,k)) at element `offset` of `out`; returns the
+// offset just past it. The caller has checked that it fits. All pointers on the device.
+template <typename U, typename I>
+int64_t pack(const U* values, const I* indices, int64_t k, U* out, int64_t offset,
+             cudaStream_t stream);
+
+// dense[idx[j]] += v[j] for j = 0..k-1 in that order, rounding to the value type after
+// every add, exactly like the CPU loop. Deterministic (no float atomics): the (index, j)
+// pairs are stably radix-sorted by index, then one thread per distinct index adds its
+// values in ascending j. 0 <= idx[j] < n is asserted on the device.
+template <typename I>
+size_t scatter_add_workspace_bytes(int64_t k);
+template <typename U, typename I>
+void scatter_add(U* dense, int64_t n, ValueKind kind, const U* values, const I* indices,
+                 int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// For p = 0..nchunks-1 in order: the record of k elements at element `offset` of chunk p
+// (elements [p*chunk_len, (p+1)*chunk_len) of `gathered`) is added into dense. One launch
+// per chunk, in stream order, so the summation order is the CPU's; indices are distinct
+// within a chunk, so a chunk's adds need no atomics. Indices are read word by word, so the
+// record may start at any value-aligned position.
+template <typename U, typename I>
+void scatter_add_chunks(U* dense, int64_t n, ValueKind kind, const U* gathered,
+                        int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k,
+                        cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace ssf

@@ -1,0 +1,559 @@
+// Selection kernels on CUDA: exact magnitude top-k and threshold select (see kernels.cuh).
+//
+// Top-k is a radix select on the magnitude key (31 bits for float32, 15 for 16-bit types),
+// never a sort, and never synchronizes the host (k, hence the output size, is known):
+//   passes: digits of 11/11/9 bits (float32) or 8/7 bits (16-bit), most significant
+//           first. Each pass histograms the digit of the keys whose higher digits equal
+//           the pivot prefix found so far (shared-memory histogram per block, merged into
+//           a global one with atomics), then one block scans the histogram from the top
+//           digit down on the device to find the digit holding the k-th key, appends it
+//           to the prefix and subtracts the count above it from k. After the last pass
+//           the prefix is the exact k-th key `kth`, and the remaining k is `need`, the
+//           number of keys equal to kth to take (1 <= need <= #ties).
+//   compaction: per tile of 2048 elements count (key > kth, key == kth); exclusive scans
+//           of both counts (cub::DeviceScan) give, for every element, G = #greater and
+//           T = #ties before it. An element is selected iff key > kth or (key == kth and
+//           T < need); it goes to position G + min(T, need). That is a stable compaction,
+//           so the output is in index order and the ties taken are the lowest indices.
+// Threshold select is the same compaction with one class: key >= key_min, where key_min
+// is the smallest key satisfying isnan(v) || (double)|v| >= thr (threshold_key).
+#include "kernels.cuh"
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace ssf {
+namespace cuda {
+namespace {
+
+constexpr int kTileThreads = 256;
+constexpr int kTileItems = 8;
+constexpr int64_t kTile = int64_t(kTileThreads) * kTileItems;  // elements per tile
+constexpr int kHistThreads = 256;
+constexpr int kHistMaxBlocks = 1024;  // per-block counts stay < 2^32 up to n = 2^42
+constexpr int kPivotThreads = 128;
+
+template <typename U>
+struct KeyOf {
+  static constexpr int kBits = int(sizeof(U)) * 8 - 1;
+  static constexpr uint32_t kMask = (uint32_t(1) << kBits) - 1;
+};
+
+// Result of the radix passes, kept on the device (no host round trip between passes).
+struct RadixState {
+  uint32_t prefix;   // key digits found so far; after the last pass the k-th key
+  uint32_t unused;
+  long long k_rem;   // rank of the k-th key among the keys matching the prefix
+};
+
+// Which elements a tile kernel selects: top-k mode when `st` is set, else key >= key_min.
+struct TileRule {
+  uint32_t key_min;
+  const RadixState* st;
+};
+
+// Class of an element: 0 dropped, 1 selected, 2 tie (key == kth; top-k only).
+__device__ __forceinline__ int classify(uint32_t key, bool topk, uint32_t lo, uint32_t kth) {
+  if (topk) return key > kth ? 1 : (key == kth ? 2 : 0);
+  return key >= lo ? 1 : 0;
+}
+
+// Carves 256-byte aligned regions out of a workspace (base == nullptr: sizes only).
+struct Carver {
+  char* base;
+  size_t off = 0;
+  explicit Carver(void* b) : base(static_cast<char*>(b)) {}
+  template <typename T>
+  T* take(size_t count) {
+    off = (off + 255) / 256 * 256;
+    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
+    off += count * sizeof(T);
+    return p;
+  }
+};
+
+// Tile counts and their scans; the same layout for top-k and threshold (top-k adds more
+// after it), so threshold_count_result finds the total from n alone.
+struct TileLayout {
+  int64_t tiles = 0;
+  long long *gcnt = nullptr, *goff = nullptr, *tcnt = nullptr, *toff = nullptr;
+  void* scan_tmp = nullptr;
+  size_t scan_bytes = 0;
+};
+
+int64_t num_tiles(int64_t n) {
+  const int64_t t = (n + kTile - 1) / kTile;
+  if (t + 1 > int64_t(std::numeric_limits<int>::max()))
+    throw std::runtime_error("ssfusion_hvd CUDA: input too large for the tile scan");
+  return t;
+}
+
+TileLayout carve_tiles(Carver& c, int64_t n, bool with_ties) {
+  TileLayout L;
+  L.tiles = num_tiles(n);
+  const size_t m = size_t(L.tiles) + 1;  // the extra zero entry makes goff[tiles] the total
+  L.gcnt = c.take<long long>(m);
+  L.goff = c.take<long long>(m);
+  SSF_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, L.scan_bytes, L.gcnt, L.goff, int(m)));
+  L.scan_tmp = c.take<char>(L.scan_bytes);
+  if (with_ties) {
+    L.tcnt = c.take<long long>(m);
+    L.toff = c.take<long long>(m);
+  }
+  return L;
+}
+
+// ------------------------------------------------------------------ radix select passes
+
+template <typename U, int BITS>
+__global__ void __launch_bounds__(kHistThreads)
+    radix_hist_kernel(const U* __restrict__ x, int64_t n, int shift, int pass,
+                      const RadixState* st, unsigned long long* __restrict__ hist) {
+  constexpr int kBins = 1 << BITS;
+  __shared__ unsigned int sh[kBins];
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x) sh[b] = 0;
+  __syncthreads();
+  const int hi = shift + BITS;  // bits above the current digit: already decided
+  const uint32_t want = pass ? (st->prefix >> hi) : 0u;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const uint32_t key = uint32_t(x[i]) & KeyOf<U>::kMask;
+    if ((key >> hi) == want) atomicAdd(&sh[(key >> shift) & (kBins - 1)], 1u);
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x)
+    if (sh[b]) atomicAdd(&hist[b], (unsigned long long)sh[b]);
+}
+
+// One block: suffix sums of the histogram (from the top digit down) locate the digit
+// holding the k_rem-th largest key among the prefix-matching ones.
+template <int BITS>
+__global__ void __launch_bounds__(kPivotThreads)
+    radix_pivot_kernel(const unsigned long long* __restrict__ hist, int shift, int pass,
+                       long long k, RadixState* st) {
+  constexpr int kBins = 1 << BITS;
+  constexpr int kItems = kBins / kPivotThreads;
+  static_assert(kBins % kPivotThreads == 0, "bins must split evenly over the block");
+  using Scan = cub::BlockScan<unsigned long long, kPivotThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const uint32_t prefix = pass ? st->prefix : 0u;
+  const unsigned long long krem = (unsigned long long)(pass ? st->k_rem : k);
+  unsigned long long cnt[kItems], incl[kItems];
+  for (int it = 0; it < kItems; ++it) cnt[it] = hist[kBins - 1 - (threadIdx.x * kItems + it)];
+  Scan(tmp).InclusiveSum(cnt, incl);
+  __syncthreads();  // every thread has read *st before the winner overwrites it
+  for (int it = 0; it < kItems; ++it) {
+    const unsigned long long above = incl[it] - cnt[it];
+    if (above < krem && incl[it] >= krem) {  // exactly one (digit, thread) matches
+      const uint32_t digit = uint32_t(kBins - 1 - (threadIdx.x * kItems + it));
+      st->prefix = prefix | (digit << shift);
+      st->k_rem = (long long)(krem - above);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ tile compaction
+
+__device__ __forceinline__ void load_rule(const TileRule& r, bool& topk, uint32_t& lo,
+                                          uint32_t& kth, long long& need) {
+  topk = r.st != nullptr;
+  lo = r.key_min;
+  kth = topk ? r.st->prefix : 0u;
+  need = topk ? r.st->k_rem : 0;
+}
+
+// Per tile: (#selected, #ties), packed as low/high 32 bits (a tile has 2048 elements).
+template <typename U>
+__global__ void __launch_bounds__(kTileThreads)
+    tile_count_kernel(const U* __restrict__ x, int64_t n, TileRule rule,
+                      long long* __restrict__ gcnt, long long* __restrict__ tcnt) {
+  using Reduce = cub::BlockReduce<unsigned long long, kTileThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  bool topk;
+  uint32_t lo, kth;
+  long long need;
+  load_rule(rule, topk, lo, kth, need);
+  const int64_t base = int64_t(blockIdx.x) * kTile;
+  unsigned long long packed = 0;
+  for (int it = 0; it < kTileItems; ++it) {  // striped: coalesced, order is irrelevant here
+    const int64_t i = base + int64_t(it) * kTileThreads + threadIdx.x;
+    if (i < n) {
+      const int c = classify(uint32_t(x[i]) & KeyOf<U>::kMask, topk, lo, kth);
+      packed += c == 1 ? 1ull : (c == 2 ? (1ull << 32) : 0ull);
+    }
+  }
+  const unsigned long long total = Reduce(tmp).Sum(packed);
+  if (threadIdx.x == 0) {
+    gcnt[blockIdx.x] = (long long)(total & 0xffffffffull);
+    if (tcnt) tcnt[blockIdx.x] = (long long)(total >> 32);
+  }
+}
+
+// Stable write: each thread owns kTileItems consecutive elements (blocked order), so a
+// block scan of the packed per-thread counts gives every element's rank in index order.
+template <typename U, typename I>
+__global__ void __launch_bounds__(kTileThreads)
+    tile_write_kernel(const U* __restrict__ x, int64_t n, TileRule rule,
+                      const long long* __restrict__ goff, const long long* __restrict__ toff,
+                      U* __restrict__ out_v, I* __restrict__ out_i) {
+  using Scan = cub::BlockScan<unsigned long long, kTileThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  bool topk;
+  uint32_t lo, kth;
+  long long need;
+  load_rule(rule, topk, lo, kth, need);
+  const int64_t first = int64_t(blockIdx.x) * kTile + int64_t(threadIdx.x) * kTileItems;
+  U v[kTileItems];
+  int cls[kTileItems];
+  unsigned long long packed = 0;
+  for (int it = 0; it < kTileItems; ++it) {
+    const int64_t i = first + it;
+    v[it] = i < n ? x[i] : U(0);
+    cls[it] = i < n ? classify(uint32_t(v[it]) & KeyOf<U>::kMask, topk, lo, kth) : 0;
+    packed += cls[it] == 1 ? 1ull : (cls[it] == 2 ? (1ull << 32) : 0ull);
+  }
+  unsigned long long pre;
+  Scan(tmp).ExclusiveSum(packed, pre);
+  long long g = goff[blockIdx.x] + (long long)(pre & 0xffffffffull);  // selected before
+  long long t = (toff ? toff[blockIdx.x] : 0) + (long long)(pre >> 32);  // ties before
+  for (int it = 0; it < kTileItems; ++it) {
+    long long pos = -1;
+    if (cls[it] == 1) {
+      pos = g + (t < need ? t : need);  // ties before it that are taken
+      ++g;
+    } else if (cls[it] == 2) {
+      if (t < need) pos = g + t;
+      ++t;
+    }
+    if (pos >= 0) {
+      out_v[pos] = v[it];
+      out_i[pos] = static_cast<I>(first + it);
+    }
+  }
+}
+
+template <typename I>
+__global__ void iota_kernel(I* __restrict__ out, int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = static_cast<I>(i);
+}
+
+unsigned int grid_for(int64_t n, int threads, int64_t max_blocks) {
+  const int64_t b = (n + threads - 1) / threads;
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, max_blocks)));
+}
+
+// Scans the tile counts and writes the compaction (shared by top-k and threshold).
+template <typename U>
+void tile_count_and_scan(const U* x, int64_t n, TileRule rule, const TileLayout& L,
+                         cudaStream_t s) {
+  const size_t m = size_t(L.tiles) + 1;
+  SSF_CUDA_CHECK(cudaMemsetAsync(L.gcnt + L.tiles, 0, sizeof(long long), s));
+  if (L.tcnt) SSF_CUDA_CHECK(cudaMemsetAsync(L.tcnt + L.tiles, 0, sizeof(long long), s));
+  if (L.tiles > 0) {
+    tile_count_kernel<U><<<unsigned(L.tiles), kTileThreads, 0, s>>>(x, n, rule, L.gcnt, L.tcnt);
+    SSF_CUDA_CHECK_LAUNCH();
+  }
+  size_t bytes = L.scan_bytes;
+  SSF_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(L.scan_tmp, bytes, L.gcnt, L.goff, int(m), s));
+  if (L.tcnt) {
+    bytes = L.scan_bytes;
+    SSF_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(L.scan_tmp, bytes, L.tcnt, L.toff, int(m), s));
+  }
+}
+
+template <typename U>
+struct TopkLayout {
+  TileLayout tiles;
+  RadixState* state = nullptr;
+  unsigned long long* hist = nullptr;  // all passes' histograms, back to back
+  size_t hist_bins = 0;
+  size_t bytes = 0;
+};
+
+template <typename U>
+TopkLayout<U> carve_topk(void* ws, int64_t n) {
+  Carver c(ws);
+  TopkLayout<U> L;
+  L.tiles = carve_tiles(c, n, /*with_ties=*/true);
+  L.state = c.take<RadixState>(1);
+  L.hist_bins = sizeof(U) == 4 ? (2048 + 2048 + 512) : (256 + 128);
+  L.hist = c.take<unsigned long long>(L.hist_bins);
+  L.bytes = c.off;
+  return L;
+}
+
+template <typename U, int BITS>
+void radix_pass(const U* x, int64_t n, int64_t k, int shift, int pass, RadixState* st,
+                unsigned long long* hist, cudaStream_t s) {
+  const unsigned grid = grid_for(n, kHistThreads * 16, kHistMaxBlocks);
+  radix_hist_kernel<U, BITS><<<grid, kHistThreads, 0, s>>>(x, n, shift, pass, st, hist);
+  SSF_CUDA_CHECK_LAUNCH();
+  radix_pivot_kernel<BITS><<<1, kPivotThreads, 0, s>>>(hist, shift, pass, (long long)k, st);
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ public API
+
+template <typename U>
+size_t topk_workspace_bytes(int64_t n, int64_t /*k*/) {
+  return carve_topk<U>(nullptr, n).bytes;
+}
+
+template <typename U, typename I>
+void topk(const U* x, int64_t n, int64_t k, U* out_v, I* out_i, void* workspace,
+          size_t workspace_bytes, cudaStream_t s) {
+  if (k < 0 || k > n) throw std::runtime_error("ssfusion_hvd CUDA topk: k out of range");
+  if (k == 0) return;
+  if (k == n) {  // everything, in index order
+    SSF_CUDA_CHECK(cudaMemcpyAsync(out_v, x, size_t(n) * sizeof(U), cudaMemcpyDeviceToDevice, s));
+    iota_kernel<I><<<grid_for(n, 256, 4096), 256, 0, s>>>(out_i, n);
+    SSF_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const TopkLayout<U> L = carve_topk<U>(workspace, n);
+  if (workspace == nullptr || workspace_bytes < L.bytes)
+    throw std::runtime_error("ssfusion_hvd CUDA topk: workspace too small");
+  SSF_CUDA_CHECK(cudaMemsetAsync(L.hist, 0, L.hist_bins * sizeof(unsigned long long), s));
+  if constexpr (sizeof(U) == 4) {  // 31-bit key: digits 30..20, 19..9, 8..0
+    radix_pass<U, 11>(x, n, k, 20, 0, L.state, L.hist, s);
+    radix_pass<U, 11>(x, n, k, 9, 1, L.state, L.hist + 2048, s);
+    radix_pass<U, 9>(x, n, k, 0, 2, L.state, L.hist + 4096, s);
+  } else {  // 15-bit key: digits 14..7, 6..0
+    radix_pass<U, 8>(x, n, k, 7, 0, L.state, L.hist, s);
+    radix_pass<U, 7>(x, n, k, 0, 1, L.state, L.hist + 256, s);
+  }
+  const TileRule rule{0u, L.state};
+  tile_count_and_scan<U>(x, n, rule, L.tiles, s);
+  tile_write_kernel<U, I><<<unsigned(L.tiles.tiles), kTileThreads, 0, s>>>(
+      x, n, rule, L.tiles.goff, L.tiles.toff, out_v, out_i);
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+// Exact |value| of a magnitude key, NaN for NaN keys (host side, for threshold_key).
+double key_value(uint32_t key, ValueKind kind) {
+  switch (kind) {
+    case ValueKind::kFloat32: {
+      float f;
+      std::memcpy(&f, &key, sizeof f);
+      return double(f);
+    }
+    case ValueKind::kBFloat16: {
+      const uint32_t bits = key << 16;  // bfloat16 is the top half of a float32
+      float f;
+      std::memcpy(&f, &bits, sizeof f);
+      return double(f);
+    }
+    case ValueKind::kFloat16: {
+      const int e = int(key >> 10) & 31, m = int(key & 1023);
+      if (e == 31) return m ? std::numeric_limits<double>::quiet_NaN()
+                            : std::numeric_limits<double>::infinity();
+      if (e == 0) return std::ldexp(double(m), -24);  // subnormal
+      return std::ldexp(double(1024 + m), e - 25);
+    }
+  }
+  throw std::runtime_error("ssfusion_hvd CUDA: bad value kind");
+}
+}  // namespace
+
+uint32_t threshold_key(double thr, ValueKind kind) {
+  if (std::isnan(thr)) throw std::runtime_error("ssfusion_hvd CUDA: threshold is NaN");
+  // The predicate is false then true along the keys (values grow with the key up to +Inf,
+  // NaN keys are above): binary-search the first key where it holds.
+  uint32_t lo = 0, hi = kind == ValueKind::kFloat32 ? 0x7fffffffu : 0x7fffu;  // hi: a NaN
+  auto pred = [&](uint32_t key) {
+    const double v = key_value(key, kind);
+    return std::isnan(v) || v >= thr;
+  };
+  while (lo < hi) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (pred(mid)) hi = mid; else lo = mid + 1;
+  }
+  return lo;
+}
+
+template <typename U>
+size_t threshold_workspace_bytes(int64_t n) {
+  Carver c(nullptr);
+  carve_tiles(c, n, /*with_ties=*/false);
+  return c.off;
+}
+
+template <typename U>
+void threshold_prepare(const U* x, int64_t n, uint32_t key_min, void* workspace,
+                       size_t workspace_bytes, cudaStream_t s) {
+  Carver c(workspace);
+  const TileLayout L = carve_tiles(c, n, false);
+  if (workspace == nullptr || workspace_bytes < c.off)
+    throw std::runtime_error("ssfusion_hvd CUDA threshold: workspace too small");
+  tile_count_and_scan<U>(x, n, TileRule{key_min, nullptr}, L, s);
+}
+
+int64_t threshold_count_result(const void* workspace, int64_t n, cudaStream_t s) {
+  Carver c(const_cast<void*>(workspace));
+  const TileLayout L = carve_tiles(c, n, false);
+  long long total = 0;
+  SSF_CUDA_CHECK(cudaMemcpyAsync(&total, L.goff + L.tiles, sizeof total,
+                                 cudaMemcpyDeviceToHost, s));
+  SSF_CUDA_CHECK(cudaStreamSynchronize(s));  // the one sync: the output size
+  return int64_t(total);
+}
+
+template <typename U, typename I>
+void threshold_write(const U* x, int64_t n, uint32_t key_min, U* out_v, I* out_i,
+                     const void* workspace, cudaStream_t s) {
+  Carver c(const_cast<void*>(workspace));
+  const TileLayout L = carve_tiles(c, n, false);
+  if (L.tiles == 0) return;
+  tile_write_kernel<U, I><<<unsigned(L.tiles), kTileThreads, 0, s>>>(
+      x, n, TileRule{key_min, nullptr}, L.goff, nullptr, out_v, out_i);
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
+// Explicit instantiations: every kernel is compiled even without the torch glue.
+#define SSF_INST_U(U)                                                                    \
+  template size_t topk_workspace_bytes<U>(int64_t, int64_t);                             \
+  template size_t threshold_workspace_bytes<U>(int64_t);                                 \
+  template void threshold_prepare<U>(const U*, int64_t, uint32_t, void*, size_t, cudaStream_t);
+#define SSF_INST_UI(U, I)                                                                \
+  template void topk<U, I>(const U*, int64_t, int64_t, U*, I*, void*, size_t, cudaStream_t); \
+  template void threshold_write<U, I>(const U*, int64_t, uint32_t, U*, I*, const void*,   \
+                                      cudaStream_t);
+SSF_INST_U(uint16_t)
+SSF_INST_U(uint32_t)
+SSF_INST_UI(uint16_t, int32_t)
+SSF_INST_UI(uint16_t, int64_t)
+SSF_INST_UI(uint32_t, int32_t)
+SSF_INST_UI(uint32_t, int64_t)
+#undef SSF_INST_U
+#undef SSF_INST_UI
+
+}  // namespace cuda
+}  // namespace ssf
+
+// ============================================================================ torch glue
+#ifdef SSF_WITH_CUDA
+#include "../ops.h"
+
+// c10::cuda::getCurrentCUDAStream is what at::cuda::getCurrentCUDAStream forwards to;
+// ATen/cuda/CUDAContext.h would also pull in cuBLAS/cuSPARSE headers the kernels do not need.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+namespace ssf {
+namespace {
+
+void check_values_cuda(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cuda(), op, ": expected a CUDA tensor, got ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
+                  x.scalar_type() == at::kBFloat16,
+              op, ": unsupported dtype ", x.scalar_type(), " (float32, float16, bfloat16)");
+  TORCH_CHECK(x.is_contiguous(), op, ": input must be contiguous");
+}
+
+cuda::ValueKind kind_of(at::ScalarType t) {
+  return t == at::kFloat ? cuda::ValueKind::kFloat32
+                         : (t == at::kHalf ? cuda::ValueKind::kFloat16 : cuda::ValueKind::kBFloat16);
+}
+
+at::ScalarType index_dtype_for_cuda(int64_t n) {
+  return n <= std::numeric_limits<int32_t>::max() ? at::kInt : at::kLong;
+}
+
+at::Tensor workspace_like(const at::Tensor& x, size_t bytes) {
+  return at::empty({int64_t(std::max<size_t>(bytes, 1))}, x.options().dtype(at::kByte));
+}
+
+// Calls fn(U{}, I{}) with the raw bits type of x and the index type idt.
+template <typename F>
+void dispatch_bits_index(const at::Tensor& x, at::ScalarType idt, const F& fn) {
+  if (x.element_size() == 4) {
+    if (idt == at::kInt) fn(uint32_t{}, int32_t{}); else fn(uint32_t{}, int64_t{});
+  } else {
+    if (idt == at::kInt) fn(uint16_t{}, int32_t{}); else fn(uint16_t{}, int64_t{});
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k) {
+  check_values_cuda(x_in, "topk");
+  const at::Tensor x = x_in.reshape({-1});
+  const int64_t n = x.numel();
+  TORCH_CHECK(k >= 0 && k <= n, "topk: k=", k, " out of range [0, ", n, "]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const auto idt = index_dtype_for_cuda(n);
+  at::Tensor values = at::empty({k}, x.options());
+  at::Tensor indices = at::empty({k}, x.options().dtype(idt));
+  dispatch_bits_index(x, idt, [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    const size_t bytes = (k == 0 || k == n) ? 0 : cuda::topk_workspace_bytes<U>(n, k);
+    at::Tensor ws = workspace_like(x, bytes);
+    cuda::topk<U, I>(static_cast<const U*>(x.const_data_ptr()), n, k,
+                     static_cast<U*>(values.data_ptr()), indices.data_ptr<I>(), ws.data_ptr(),
+                     size_t(ws.numel()), s);
+  });
+  return {values, indices};
+}
+
+int64_t threshold_count_cuda(const at::Tensor& x_in, double thr) {
+  check_values_cuda(x_in, "threshold_count");
+  TORCH_CHECK(!std::isnan(thr), "threshold_count: threshold is NaN");
+  const at::Tensor x = x_in.reshape({-1});
+  const int64_t n = x.numel();
+  if (n == 0) return 0;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const uint32_t key_min = cuda::threshold_key(thr, kind_of(x.scalar_type()));
+  int64_t total = 0;
+  dispatch_bits_index(x, at::kInt, [&](auto u, auto) {
+    using U = decltype(u);
+    at::Tensor ws = workspace_like(x, cuda::threshold_workspace_bytes<U>(n));
+    cuda::threshold_prepare<U>(static_cast<const U*>(x.const_data_ptr()), n, key_min,
+                               ws.data_ptr(), size_t(ws.numel()), s);
+    total = cuda::threshold_count_result(ws.data_ptr(), n, s);
+  });
+  return total;
+}
+
+std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x_in, double thr) {
+  check_values_cuda(x_in, "threshold_select");
+  TORCH_CHECK(!std::isnan(thr), "threshold_select: threshold is NaN");
+  const at::Tensor x = x_in.reshape({-1});
+  const int64_t n = x.numel();
+  const auto idt = index_dtype_for_cuda(n);
+  if (n == 0) return {at::empty({0}, x.options()), at::empty({0}, x.options().dtype(idt))};
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const uint32_t key_min = cuda::threshold_key(thr, kind_of(x.scalar_type()));
+  at::Tensor values, indices;
+  dispatch_bits_index(x, idt, [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    const U* px = static_cast<const U*>(x.const_data_ptr());
+    at::Tensor ws = workspace_like(x, cuda::threshold_workspace_bytes<U>(n));
+    cuda::threshold_prepare<U>(px, n, key_min, ws.data_ptr(), size_t(ws.numel()), s);
+    const int64_t total = cuda::threshold_count_result(ws.data_ptr(), n, s);
+    values = at::empty({total}, x.options());
+    indices = at::empty({total}, x.options().dtype(idt));
+    cuda::threshold_write<U, I>(px, n, key_min, static_cast<U*>(values.data_ptr()),
+                                indices.data_ptr<I>(), ws.data_ptr(), s);
+  });
+  return {values, indices};
+}
+
+}  // namespace ssf
+#endif  // SSF_WITH_CUDA
