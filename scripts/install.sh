@@ -19,7 +19,7 @@ PY_BOOT="${PYTHON:-python3}"
 CACHE="${SSFUSION_CACHE:-$HOME/.cache/ssfusion-hvd}"
 TORCH_VERSION="2.13.0"
 HOROVOD_VERSION="0.28.1"
-PY_DEPS=(numpy pytest pytest-timeout hypothesis pybind11 ninja tqdm scikit-learn
+PY_DEPS=(numpy pytest pytest-timeout hypothesis pybind11 ninja tqdm scikit-learn transformers matplotlib
          cloudpickle psutil pyyaml packaging "setuptools>=64" wheel)
 
 t0=$SECONDS

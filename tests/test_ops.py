@@ -177,3 +177,67 @@ def test_scatter_add_duplicates_add_in_order():
         assert d.tolist() == [2.0, 0.0, 0.0, 5.0]
         with pytest.raises((IndexError, RuntimeError), match="out of range"):
             ops.scatter_add(d, torch.tensor([1.0]), torch.tensor([4]), backend=backend)
+
+
+# ------------------------------------------------------------------ segmented top-k, DGC
+
+
+def _segments(sizes):
+    return torch.tensor([0] + list(sizes)).cumsum(0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_segmented_topk_native_equals_torch(dtype):
+    g = torch.Generator().manual_seed(5)
+    sizes = [1, 64, 0, 4096, 3, 37_000, 128, 2_000_000, 7, 300] * 12  # 120 tensors
+    off = _segments(sizes)
+    flat = (torch.randn(int(off[-1]), generator=g) * 10 ** torch.randint(-4, 2, (1,), generator=g)).to(dtype)
+    flat[::997] = 0.5  # ties inside segments
+    ks = torch.tensor([min(s, max(1, s // 100)) if s else 0 for s in sizes])
+    ks[3] = sizes[3]  # a whole segment
+    got = ops.segmented_topk(flat, off, ks, backend="native")
+    _same(got, ops.segmented_topk(flat, off, ks, backend="torch"))
+    # each segment equals a plain top-k of the slice, shifted by the segment start
+    pos = 0
+    for s in range(len(sizes)):
+        v, i = ops.topk(flat[int(off[s]):int(off[s + 1])], int(ks[s]))
+        assert torch.equal(got[1][pos:pos + int(ks[s])], i + int(off[s]))
+        pos += int(ks[s])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 500), min_size=0, max_size=40), st.data())
+def test_segmented_topk_random(sizes, data):
+    off = _segments(sizes) if sizes else torch.tensor([0])
+    flat = _data(int(off[-1]), torch.float32, data.draw(st.sampled_from(["normal", "ties"])),
+                 data.draw(st.integers(0, 1000)))
+    ks = [data.draw(st.integers(0, s)) for s in sizes]
+    _same(ops.segmented_topk(flat, off, ks, backend="native"),
+          ops.segmented_topk(flat, off, ks, backend="torch"))
+
+
+def test_segmented_topk_rejects_bad_segments():
+    with pytest.raises((ValueError, RuntimeError), match="out of range"):
+        ops.segmented_topk(torch.randn(10), [0, 5, 10], [6, 1], backend="native")
+    with pytest.raises(ValueError, match="offsets"):
+        ops.segmented_topk(torch.randn(10), [0, 10], [1, 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sampled_threshold_native_equals_torch(dtype):
+    x = _data(1_000_003, dtype, "scaled", 11)
+    x[17] = float("nan")
+    for k, samples in [(1, 10), (10_000, 10_000), (500, 1_000_003), (1_000_003, 64)]:
+        a = ops.sampled_threshold(x, k, samples, backend="native")
+        assert a == ops.sampled_threshold(x, k, samples, backend="torch")
+    # with every element sampled the estimate is the exact k-th magnitude
+    v, _ = ops.topk(x.float().nan_to_num(nan=float("inf")), 777)
+    assert ops.sampled_threshold(x, 777, x.numel()) == float(v.abs().min())
+
+
+def test_large_tensor_ten_million():
+    x = torch.randn(10_000_000, generator=torch.Generator().manual_seed(1))
+    x[::1000] = 3.0  # heavy ties around the threshold region
+    for k in (1, 100_000):
+        _same(ops.topk(x, k, backend="native"), ops.topk(x, k, backend="torch"))
+    _same(ops.threshold_select(x, 3.0, backend="native"), ops.threshold_select(x, 3.0, backend="torch"))

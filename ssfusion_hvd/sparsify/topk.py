@@ -1,17 +1,17 @@
-"""Exact magnitude top-k (Aji & Heafield 2017; the selection SSFusion and Cupcake use).
+"""Exact magnitude top-k (Aji & Heafield, "Sparse Communication for Distributed Gradient
+Descent", EMNLP'17; the selection SSFusion and Cupcake use).
 
-Density tolerance: exact, k elements every call (ties at the k-th magnitude go to the
-lower index, see ``ssfusion_hvd.ops.topk``).
+Density tolerance: exact — k elements every call; ties at the k-th magnitude go to the
+lower index (``ssfusion_hvd.ops.topk``).
 """
 from __future__ import annotations
 
-import torch
-
 from .. import ops
+from .base import Sparsifier, check_request
 
 
-class TopK:
+class TopK(Sparsifier):
     name = "topk"
 
-    def select(self, x: torch.Tensor, k: int):
-        return ops.topk(x, k)
+    def select(self, x, k):
+        return ops.topk(x, check_request(x, k))

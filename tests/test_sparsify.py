@@ -1,0 +1,159 @@
+"""Sparsifiers hold their documented density tolerance; error feedback loses nothing."""
+import pytest
+import torch
+
+from ssfusion_hvd import ops
+from ssfusion_hvd.sparsify import SPARSIFIERS, ResidualMemory, make_sparsifier
+
+
+def _inputs(kind, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "gaussian":
+        return torch.randn(n, generator=g)
+    if kind == "laplace":
+        u = (torch.rand(n, generator=g) - 0.5).clamp(-0.4999, 0.4999)
+        return -u.sign() * torch.log1p(-2 * u.abs())
+    if kind == "model":  # layers with fixed scales spanning 5 decades, like real gradients
+        sizes = [64, 4096, 37_000, 128, 250_000, 512, 100_000, 10]
+        scales = 10 ** torch.linspace(-5, 0, len(sizes))[torch.tensor([3, 0, 5, 7, 1, 6, 2, 4])]
+        return torch.cat([torch.randn(s, generator=g) * c for s, c in zip(sizes, scales.tolist())])
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("name", sorted(SPARSIFIERS))
+@pytest.mark.parametrize("kind", ["gaussian", "laplace", "model"])
+@pytest.mark.parametrize("density", [0.01, 0.001])
+def test_density_within_documented_tolerance(name, kind, density):
+    lo, hi = SPARSIFIERS[name].tolerance
+    sp = make_sparsifier(name)
+    for it in range(6):  # a stationary stream: fresh draws of the same distribution
+        x = _inputs(kind, 400_000 if kind != "model" else 0, seed=100 * it + 1)
+        k = max(1, round(density * x.numel()))
+        v, i = sp.select(x, k)
+        assert v.shape == i.shape and i.dtype == torch.int32
+        assert i.numel() <= sp.capacity(k)
+        assert bool((i[1:] > i[:-1]).all()), "indices must be ascending and distinct"
+        assert torch.equal(v, x[i.long()]), "values are the input's, with sign"
+        if name == "threshold" and it == 0:
+            continue  # first call: no threshold yet (exact k); tolerance applies after
+        assert lo * k <= i.numel() <= hi * k, (name, kind, it, i.numel(), k)
+
+
+@pytest.mark.parametrize("name", ["topk", "redsync", "dgc", "gaussiank", "sidco"])
+def test_selection_is_the_largest(name):
+    """Magnitude-based methods return a set of the largest magnitudes (their own count)."""
+    x = _inputs("laplace", 50_000, seed=3)
+    v, i = make_sparsifier(name).select(x, 500)
+    ref_v, ref_i = ops.topk(x, i.numel())
+    assert torch.equal(i, ref_i)
+
+
+def test_randomk_indices_shared_across_ranks_and_steps_differ():
+    a, b = make_sparsifier("randomk", seed=7), make_sparsifier("randomk", seed=7)
+    x, y = torch.randn(1000), torch.randn(1000)  # different data on the two "ranks"
+    i1, i2 = a.select(x, 50)[1], b.select(y, 50)[1]
+    assert torch.equal(i1, i2)
+    assert not torch.equal(a.select(x, 50)[1], i1)  # next step draws afresh
+    assert SPARSIFIERS["randomk"].shared_indices
+
+
+def test_threshold_scaling_follows_algorithm_5():
+    sp = make_sparsifier("threshold", beta=1.2, gamma=0.1)
+    assert sp.scale_factor(2.0) == pytest.approx(1.1)
+    assert sp.scale_factor(0.5) == pytest.approx(0.9)
+    assert sp.scale_factor(1.1) == pytest.approx(1.025)
+    assert sp.scale_factor(0.9) == pytest.approx(0.975)
+    assert sp.scale_factor(1.0) == 1.0
+
+
+def test_threshold_tracks_density_on_stationary_stream():
+    sp = make_sparsifier("threshold")
+    counts = []
+    for it in range(60):
+        x = _inputs("laplace", 100_000, seed=it)
+        counts.append(sp.select(x, 1000)[1].numel())
+    mean_late = sum(counts[20:]) / len(counts[20:])
+    assert 0.8 * 1000 <= mean_late <= 1.2 * 1000, counts
+
+
+@pytest.mark.parametrize("name", sorted(SPARSIFIERS))
+def test_state_roundtrip(name):
+    a = make_sparsifier(name)
+    x = torch.randn(10_000)
+    a.select(x, 100)
+    b = make_sparsifier(name)
+    b.load_state_dict(a.state_dict())
+    y = torch.randn(10_000)
+    assert all(torch.equal(p, q) for p, q in zip(a.select(y, 100), b.select(y, 100)))
+
+
+@pytest.mark.parametrize("name", sorted(SPARSIFIERS))
+def test_nonfinite_gradients_are_selected_not_dropped(name):
+    x = torch.randn(20_000)
+    x[123], x[4567], x[9999] = float("nan"), float("inf"), -float("inf")
+    v, i = make_sparsifier(name).select(x, 200)
+    if not SPARSIFIERS[name].shared_indices:  # random-k picks positions blindly by design
+        assert {123, 4567, 9999} <= set(i.tolist())
+    assert torch.equal(v.isnan(), x[i.long()].isnan())
+
+
+def test_bad_requests():
+    with pytest.raises(ValueError, match="unknown sparsifier"):
+        make_sparsifier("nope")
+    for name in SPARSIFIERS:
+        with pytest.raises(ValueError, match="cannot select"):
+            make_sparsifier(name).select(torch.randn(10), 11)
+
+
+# ------------------------------------------------------------------ error feedback
+
+
+def _dense(values, indices, n, dtype):
+    out = torch.zeros(n, dtype=dtype)
+    out[indices.long()] = values
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["topk", "dgc", "randomk", "threshold"])
+def test_error_feedback_is_exact(dtype, name):
+    """sent + new residual == gradient + old residual, bit for bit, every step."""
+    mem, sp = ResidualMemory(), make_sparsifier(name)
+    old = torch.zeros(5000, dtype=dtype)
+    for step in range(5):
+        grad = torch.randn(5000, generator=torch.Generator().manual_seed(step)).to(dtype)
+        expected = grad + old  # the same single rounding
+        acc = mem.compensate("w", grad)
+        v, i = sp.select(acc, 50)
+        sent = _dense(v, i, 5000, dtype)
+        mem.update("w", acc, i)
+        new = mem.residuals["w"]
+        assert torch.equal((sent + new).view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(new[i.long()], torch.zeros(i.numel(), dtype=dtype))
+        old = new.clone()
+
+
+def test_momentum_correction_masks_velocity():
+    mem = ResidualMemory(momentum=0.9)
+    g = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    acc = mem.compensate("w", g)  # u = g, acc = u
+    assert torch.equal(acc, g)
+    mem.update("w", acc, torch.tensor([3], dtype=torch.int32))
+    assert mem.velocities["w"].tolist() == [1.0, 2.0, 3.0, 0.0]
+    acc = mem.compensate("w", g)  # u = 0.9 u + g; acc = residual + u
+    u = torch.tensor([1.9, 3.8, 5.7, 4.0])
+    assert torch.allclose(mem.velocities["w"], u)
+    assert torch.allclose(acc, torch.tensor([1.0, 2.0, 3.0, 0.0]) + u)
+
+
+def test_memory_state_roundtrip_and_mismatch():
+    mem = ResidualMemory(momentum=0.5)
+    acc = mem.compensate("a", torch.randn(10))
+    mem.update("a", acc, torch.tensor([1, 2]))
+    other = ResidualMemory()
+    other.load_state_dict(mem.state_dict())
+    assert other.momentum == 0.5 and torch.equal(other.residuals["a"], mem.residuals["a"])
+    with pytest.raises(ValueError, match="residual"):
+        other.compensate("a", torch.randn(11))
+    with pytest.raises(ValueError, match="momentum"):
+        ResidualMemory(momentum=1.0)
