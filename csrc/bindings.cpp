@@ -27,6 +27,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("index_dtype"));
 #ifdef SSF_WITH_CUDA
   m.def("topk_cuda", &ssf::topk_cuda, py::arg("x"), py::arg("k"), nogil);
+  m.def("segmented_topk_cuda", &ssf::segmented_topk_cuda, py::arg("flat"), py::arg("offsets"),
+        py::arg("ks"), nogil);
+  m.def("sampled_threshold_cuda", &ssf::sampled_threshold_cuda, py::arg("x"), py::arg("k"),
+        py::arg("samples"), nogil);
   m.def("threshold_select_cuda", &ssf::threshold_select_cuda, py::arg("x"), py::arg("thr"), nogil);
   m.def("threshold_count_cuda", &ssf::threshold_count_cuda, py::arg("x"), py::arg("thr"), nogil);
   m.def("pack_cuda", &ssf::pack_cuda, py::arg("values"), py::arg("indices"), py::arg("out"),

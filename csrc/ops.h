@@ -53,6 +53,10 @@ std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
 
 #ifdef SSF_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x, int64_t k);
+std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat,
+                                                       const at::Tensor& offsets,
+                                                       const at::Tensor& ks);
+double sampled_threshold_cuda(const at::Tensor& x, int64_t k, int64_t samples);
 std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x, double thr);
 int64_t threshold_count_cuda(const at::Tensor& x, double thr);
 int64_t pack_cuda(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,

@@ -10,8 +10,9 @@
 //   * Index type I is int32_t or int64_t; selections come out in ascending index order,
 //     ties at the k-th key go to the lower indices.
 //   * Every op runs on the given stream only; none synchronizes the host except
-//     threshold_count_result(), which must learn a size. Errors from the CUDA runtime are
-//     thrown as std::runtime_error (pybind11 turns them into RuntimeError).
+//     threshold_count_result() and sampled_threshold(), which must return a host value.
+//     Errors from the CUDA runtime are thrown as std::runtime_error (pybind11 turns them
+//     into RuntimeError).
 //   * Temporary device memory is caller-provided: query *_workspace_bytes(), allocate that
 //     many bytes 256-byte aligned (e.g. torch's caching allocator), pass it in. The
 //     workspace must stay allocated until the stream has run the work (stream-ordered
@@ -81,6 +82,36 @@ int64_t threshold_count_result(const void* workspace, int64_t n, cudaStream_t st
 template <typename U, typename I>
 void threshold_write(const U* x, int64_t n, uint32_t key_min, U* out_v, I* out_i,
                      const void* workspace, cudaStream_t stream);
+
+// Segmented top-k (segmented.cu): segment s is x[off[s], off[s+1]) and gives ks[s]
+// elements, in index order, segments concatenated in order; indices are positions in x.
+// One call runs a fixed number of launches whatever the number of segments. The host
+// plan is made from host offsets/ks into `meta` (segmented_meta_len(nseg) int64s); the
+// caller copies meta to the device (e.g. one non-blocking copy from pinned memory) and
+// passes the device copy. Validates (throws on) bad segments or k. radix_all: run the
+// radix passes even for k == len segments (their k-th key is then computed too).
+struct SegmentedPlan {
+  int64_t nseg = 0;
+  int64_t k_total = 0;      // output length: sum of ks
+  int64_t hist_blocks = 0;  // blocks of each histogram launch
+  int64_t tiles = 0;        // blocks of each compaction launch
+};
+int64_t segmented_meta_len(int64_t nseg);
+SegmentedPlan segmented_plan(const int64_t* offsets, const int64_t* ks, int64_t nseg,
+                             int64_t* meta, bool radix_all);
+template <typename U>
+size_t segmented_topk_workspace_bytes(const SegmentedPlan& plan);
+template <typename U, typename I>
+void segmented_topk(const U* x, const SegmentedPlan& plan, const int64_t* meta_device, U* out_v,
+                    I* out_i, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// DGC's sampled threshold (segmented.cu): the ceil(k*samples/n)-th largest float magnitude
+// (NaN as +Inf) of x[(j*n)/samples], j < samples (samples clamped to [1, n]), exactly
+// like the CPU; 1 <= k <= n. Synchronizes the stream once to return the value.
+size_t sampled_threshold_workspace_bytes(int64_t n, int64_t samples);
+template <typename U>
+double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, ValueKind kind,
+                         void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------- codec
 

@@ -1,0 +1,606 @@
+// Segmented top-k and DGC's sampled threshold on CUDA (see kernels.cuh).
+//
+// Segmented top-k selects ks[s] elements from every segment [off[s], off[s+1]) of one flat
+// buffer in ONE call: a fixed number of launches whatever the number of segments, so
+// per-tensor sparsification of a fusion buffer costs about one selection over the whole
+// buffer. It is the radix select of select.cu made per segment:
+//   plan (host, from the CPU offsets/ks): output offsets (prefix sum of ks), and two block
+//           maps: every radix segment (0 < k < len) is cut into histogram chunks of
+//           kHistChunk elements, every segment with k > 0 into compaction tiles of kTile
+//           elements; a chunk or tile never spans two segments. The plan travels to the
+//           device in one non-blocking copy; a block finds its segment by binary search
+//           over the per-segment first-block numbers.
+//   init:   per segment, the radix state {prefix = 0, k_rem = k}; segments without radix
+//           passes get a state that selects everything (k == len) or nothing (k == 0).
+//   passes: digits of 11/11/9 bits (float32) or 8/7 bits (16-bit), most significant first.
+//           One launch histograms the current digit of every segment's prefix-matching
+//           keys (shared-memory histogram per chunk, added into the segment's global one);
+//           one launch with a block per segment scans its histogram from the top digit
+//           down, extends the prefix and lowers k_rem, and zeroes the histogram for the
+//           next pass. After the last pass prefix = the segment's k-th key `kth` and
+//           k_rem = `need`, the number of keys equal to kth to take.
+//   compaction: per tile (#greater, #ties); two global exclusive scans over all tiles, and
+//           a tile's counts relative to its segment are its scan minus the scan at the
+//           segment's first tile. An element goes to out_off[s] + G + min(T, need) exactly
+//           as in select.cu, so each segment comes out in index order with the lowest-index
+//           ties, and segments are concatenated in order.
+// No host synchronization: k_total is known on the host from the CPU ks.
+//
+// Sampled threshold: a gather kernel writes the float magnitudes of x[(j*n)/samples]
+// (NaN -> +Inf, as the CPU) as float32 bits, which order like the values since they are
+// non-negative; the single-segment radix passes above find the kk-th largest bit pattern,
+// i.e. exactly the float nth_element finds on the CPU. Its value is copied to the host:
+// the one sync this op has (it returns a number to the host).
+#include "kernels.cuh"
+
+#include <cuda_fp16.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace ssf {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;                     // histogram and tile blocks
+constexpr int kTileItems = 8;                     // per thread, consecutive (stable writes)
+constexpr int64_t kTile = int64_t(kThreads) * kTileItems;
+constexpr int64_t kHistChunk = 16384;             // elements per histogram block
+constexpr int kPivotThreads = 128;
+
+template <typename U>
+struct SegKey {
+  static constexpr uint32_t kMask = (uint32_t(1) << (int(sizeof(U)) * 8 - 1)) - 1;
+  static constexpr int kMaxBins = sizeof(U) == 4 ? 2048 : 256;  // widest digit's bins
+};
+
+struct SegState {
+  uint32_t prefix;  // digits found so far; after the last pass the segment's k-th key
+  uint32_t unused;
+  long long k_rem;  // rank of the k-th key among the prefix-matching keys
+};
+
+// Device views of the plan (layout of segmented_plan): all int64, back to back.
+struct Meta {
+  const int64_t *off, *ks, *out_off, *hstart, *tstart;
+};
+
+Meta meta_views(const int64_t* m, int64_t nseg) {
+  Meta v;
+  v.off = m;
+  v.ks = v.off + (nseg + 1);
+  v.out_off = v.ks + nseg;
+  v.hstart = v.out_off + (nseg + 1);
+  v.tstart = v.hstart + (nseg + 1);
+  return v;
+}
+
+// Largest s in [0, nseg) with start[s] <= b: the segment owning block b (start is
+// non-decreasing; segments with no blocks are skipped because their successor starts at
+// the same number).
+__device__ __forceinline__ int64_t segment_of(const int64_t* __restrict__ start, int64_t nseg,
+                                              int64_t b) {
+  int64_t lo = 0, hi = nseg - 1;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (start[mid] <= b) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Carves 256-byte aligned regions out of a workspace (base == nullptr: sizes only).
+struct Carver {
+  char* base;
+  size_t off = 0;
+  explicit Carver(void* b) : base(static_cast<char*>(b)) {}
+  template <typename T>
+  T* take(size_t count) {
+    off = (off + 255) / 256 * 256;
+    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
+    off += count * sizeof(T);
+    return p;
+  }
+};
+
+template <typename U>
+struct SegLayout {
+  SegState* st = nullptr;
+  unsigned long long* hist = nullptr;  // nseg x SegKey<U>::kMaxBins, reused by every pass
+  long long *gcnt = nullptr, *goff = nullptr, *tcnt = nullptr, *toff = nullptr;
+  void* scan_tmp = nullptr;
+  size_t scan_bytes = 0;
+  size_t bytes = 0;
+};
+
+// with_tiles: the compaction's arrays too (sampled_threshold only runs the passes).
+template <typename U>
+SegLayout<U> carve_seg(Carver& c, const SegmentedPlan& p, bool with_tiles) {
+  SegLayout<U> L;
+  L.st = c.take<SegState>(size_t(std::max<int64_t>(p.nseg, 1)));
+  L.hist = c.take<unsigned long long>(size_t(p.nseg) * SegKey<U>::kMaxBins);
+  if (with_tiles) {
+    const size_t m = size_t(p.tiles) + 1;  // the extra zero entry makes goff[tiles] a total
+    L.gcnt = c.take<long long>(m);
+    L.goff = c.take<long long>(m);
+    L.tcnt = c.take<long long>(m);
+    L.toff = c.take<long long>(m);
+    SSF_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, L.scan_bytes, L.gcnt, L.goff, int(m)));
+    L.scan_tmp = c.take<char>(L.scan_bytes);
+  }
+  L.bytes = c.off;
+  return L;
+}
+
+unsigned int grid_for(int64_t n, int threads, int64_t max_blocks) {
+  const int64_t b = (n + threads - 1) / threads;
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, max_blocks)));
+}
+
+// ------------------------------------------------------------------ radix passes
+
+// Segments with radix blocks start from {0, k}; the others select all (k == len: every
+// key is > 0 or a tie with 0, and need = len) or nothing (k == 0: no key reaches ~0u).
+__global__ void seg_init_kernel(Meta m, int64_t nseg, SegState* __restrict__ st) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s < nseg; s += stride) {
+    const long long k = m.ks[s];
+    const bool radix = m.hstart[s + 1] > m.hstart[s];
+    st[s].prefix = (k == 0 && !radix) ? ~0u : 0u;
+    st[s].unused = 0;
+    st[s].k_rem = k;
+  }
+}
+
+template <typename U, int BITS>
+__global__ void __launch_bounds__(kThreads)
+    seg_hist_kernel(const U* __restrict__ x, Meta m, int64_t nseg, int shift,
+                    const SegState* __restrict__ st, unsigned long long* __restrict__ hist) {
+  constexpr int kBins = 1 << BITS;
+  __shared__ unsigned int sh[kBins];  // counts of one chunk: <= kHistChunk, fits 32 bits
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x) sh[b] = 0;
+  const int64_t s = segment_of(m.hstart, nseg, blockIdx.x);
+  const int64_t lo = m.off[s] + (int64_t(blockIdx.x) - m.hstart[s]) * kHistChunk;
+  const int64_t hi = m.off[s + 1] < lo + kHistChunk ? m.off[s + 1] : lo + kHistChunk;
+  const int above = shift + BITS;  // key bits above this digit: fixed by the prefix
+  const uint32_t want = st[s].prefix >> above;
+  __syncthreads();
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const uint32_t key = uint32_t(x[i]) & SegKey<U>::kMask;
+    if ((key >> above) == want) atomicAdd(&sh[(key >> shift) & (kBins - 1)], 1u);
+  }
+  __syncthreads();
+  unsigned long long* h = hist + s * SegKey<U>::kMaxBins;
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x)
+    if (sh[b]) atomicAdd(&h[b], (unsigned long long)sh[b]);
+}
+
+// Block per segment: locates the digit holding the k_rem-th largest prefix-matching key
+// (suffix sums from the top digit down), and zeroes the histogram for the next pass.
+template <int BITS, int MAX_BINS>
+__global__ void __launch_bounds__(kPivotThreads)
+    seg_pivot_kernel(Meta m, int shift, SegState* __restrict__ st,
+                     unsigned long long* __restrict__ hist) {
+  constexpr int kBins = 1 << BITS;
+  constexpr int kItems = kBins / kPivotThreads;
+  static_assert(kBins % kPivotThreads == 0, "bins must split evenly over the block");
+  using Scan = cub::BlockScan<unsigned long long, kPivotThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int64_t s = blockIdx.x;
+  if (m.hstart[s + 1] == m.hstart[s]) return;  // no radix passes for this segment
+  unsigned long long* h = hist + s * MAX_BINS;
+  const uint32_t prefix = st[s].prefix;
+  const unsigned long long krem = (unsigned long long)st[s].k_rem;
+  unsigned long long cnt[kItems], incl[kItems];
+  for (int it = 0; it < kItems; ++it) {
+    const int b = kBins - 1 - (threadIdx.x * kItems + it);
+    cnt[it] = h[b];
+    h[b] = 0;  // each bin is read and cleared by the same thread
+  }
+  Scan(tmp).InclusiveSum(cnt, incl);
+  __syncthreads();  // every thread has read st[s] before the winner overwrites it
+  for (int it = 0; it < kItems; ++it) {
+    const unsigned long long above = incl[it] - cnt[it];
+    if (above < krem && incl[it] >= krem) {  // exactly one (digit, thread) matches
+      const uint32_t digit = uint32_t(kBins - 1 - (threadIdx.x * kItems + it));
+      st[s].prefix = prefix | (digit << shift);
+      st[s].k_rem = (long long)(krem - above);
+    }
+  }
+}
+
+template <typename U, int BITS>
+void seg_pass(const U* x, const SegmentedPlan& p, const Meta& m, int shift, SegState* st,
+              unsigned long long* hist, cudaStream_t s) {
+  seg_hist_kernel<U, BITS><<<unsigned(p.hist_blocks), kThreads, 0, s>>>(x, m, p.nseg, shift, st,
+                                                                        hist);
+  SSF_CUDA_CHECK_LAUNCH();
+  seg_pivot_kernel<BITS, SegKey<U>::kMaxBins><<<unsigned(p.nseg), kPivotThreads, 0, s>>>(
+      m, shift, st, hist);
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
+// Leaves every segment's (kth, need) in st.
+template <typename U>
+void seg_radix(const U* x, const SegmentedPlan& p, const Meta& m, const SegLayout<U>& L,
+               cudaStream_t s) {
+  seg_init_kernel<<<grid_for(p.nseg, 256, 1024), 256, 0, s>>>(m, p.nseg, L.st);
+  SSF_CUDA_CHECK_LAUNCH();
+  if (p.hist_blocks == 0) return;
+  SSF_CUDA_CHECK(cudaMemsetAsync(
+      L.hist, 0, size_t(p.nseg) * SegKey<U>::kMaxBins * sizeof(unsigned long long), s));
+  if constexpr (sizeof(U) == 4) {  // 31-bit key: digits 30..20, 19..9, 8..0
+    seg_pass<U, 11>(x, p, m, 20, L.st, L.hist, s);
+    seg_pass<U, 11>(x, p, m, 9, L.st, L.hist, s);
+    seg_pass<U, 9>(x, p, m, 0, L.st, L.hist, s);
+  } else {  // 15-bit key: digits 14..7, 6..0
+    seg_pass<U, 8>(x, p, m, 7, L.st, L.hist, s);
+    seg_pass<U, 7>(x, p, m, 0, L.st, L.hist, s);
+  }
+}
+
+// ------------------------------------------------------------------ compaction
+
+// Class of an element: 0 dropped, 1 selected (key > kth), 2 tie (key == kth).
+__device__ __forceinline__ int seg_class(uint32_t key, uint32_t kth) {
+  return key > kth ? 1 : (key == kth ? 2 : 0);
+}
+
+// Per tile: (#greater, #ties), packed as low/high 32 bits (a tile has kTile elements).
+template <typename U>
+__global__ void __launch_bounds__(kThreads)
+    seg_tile_count_kernel(const U* __restrict__ x, Meta m, int64_t nseg,
+                          const SegState* __restrict__ st, long long* __restrict__ gcnt,
+                          long long* __restrict__ tcnt) {
+  using Reduce = cub::BlockReduce<unsigned long long, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const int64_t s = segment_of(m.tstart, nseg, blockIdx.x);
+  const int64_t base = m.off[s] + (int64_t(blockIdx.x) - m.tstart[s]) * kTile;
+  const int64_t end = m.off[s + 1];
+  const uint32_t kth = st[s].prefix;
+  unsigned long long packed = 0;
+  for (int it = 0; it < kTileItems; ++it) {  // striped: coalesced, order is irrelevant here
+    const int64_t i = base + int64_t(it) * kThreads + threadIdx.x;
+    if (i < end) {
+      const int c = seg_class(uint32_t(x[i]) & SegKey<U>::kMask, kth);
+      packed += c == 1 ? 1ull : (c == 2 ? (1ull << 32) : 0ull);
+    }
+  }
+  const unsigned long long total = Reduce(tmp).Sum(packed);
+  if (threadIdx.x == 0) {
+    gcnt[blockIdx.x] = (long long)(total & 0xffffffffull);
+    tcnt[blockIdx.x] = (long long)(total >> 32);
+  }
+}
+
+// Stable write: each thread owns kTileItems consecutive elements, so a block scan of the
+// packed per-thread counts ranks every element in index order within the tile.
+template <typename U, typename I>
+__global__ void __launch_bounds__(kThreads)
+    seg_tile_write_kernel(const U* __restrict__ x, Meta m, int64_t nseg,
+                          const SegState* __restrict__ st, const long long* __restrict__ goff,
+                          const long long* __restrict__ toff, U* __restrict__ out_v,
+                          I* __restrict__ out_i) {
+  using Scan = cub::BlockScan<unsigned long long, kThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int64_t s = segment_of(m.tstart, nseg, blockIdx.x);
+  const int64_t tile0 = m.tstart[s];
+  const int64_t first = m.off[s] + (int64_t(blockIdx.x) - tile0) * kTile +
+                        int64_t(threadIdx.x) * kTileItems;
+  const int64_t end = m.off[s + 1];
+  const uint32_t kth = st[s].prefix;
+  const long long need = st[s].k_rem;
+  U v[kTileItems];
+  int cls[kTileItems];
+  unsigned long long packed = 0;
+  for (int it = 0; it < kTileItems; ++it) {
+    const int64_t i = first + it;
+    v[it] = i < end ? x[i] : U(0);
+    cls[it] = i < end ? seg_class(uint32_t(v[it]) & SegKey<U>::kMask, kth) : 0;
+    packed += cls[it] == 1 ? 1ull : (cls[it] == 2 ? (1ull << 32) : 0ull);
+  }
+  unsigned long long pre;
+  Scan(tmp).ExclusiveSum(packed, pre);
+  // Counts before this thread's first element within the segment (scan minus the scan at
+  // the segment's first tile), then the segment's place in the output.
+  long long g = goff[blockIdx.x] - goff[tile0] + (long long)(pre & 0xffffffffull);
+  long long t = toff[blockIdx.x] - toff[tile0] + (long long)(pre >> 32);
+  const long long base = m.out_off[s];
+  for (int it = 0; it < kTileItems; ++it) {
+    long long pos = -1;
+    if (cls[it] == 1) {
+      pos = g + (t < need ? t : need);  // ties before it that are taken
+      ++g;
+    } else if (cls[it] == 2) {
+      if (t < need) pos = g + t;
+      ++t;
+    }
+    if (pos >= 0) {
+      out_v[base + pos] = v[it];
+      out_i[base + pos] = static_cast<I>(first + it);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ sampled threshold
+
+// float32 bits of the magnitude of a raw value, NaN -> +Inf (the CPU's fabs / isnan).
+template <int KIND>
+__device__ __forceinline__ uint32_t magnitude_bits(uint32_t raw);
+template <>
+__device__ __forceinline__ uint32_t magnitude_bits<int(ValueKind::kFloat32)>(uint32_t raw) {
+  const uint32_t m = raw & 0x7fffffffu;
+  return m > 0x7f800000u ? 0x7f800000u : m;
+}
+template <>
+__device__ __forceinline__ uint32_t magnitude_bits<int(ValueKind::kBFloat16)>(uint32_t raw) {
+  return magnitude_bits<int(ValueKind::kFloat32)>(raw << 16);  // bfloat16 = top half of float
+}
+template <>
+__device__ __forceinline__ uint32_t magnitude_bits<int(ValueKind::kFloat16)>(uint32_t raw) {
+  const float f = __half2float(__ushort_as_half((unsigned short)raw));  // exact conversion
+  return magnitude_bits<int(ValueKind::kFloat32)>(__float_as_uint(f));
+}
+
+template <typename U, int KIND>
+__global__ void sample_gather_kernel(const U* __restrict__ x, int64_t n, int64_t samples,
+                                     uint32_t* __restrict__ mag) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < samples; j += stride)
+    mag[j] = magnitude_bits<KIND>(uint32_t(x[(j * n) / samples]));  // the CPU's positions
+}
+
+int64_t clamp_samples(int64_t n, int64_t samples) {
+  return std::max<int64_t>(1, std::min(samples, n));
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ public API
+
+int64_t segmented_meta_len(int64_t nseg) { return 5 * nseg + 4; }
+
+SegmentedPlan segmented_plan(const int64_t* offsets, const int64_t* ks, int64_t nseg,
+                             int64_t* meta, bool radix_all) {
+  if (nseg < 0) throw std::runtime_error("ssfusion_hvd CUDA segmented_topk: negative count");
+  int64_t* off = meta;
+  int64_t* kk = off + (nseg + 1);
+  int64_t* out_off = kk + nseg;
+  int64_t* hstart = out_off + (nseg + 1);
+  int64_t* tstart = hstart + (nseg + 1);
+  std::copy(offsets, offsets + nseg + 1, off);
+  std::copy(ks, ks + nseg, kk);
+  out_off[0] = hstart[0] = tstart[0] = 0;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t len = off[s + 1] - off[s], k = kk[s];
+    if (len < 0 || k < 0 || k > len)
+      throw std::runtime_error("ssfusion_hvd CUDA segmented_topk: bad segment or k");
+    const bool radix = k > 0 && (k < len || radix_all);  // k == len takes all: no passes
+    out_off[s + 1] = out_off[s] + k;
+    hstart[s + 1] = hstart[s] + (radix ? (len + kHistChunk - 1) / kHistChunk : 0);
+    tstart[s + 1] = tstart[s] + (k > 0 ? (len + kTile - 1) / kTile : 0);
+  }
+  SegmentedPlan p;
+  p.nseg = nseg;
+  p.k_total = out_off[nseg];
+  p.hist_blocks = hstart[nseg];
+  p.tiles = tstart[nseg];
+  const int64_t lim = std::numeric_limits<int>::max();
+  if (nseg > lim || p.hist_blocks > lim || p.tiles + 1 > lim)
+    throw std::runtime_error("ssfusion_hvd CUDA segmented_topk: input too large");
+  return p;
+}
+
+template <typename U>
+size_t segmented_topk_workspace_bytes(const SegmentedPlan& plan) {
+  Carver c(nullptr);
+  return carve_seg<U>(c, plan, /*with_tiles=*/true).bytes;
+}
+
+template <typename U, typename I>
+void segmented_topk(const U* x, const SegmentedPlan& p, const int64_t* meta, U* out_v, I* out_i,
+                    void* workspace, size_t workspace_bytes, cudaStream_t s) {
+  if (p.nseg == 0 || p.k_total == 0) return;
+  Carver c(workspace);
+  const SegLayout<U> L = carve_seg<U>(c, p, true);
+  if (workspace == nullptr || workspace_bytes < L.bytes)
+    throw std::runtime_error("ssfusion_hvd CUDA segmented_topk: workspace too small");
+  const Meta m = meta_views(meta, p.nseg);
+  seg_radix<U>(x, p, m, L, s);
+  const size_t mt = size_t(p.tiles) + 1;
+  SSF_CUDA_CHECK(cudaMemsetAsync(L.gcnt + p.tiles, 0, sizeof(long long), s));
+  SSF_CUDA_CHECK(cudaMemsetAsync(L.tcnt + p.tiles, 0, sizeof(long long), s));
+  seg_tile_count_kernel<U><<<unsigned(p.tiles), kThreads, 0, s>>>(x, m, p.nseg, L.st, L.gcnt,
+                                                                  L.tcnt);
+  SSF_CUDA_CHECK_LAUNCH();
+  size_t bytes = L.scan_bytes;
+  SSF_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(L.scan_tmp, bytes, L.gcnt, L.goff, int(mt), s));
+  bytes = L.scan_bytes;
+  SSF_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(L.scan_tmp, bytes, L.tcnt, L.toff, int(mt), s));
+  seg_tile_write_kernel<U, I><<<unsigned(p.tiles), kThreads, 0, s>>>(x, m, p.nseg, L.st, L.goff,
+                                                                     L.toff, out_v, out_i);
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+// The plan of sampled_threshold: one radix segment of `samples` magnitudes, k = kk.
+SegmentedPlan sample_plan(int64_t samples, int64_t kk, int64_t* meta) {
+  const int64_t off[2] = {0, samples};
+  return segmented_plan(off, &kk, 1, meta, /*radix_all=*/true);  // kk == samples: the min
+}
+
+int64_t sample_rank(int64_t n, int64_t k, int64_t samples) {
+  // The CPU's ceil(k * samples / n)-th largest sample estimates the k-th largest of n.
+  return std::max<int64_t>(1, (k * samples + n - 1) / n);
+}
+}  // namespace
+
+size_t sampled_threshold_workspace_bytes(int64_t n, int64_t samples) {
+  if (n <= 0) return 0;
+  samples = clamp_samples(n, samples);
+  std::vector<int64_t> meta(segmented_meta_len(1));
+  const SegmentedPlan p = sample_plan(samples, 1, meta.data());
+  Carver c(nullptr);
+  c.take<uint32_t>(size_t(samples));
+  c.take<int64_t>(meta.size());
+  carve_seg<uint32_t>(c, p, /*with_tiles=*/false);
+  return c.off;
+}
+
+template <typename U>
+double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, ValueKind kind,
+                         void* workspace, size_t workspace_bytes, cudaStream_t s) {
+  if (n <= 0 || k < 1 || k > n)
+    throw std::runtime_error("ssfusion_hvd CUDA sampled_threshold: k out of range");
+  samples = clamp_samples(n, samples);
+  const int64_t kk = sample_rank(n, k, samples);
+  std::vector<int64_t> meta(segmented_meta_len(1));  // alive until the sync below
+  const SegmentedPlan p = sample_plan(samples, kk, meta.data());
+  Carver c(workspace);
+  uint32_t* mag = c.take<uint32_t>(size_t(samples));
+  int64_t* meta_dev = c.take<int64_t>(meta.size());
+  const SegLayout<uint32_t> L = carve_seg<uint32_t>(c, p, false);
+  if (workspace == nullptr || workspace_bytes < c.off)
+    throw std::runtime_error("ssfusion_hvd CUDA sampled_threshold: workspace too small");
+  SSF_CUDA_CHECK(cudaMemcpyAsync(meta_dev, meta.data(), meta.size() * sizeof(int64_t),
+                                 cudaMemcpyHostToDevice, s));
+  const unsigned grid = grid_for(samples, 256, 4096);
+  switch (kind) {
+    case ValueKind::kFloat32:
+      sample_gather_kernel<U, int(ValueKind::kFloat32)><<<grid, 256, 0, s>>>(x, n, samples, mag);
+      break;
+    case ValueKind::kFloat16:
+      sample_gather_kernel<U, int(ValueKind::kFloat16)><<<grid, 256, 0, s>>>(x, n, samples, mag);
+      break;
+    case ValueKind::kBFloat16:
+      sample_gather_kernel<U, int(ValueKind::kBFloat16)><<<grid, 256, 0, s>>>(x, n, samples, mag);
+      break;
+  }
+  SSF_CUDA_CHECK_LAUNCH();
+  seg_radix<uint32_t>(mag, p, meta_views(meta_dev, 1), L, s);
+  uint32_t bits = 0;
+  SSF_CUDA_CHECK(cudaMemcpyAsync(&bits, &L.st[0].prefix, sizeof bits, cudaMemcpyDeviceToHost, s));
+  SSF_CUDA_CHECK(cudaStreamSynchronize(s));  // the one sync: the result is a host number
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return double(f);
+}
+
+#define SSF_INST_U(U)                                                                   \
+  template size_t segmented_topk_workspace_bytes<U>(const SegmentedPlan&);              \
+  template double sampled_threshold<U>(const U*, int64_t, int64_t, int64_t, ValueKind,  \
+                                       void*, size_t, cudaStream_t);
+#define SSF_INST_UI(U, I)                                                                    \
+  template void segmented_topk<U, I>(const U*, const SegmentedPlan&, const int64_t*, U*, I*, \
+                                     void*, size_t, cudaStream_t);
+SSF_INST_U(uint16_t)
+SSF_INST_U(uint32_t)
+SSF_INST_UI(uint16_t, int32_t)
+SSF_INST_UI(uint16_t, int64_t)
+SSF_INST_UI(uint32_t, int32_t)
+SSF_INST_UI(uint32_t, int64_t)
+#undef SSF_INST_U
+#undef SSF_INST_UI
+
+}  // namespace cuda
+}  // namespace ssf
+
+// ============================================================================ torch glue
+#ifdef SSF_WITH_CUDA
+#include "../ops.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+namespace ssf {
+namespace {
+
+void check_values_seg(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cuda(), op, ": expected a CUDA tensor, got ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
+                  x.scalar_type() == at::kBFloat16,
+              op, ": unsupported dtype ", x.scalar_type(), " (float32, float16, bfloat16)");
+  TORCH_CHECK(x.is_contiguous(), op, ": input must be contiguous");
+}
+
+at::Tensor workspace_for(const at::Tensor& x, size_t bytes) {
+  return at::empty({int64_t(std::max<size_t>(bytes, 1))}, x.options().dtype(at::kByte));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat_in,
+                                                       const at::Tensor& offsets_in,
+                                                       const at::Tensor& ks_in) {
+  check_values_seg(flat_in, "segmented_topk");
+  const at::Tensor flat = flat_in.reshape({-1});
+  // The plan is made on the host from CPU offsets/ks (ops.py passes CPU tensors).
+  const at::Tensor offsets = offsets_in.to(at::kCPU, at::kLong).contiguous();
+  const at::Tensor ks = ks_in.to(at::kCPU, at::kLong).contiguous();
+  const int64_t nseg = ks.numel(), n = flat.numel();
+  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() == nseg + 1,
+              "segmented_topk: offsets must have len(ks) + 1 entries");
+  const int64_t* off = offsets.const_data_ptr<int64_t>();
+  const int64_t* kp = ks.const_data_ptr<int64_t>();
+  TORCH_CHECK(nseg == 0 || (off[0] >= 0 && off[nseg] <= n), "segmented_topk: offsets outside [0, ",
+              n, "]");
+  for (int64_t s = 0; s < nseg; ++s) {
+    TORCH_CHECK(off[s + 1] >= off[s], "segmented_topk: offsets must be non-decreasing");
+    TORCH_CHECK(kp[s] >= 0 && kp[s] <= off[s + 1] - off[s], "segmented_topk: k=", kp[s],
+                " out of range for segment ", s, " of ", off[s + 1] - off[s], " elements");
+  }
+  const auto idt = n <= std::numeric_limits<int32_t>::max() ? at::kInt : at::kLong;
+  const c10::cuda::CUDAGuard guard(flat.device());
+  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  // Pinned, so the copy below is truly asynchronous; torch's caching host allocator keeps
+  // the block alive until the copy has run on the stream.
+  at::Tensor meta_host = at::empty({cuda::segmented_meta_len(nseg)},
+                                   at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  const cuda::SegmentedPlan plan =
+      cuda::segmented_plan(off, kp, nseg, meta_host.data_ptr<int64_t>(), /*radix_all=*/false);
+  at::Tensor values = at::empty({plan.k_total}, flat.options());
+  at::Tensor indices = at::empty({plan.k_total}, flat.options().dtype(idt));
+  if (plan.k_total == 0) return {values, indices};
+  const at::Tensor meta = meta_host.to(flat.device(), at::kLong, /*non_blocking=*/true);
+  auto run = [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    at::Tensor ws = workspace_for(flat, cuda::segmented_topk_workspace_bytes<U>(plan));
+    cuda::segmented_topk<U, I>(static_cast<const U*>(flat.const_data_ptr()), plan,
+                               meta.const_data_ptr<int64_t>(), static_cast<U*>(values.data_ptr()),
+                               indices.data_ptr<I>(), ws.data_ptr(), size_t(ws.numel()), s);
+  };
+  if (flat.element_size() == 4) {
+    if (idt == at::kInt) run(uint32_t{}, int32_t{}); else run(uint32_t{}, int64_t{});
+  } else {
+    if (idt == at::kInt) run(uint16_t{}, int32_t{}); else run(uint16_t{}, int64_t{});
+  }
+  return {values, indices};
+}
+
+double sampled_threshold_cuda(const at::Tensor& x_in, int64_t k, int64_t samples) {
+  check_values_seg(x_in, "sampled_threshold");
+  const at::Tensor x = x_in.reshape({-1});
+  const int64_t n = x.numel();
+  TORCH_CHECK(k >= 1 && k <= n, "sampled_threshold: k=", k, " out of range [1, ", n, "]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const cuda::ValueKind kind = x.scalar_type() == at::kFloat  ? cuda::ValueKind::kFloat32
+                               : x.scalar_type() == at::kHalf ? cuda::ValueKind::kFloat16
+                                                              : cuda::ValueKind::kBFloat16;
+  at::Tensor ws = workspace_for(x, cuda::sampled_threshold_workspace_bytes(n, samples));
+  if (x.element_size() == 4)
+    return cuda::sampled_threshold<uint32_t>(static_cast<const uint32_t*>(x.const_data_ptr()), n,
+                                             k, samples, kind, ws.data_ptr(), size_t(ws.numel()), s);
+  return cuda::sampled_threshold<uint16_t>(static_cast<const uint16_t*>(x.const_data_ptr()), n, k,
+                                           samples, kind, ws.data_ptr(), size_t(ws.numel()), s);
+}
+
+}  // namespace ssf
+#endif  // SSF_WITH_CUDA
