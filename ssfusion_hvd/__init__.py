@@ -4,10 +4,20 @@ Drop-in for ``hvd.DistributedOptimizer``::
 
     opt = ssfusion_hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                             scheme="dense")
+
+``DistributedOptimizer`` and ``SCHEMES`` import Horovod on first use, so the pure parts
+(``ssfusion_hvd.plan``, ``ssfusion_hvd.ops``, ``ssfusion_hvd.sparsify``) work without it.
 """
 __version__ = "0.1.0"
 
-from .optimizer import DistributedOptimizer, SCHEMES  # noqa: E402
 from .sparsify import SPARSIFIERS  # noqa: E402
 
 __all__ = ["DistributedOptimizer", "SCHEMES", "SPARSIFIERS", "__version__"]
+
+
+def __getattr__(name):
+    if name in ("DistributedOptimizer", "SCHEMES"):
+        from . import optimizer
+
+        return getattr(optimizer, name)
+    raise AttributeError(f"module 'ssfusion_hvd' has no attribute {name!r}")

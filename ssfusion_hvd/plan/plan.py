@@ -1,0 +1,176 @@
+"""The plan: what every rank does with every gradient tensor in one iteration.
+
+A :class:`Plan` is the planner's output and the optimizer's input (DESIGN: "The planner
+is a pure function of numbers ... to a Plan"). Tensors are indexed in backward order
+(the order their gradients become ready). Each *group* is a run of consecutive tensors
+packed into one fusion buffer; per tensor the plan says whether it is sent dense or
+sparsified, its top-k ``k``, whether it rides the group's allreduce part or its
+allgather part (SSFusion-I, §IV-D) and whether its sparsification is offloaded to the
+CPU worker (SSFusion-O, §IV-C). A group with ``buffer_k`` is sparsified as a whole,
+multi-tensor style (Cupcake; SSFusion §III-A): one top-k over the fusion buffer.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .timeline import Timeline
+
+__all__ = ["Group", "Plan", "ALLREDUCE", "ALLGATHER"]
+
+ALLREDUCE = "allreduce"
+ALLGATHER = "allgather"
+
+
+@dataclass(frozen=True)
+class Group:
+    """Tensors ``[start, end)`` (backward order) fused into one buffer.
+
+    ``buffer_k`` is set only for multi-tensor sparsification: top-``buffer_k`` over the
+    whole fusion buffer, so single tensors may send nothing (tensor missing, §III-A).
+    """
+
+    start: int
+    end: int
+    buffer_k: int | None = None
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def indices(self) -> range:
+        return range(self.start, self.end)
+
+
+@dataclass
+class Plan:
+    """Groups plus per-tensor decisions; see the module docstring.
+
+    Per tensor ``i`` (backward order): ``sparse[i]`` (sparsified, or sent dense),
+    ``k[i]`` (elements sent: ``numel`` when dense, the top-k count when sparsified on
+    its own, ``None`` inside a multi-tensor buffer), ``collective[i]`` (``"allreduce"``:
+    dense part of the group, or ``"allgather"``) and ``offload[i]`` (sparsified on the
+    CPU worker).
+    """
+
+    scheme: str
+    names: list[str]
+    sizes: list[int]
+    groups: list[Group]
+    sparse: list[bool]
+    k: list[int | None]
+    collective: list[str]
+    offload: list[bool]
+    density: float
+    sparsifier: str = "dgc"
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.sizes = [int(n) for n in self.sizes]
+        self.groups = [g if isinstance(g, Group) else Group(**g) for g in self.groups]
+        n = len(self.sizes)
+        for attr in ("names", "sparse", "k", "collective", "offload"):
+            if len(getattr(self, attr)) != n:
+                raise ValueError(f"plan.{attr} has {len(getattr(self, attr))} entries, expected {n}")
+        cursor = 0
+        for g in self.groups:
+            if g.start != cursor or g.end <= g.start:
+                raise ValueError(f"groups must tile [0, {n}) consecutively; got {self.groups}")
+            cursor = g.end
+            for i in g.indices():
+                self._check_tensor(i, buffered=g.buffer_k is not None)
+        if cursor != n:
+            raise ValueError(f"groups cover [0, {cursor}) but the plan has {n} tensors")
+
+    def _check_tensor(self, i: int, buffered: bool) -> None:
+        n, k, coll = self.sizes[i], self.k[i], self.collective[i]
+        if coll not in (ALLREDUCE, ALLGATHER):
+            raise ValueError(f"tensor {i}: unknown collective {coll!r}")
+        if buffered:
+            ok = self.sparse[i] and k is None and coll == ALLGATHER and not self.offload[i]
+        elif self.sparse[i]:
+            ok = k is not None and 1 <= k <= n and coll == ALLGATHER
+        else:
+            ok = k == n and not self.offload[i]
+        if not ok:
+            raise ValueError(
+                f"tensor {i} ({self.names[i]}): inconsistent sparse={self.sparse[i]} k={k} "
+                f"collective={coll} offload={self.offload[i]} (buffered={buffered})"
+            )
+
+    # -- views -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def group_of(self) -> list[int]:
+        """Group index of every tensor."""
+        out = [0] * len(self.sizes)
+        for gi, g in enumerate(self.groups):
+            for i in g.indices():
+                out[i] = gi
+        return out
+
+    def sent_elements(self) -> int:
+        """Elements (values) one worker sends per iteration, dense tensors included."""
+        per_tensor = sum(k for k in self.k if k is not None)
+        return per_tensor + sum(g.buffer_k for g in self.groups if g.buffer_k is not None)
+
+    # -- JSON --------------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["groups"] = [asdict(g) for g in self.groups]
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls(**json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_json(Path(path).read_text())
+
+    # -- text --------------------------------------------------------------------------
+    def table(self, timeline: "Timeline | None" = None, max_name: int = 40) -> str:
+        """Readable per-tensor table, grouped; with a timeline, per-group times in ms."""
+        lines = [
+            f"plan: scheme={self.scheme} sparsifier={self.sparsifier} density={self.density:g} "
+            f"tensors={len(self)} groups={len(self.groups)} "
+            f"sent={self.sent_elements()}/{sum(self.sizes)} elements"
+        ]
+        header = f"{'grp':>4} {'idx':>5}  {'tensor':<{max_name}} {'numel':>11} {'mode':<6} {'k':>9} {'density':>8} {'coll':<4} {'dev':<3}"
+        lines += [header, "-" * len(header)]
+        for gi, g in enumerate(self.groups):
+            if timeline is not None:
+                gt = timeline.groups[gi]
+                lines.append(
+                    f"{gi:>4} group [{g.start}, {g.end}): backward {gt.backward_start * 1e3:.3f}-"
+                    f"{gt.backward_end * 1e3:.3f} ms, ready {gt.ready * 1e3:.3f} ms, "
+                    f"communication {gt.comm_start * 1e3:.3f}-{gt.comm_end * 1e3:.3f} ms"
+                )
+            if g.buffer_k is not None:
+                elems = sum(self.sizes[i] for i in g.indices())
+                lines.append(
+                    f"{gi:>4} fusion buffer: top-{g.buffer_k} of {elems} elements "
+                    f"(density {g.buffer_k / elems:.4g}), allgather"
+                )
+            for i in g.indices():
+                name = self.names[i]
+                if len(name) > max_name:
+                    name = "…" + name[-(max_name - 1):]
+                n, k = self.sizes[i], self.k[i]
+                mode = "buffer" if g.buffer_k is not None else ("sparse" if self.sparse[i] else "dense")
+                k_txt = "-" if k is None else str(k)
+                dens = "-" if k is None else f"{k / n:.4g}"
+                coll = "AR" if self.collective[i] == ALLREDUCE else "AG"
+                dev = "cpu" if self.offload[i] else ("gpu" if self.sparse[i] else "-")
+                lines.append(
+                    f"{gi:>4} {i:>5}  {name:<{max_name}} {n:>11} {mode:<6} {k_txt:>9} {dens:>8} {coll:<4} {dev:<3}"
+                )
+        if timeline is not None:
+            lines.append(f"simulated iteration time: {timeline.iteration_s * 1e3:.3f} ms")
+        return "\n".join(lines)

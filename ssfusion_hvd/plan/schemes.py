@@ -1,0 +1,81 @@
+"""Plan builders, one per synchronization scheme.
+
+==============  ==========================================================================
+``dense``       Horovod: dense allreduce of groups packed up to the fusion threshold in
+                backward order (threshold 0: one allreduce per tensor).
+``per_tensor``  every tensor sparsified on its own (``k = ceil(density · n)``), one
+                allgather per tensor; no tensor missing (SSFusion §III-A).
+``multi_tensor`` Cupcake: optimal fusion (§4.2), one top-k per fusion buffer with
+                ``k = ceil(density · buffer elements)``, allgather; tensors may go missing.
+``ssfusion``    groups by optimal fusion of per-tensor sparsified tensors (SSFusion §IV-B
+                Step-1), selective sparsification (Eq. 2) and density-aware compensation.
+``ssfusion_o``  ``ssfusion`` plus sparsification offloading (SSFusion-O, §IV-C).
+``ssfusion_i``  the same groups split into allreduce/allgather parts (SSFusion-I, §IV-D).
+``ssfusion_oi`` ``ssfusion_i`` plus offloading.
+==============  ==========================================================================
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .cost import CostModel
+from .fusion import fused_plan, optimal_fusion
+from .plan import Plan
+from .selective import choose_offload, select_sparsified, split_interleaved
+
+__all__ = ["SCHEMES", "DEFAULT_FUSION_THRESHOLD", "build_plan", "threshold_groups"]
+
+SCHEMES = ("dense", "per_tensor", "multi_tensor", "ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi")
+
+#: Horovod's default ``HOROVOD_FUSION_THRESHOLD`` (64 MiB).
+DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
+
+
+def threshold_groups(sizes: Sequence[int], threshold_bytes: int, element_size: int = 4) -> list[tuple[int, int]]:
+    """Consecutive groups of at most ``threshold_bytes`` (a larger tensor goes alone)."""
+    bounds, start, filled = [], 0, 0
+    for i, n in enumerate(sizes):
+        nbytes = int(n) * element_size
+        if i > start and filled + nbytes > threshold_bytes:
+            bounds.append((start, i))
+            start, filled = i, 0
+        filled += nbytes
+    if len(sizes):
+        bounds.append((start, len(sizes)))
+    return bounds
+
+
+def build_plan(
+    scheme: str,
+    sizes: Sequence[int],
+    cost: CostModel,
+    density: float = 0.01,
+    names: Sequence[str] | None = None,
+    sparsifier: str = "dgc",
+    fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD,
+) -> Plan:
+    """The plan of ``scheme`` for gradient tensors ``sizes`` (element counts, backward order)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {SCHEMES}")
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    n = len(sizes)
+    if scheme == "dense":
+        bounds = threshold_groups(sizes, fusion_threshold_bytes, cost.element_size)
+        return fused_plan(sizes, bounds, "none", density, scheme, names, sparsifier)
+    if scheme == "per_tensor":
+        return fused_plan(sizes, [(i, i + 1) for i in range(n)], "per_tensor", density, scheme, names, sparsifier)
+    if scheme == "multi_tensor":
+        return optimal_fusion(sizes, cost, "multi_tensor", density, scheme, names, sparsifier)
+    # SSFusion §IV-B Step-1: the fusion buffers of Cupcake's FindOptFusion, each tensor
+    # sparsified on its own inside them.
+    cupcake = optimal_fusion(sizes, cost, "multi_tensor", density, scheme, names, sparsifier)
+    bounds = [(g.start, g.end) for g in cupcake.groups]
+    fused = fused_plan(sizes, bounds, "per_tensor", density, scheme, names, sparsifier)
+    if scheme in ("ssfusion", "ssfusion_o"):
+        plan = select_sparsified(fused, cost, scheme="ssfusion")
+    else:
+        plan = split_interleaved(fused, cost, scheme="ssfusion_i")
+    if scheme in ("ssfusion_o", "ssfusion_oi"):
+        plan = choose_offload(plan, cost, scheme=scheme)
+    return plan

@@ -1,0 +1,308 @@
+"""Planner unit tests: simulator on hand-computed timelines, density-aware compensation,
+offloading, scheme builders, JSON, the plan table, the models and the CLI."""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ssfusion_hvd.plan import (
+    ALLGATHER,
+    ALLREDUCE,
+    MIN_DENSITY,
+    SCHEMES,
+    CostModel,
+    Group,
+    Plan,
+    build_plan,
+    choose_offload,
+    compensate_density,
+    default_backward_times,
+    fused_plan,
+    model_tensors,
+    nominal_k,
+    parse_bandwidth,
+    simulate,
+    threshold_groups,
+)
+from ssfusion_hvd.plan.__main__ import main as cli_main
+
+
+def cost(backward, ar=(0.0, 0.0), ag=(0.0, 0.0), gpu=(0.0, 0.0), cpu=(0.0, 0.0), forward=0.0, es=4):
+    return CostModel(4, ar, ag, {"dgc": {"gpu": gpu, "cpu": cpu}}, backward, es, forward)
+
+
+def plan(sizes, groups, sparse, k, coll=None, offload=None, buffer_k=None):
+    n = len(sizes)
+    return Plan("hand", [f"t{i}" for i in range(n)], sizes,
+                [Group(s, e, (buffer_k or {}).get(gi)) for gi, (s, e) in enumerate(groups)],
+                sparse, k, coll or [ALLGATHER] * n, offload or [False] * n, 0.01)
+
+
+# -- simulator: timelines computed by hand (all numbers exact in binary) ---------------------
+
+def test_dense_groups_wait_for_backward_and_for_the_link():
+    # group 0: backward 0-1-3, then an allreduce of 1024 B costing 0.5 + 1024/1024
+    p = plan([128, 128, 256], [(0, 2), (2, 3)], [False] * 3, [128, 128, 256], [ALLREDUCE] * 3)
+    c = cost([1.0, 2.0, 3.0], ar=(0.5, 1 / 1024))
+    t = simulate(p, c)
+    g0, g1 = t.groups
+    assert (g0.backward_start, g0.backward_end, g0.ready) == (0.0, 3.0, 3.0)
+    assert (g0.ar_start, g0.ar_end, g0.ag_start) == (3.0, 4.5, None)       # 0.5 + 1024 B
+    assert (g1.backward_start, g1.ready, g1.ar_start, g1.ar_end) == (3.0, 6.0, 6.0, 7.5)
+    assert t.iteration_s == 7.5 and t.compute_end == 6.0
+
+
+def test_per_tensor_sparsification_occupies_the_compute_stream_and_link_is_fifo():
+    p = plan([100, 100], [(0, 1), (1, 2)], [True, True], [1, 1])
+    t = simulate(p, cost([1.0, 1.0], ag=(2.0, 0.0), gpu=(0.25, 0.0)))
+    g0, g1 = t.groups
+    assert (g0.ready, g0.ag_start, g0.ag_end) == (1.25, 1.25, 3.25)
+    # tensor 1's backward starts after tensor 0's sparsification; its allgather waits for the link
+    assert (g1.backward_start, g1.backward_end, g1.ready) == (1.25, 2.25, 2.5)
+    assert (g1.ag_start, g1.ag_end, t.iteration_s) == (3.25, 5.25, 5.25)
+
+
+def test_offloaded_tensors_run_on_one_fifo_cpu_worker():
+    c = cost([1.0, 1.0], ag=(1.0, 0.0), gpu=(0.25, 0.0), cpu=(0.5, 0.0))
+    one = simulate(plan([100, 100], [(0, 2)], [True, True], [1, 1], offload=[True, False]), c)
+    assert one.cpu_end == 1.5 and one.compute_end == 2.25          # t1: backward 1-2, GPU 2-2.25
+    assert (one.groups[0].ready, one.iteration_s) == (2.25, 3.25)
+    c = cost([1.0, 1.0], ag=(1.0, 0.0), cpu=(1.5, 0.0))
+    both = simulate(plan([100, 100], [(0, 2)], [True, True], [1, 1], offload=[True, True]), c)
+    assert both.compute_end == 2.0 and both.cpu_end == 4.0         # t1 queues behind t0: 2.5-4
+    assert both.iteration_s == 5.0
+
+
+def test_interleaved_group_allgather_waits_for_allreduce_and_sparse_tensors():
+    p = plan([100, 100], [(0, 2)], [False, True], [100, 1], [ALLREDUCE, ALLGATHER])
+    t = simulate(p, cost([1.0, 1.0], ar=(0.5, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0)))
+    g = t.groups[0]
+    assert (g.ar_start, g.ar_end) == (1.0, 1.5)
+    assert (g.ag_start, g.ag_end) == (2.25, 3.25)
+    p_slow_ar = simulate(p, cost([1.0, 1.0], ar=(2.0, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0)))
+    assert (p_slow_ar.groups[0].ag_start, p_slow_ar.iteration_s) == (3.0, 4.0)
+
+
+def test_multi_tensor_buffer_is_sparsified_once_after_its_last_backward():
+    p = plan([300, 200], [(0, 2)], [True, True], [None, None], buffer_k={0: 5})
+    t = simulate(p, cost([1.0, 1.0], ag=(1.0, 1 / 1024), gpu=(0.25, 1 / 2000), forward=0.5))
+    g = t.groups[0]
+    # backward 0.5-2.5, buffer of 2000 B sparsified 2.5-3.75, 5 values + 5 int32 indices = 40 B
+    assert (g.backward_start, g.backward_end, g.ready) == (0.5, 2.5, 3.75)
+    assert t.iteration_s == 3.75 + 1.0 + 40 / 1024
+
+
+def test_simulate_rejects_mismatched_cost_model():
+    with pytest.raises(ValueError, match="backward times"):
+        simulate(plan([1, 2], [(0, 2)], [False] * 2, [1, 2]), cost([1.0]))
+
+
+def test_plan_validation():
+    with pytest.raises(ValueError, match="cover"):
+        plan([1, 2], [(0, 1)], [False] * 2, [1, 2])
+    with pytest.raises(ValueError, match="inconsistent"):       # a sparse tensor cannot be allreduced
+        plan([10, 2], [(0, 2)], [True, False], [1, 2], [ALLREDUCE, ALLREDUCE])
+    with pytest.raises(ValueError, match="inconsistent"):       # k >= 1: no tensor missing
+        plan([10], [(0, 1)], [True], [0])
+
+
+# -- density-aware compensation (SSFusion §IV-B) ------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tensors=st.lists(st.tuples(st.integers(1, 3_000_000), st.booleans()), min_size=1, max_size=40),
+    density=st.sampled_from([0.001, 0.005, 0.01, 0.05, 0.1, 0.5]),
+)
+def test_compensation_invariants(tensors, density):
+    sizes = [n for n, _ in tensors]
+    n = len(sizes)
+    sparse = [s for _, s in tensors]
+    k = [nominal_k(size, density) if s else size for size, s in tensors]
+    p = Plan("x", [f"t{i}" for i in range(n)], sizes, [Group(0, n)], sparse, k,
+             [ALLGATHER] * n, [False] * n, density)
+    out = compensate_density(p, density)
+    sparse_idx = [i for i in range(n) if sparse[i]]
+    for i in range(n):
+        if sparse[i]:
+            assert 1 <= out.k[i] <= sizes[i]
+            assert out.k[i] >= math.ceil(MIN_DENSITY * sizes[i] - 1e-9)   # never below 0.001
+        else:
+            assert out.k[i] == sizes[i]
+    target = round(density * sum(sizes))
+    dense_elems = sum(s for s, sp in zip(sizes, sparse) if not sp)
+    sparse_elems = sum(sizes) - dense_elems
+    if not sparse_idx:
+        assert out.k == p.k
+    elif target - dense_elems >= MIN_DENSITY * sparse_elems:
+        # exact up to the raises to k >= max(1, ceil(0.001 n)): at most one element per tensor
+        assert target <= out.sent_elements() <= target + len(sparse_idx)
+    else:
+        assert all(out.k[i] == max(1, math.ceil(MIN_DENSITY * sizes[i] - 1e-9)) for i in sparse_idx)
+
+
+def test_compensation_lowers_density_of_large_tensors():
+    def compensate(dense_numel):
+        sizes = [10**6, 10**6, dense_numel]
+        p = Plan("x", ["a", "b", "c"], sizes, [Group(0, 3)], [True, True, False],
+                 [10_000, 10_000, dense_numel], [ALLGATHER] * 3, [False] * 3, 0.01)
+        return compensate_density(p, 0.01)
+
+    out = compensate(5_000)
+    assert out.k == [7_525, 7_525, 5_000]            # (20 050 target - 5 000 dense) / 2
+    assert out.sent_elements() == 20_050
+    out = compensate(20_000)                          # 200 left for 2e6 elements: below 0.001
+    assert out.k == [1_000, 1_000, 20_000]
+
+
+# -- offloading (SSFusion-O) -------------------------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_offload_fits_the_backward_window_and_never_slows_down(data):
+    n = data.draw(st.integers(1, 12))
+    sizes = data.draw(st.lists(st.integers(1, 10**6), min_size=n, max_size=n))
+    bwd = data.draw(st.lists(st.floats(0, 5e-3), min_size=n, max_size=n))
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=3))) if n > 1 else []
+    c = cost(bwd, ag=(1e-3, 1e-9), gpu=(data.draw(st.floats(0, 2e-3)), 1e-10),
+             cpu=(data.draw(st.floats(0, 4e-3)), 1e-9))
+    base = fused_plan(sizes, list(zip([0] + cuts, cuts + [n])), "per_tensor", 0.01, "ssfusion")
+    off = choose_offload(base, c)
+    assert simulate(off, c).iteration_s <= simulate(base, c).iteration_s + 1e-15
+    # replay the decisions: each offloaded tensor's CPU finish lies inside its group's window
+    cpu, compute = 0.0, 0.0
+    for g in off.groups:
+        window_end = compute + sum(bwd[g.start:g.end])
+        for i in g.indices():
+            compute += bwd[i]
+            if off.offload[i]:
+                cpu = max(cpu, compute) + c.sparsify_s("dgc", "cpu", sizes[i] * 4)
+                assert cpu <= window_end
+            else:
+                compute += c.sparsify_s("dgc", "gpu", sizes[i] * 4)
+
+
+# -- scheme builders on real layer lists --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def resnet50():
+    tensors = model_tensors("resnet50")
+    sizes = [n for _, n in tensors]
+    c = CostModel.from_network(10e9, 25e-6, 16, default_backward_times(sizes))
+    return [name for name, _ in tensors], sizes, c
+
+
+def test_every_scheme_on_resnet50(resnet50):
+    names, sizes, c = resnet50
+    plans = {s: build_plan(s, sizes, c, 0.01, names) for s in SCHEMES}
+    times = {s: simulate(p, c).iteration_s for s, p in plans.items()}
+    assert all(p.scheme == s for s, p in plans.items())
+    # no tensor missing outside multi-tensor sparsification
+    for s in ("per_tensor", "ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"):
+        assert all(k is not None and k >= 1 for k in plans[s].k), s
+    assert plans["dense"].sent_elements() == sum(sizes)
+    assert plans["per_tensor"].sent_elements() == sum(nominal_k(n, 0.01) for n in sizes)
+    assert len(plans["per_tensor"].groups) == len(sizes)
+    mt = plans["multi_tensor"]
+    assert all(g.buffer_k == nominal_k(sum(sizes[g.start:g.end]), 0.01) for g in mt.groups)
+    # SSFusion keeps Cupcake's fusion buffers (§IV-B Step-1)
+    assert [(g.start, g.end) for g in plans["ssfusion"].groups] == [(g.start, g.end) for g in mt.groups]
+    assert plans["ssfusion"].sent_elements() - round(0.01 * sum(sizes)) <= len(sizes)
+    # offloading only ever helps; interleaved groups send their dense part by allreduce
+    assert times["ssfusion_o"] <= times["ssfusion"]
+    assert times["ssfusion_oi"] <= times["ssfusion_i"]
+    assert any(x == ALLREDUCE for x in plans["ssfusion_i"].collective)
+
+
+def test_threshold_groups():
+    assert threshold_groups([10, 10, 10, 50, 1], 80) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert threshold_groups([3, 3, 3], 0) == [(0, 1), (1, 2), (2, 3)]
+    assert threshold_groups([], 64) == []
+
+
+def test_build_plan_rejects_bad_arguments(resnet50):
+    _, sizes, c = resnet50
+    with pytest.raises(ValueError, match="unknown scheme"):
+        build_plan("allgather_everything", sizes, c)
+    with pytest.raises(ValueError, match="density"):
+        build_plan("ssfusion", sizes, c, density=0.0)
+
+
+# -- JSON and text ----------------------------------------------------------------------
+
+def test_cost_model_json_round_trip(tmp_path, resnet50):
+    _, _, c = resnet50
+    assert CostModel.from_json(c.to_json()) == c
+    c.save(tmp_path / "profile.json")
+    assert CostModel.load(tmp_path / "profile.json") == c
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_plan_json_round_trip_and_table(tmp_path, resnet50, scheme):
+    names, sizes, c = resnet50
+    p = build_plan(scheme, sizes, c, 0.01, names)
+    assert Plan.from_json(p.to_json()) == p
+    p.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == p
+    t = simulate(p, c)
+    text = p.table(t)
+    assert f"scheme={scheme}" in text and f"groups={len(p.groups)}" in text
+    assert all(name in text for name in names)
+    assert text.count(" group [") == len(p.groups)
+    assert f"simulated iteration time: {t.iteration_s * 1e3:.3f} ms" in text
+
+
+# -- cost model ----------------------------------------------------------------------------
+
+def test_from_network_ring_formulas():
+    c = CostModel.from_network(8e9, 1e-5, 4, [0.0])           # 1 GB/s
+    assert c.allreduce == pytest.approx((6e-5, 1.5e-9))       # 2(P-1)·lat, 2(P-1)/P / B
+    assert c.allgather == pytest.approx((3e-5, 3e-9))         # (P-1)·lat, (P-1) / B
+    gpu_alpha, gpu_beta = c.sparsify["dgc"]["gpu"]            # SSFusion Table III, DGC on GPU
+    assert gpu_alpha + gpu_beta * 10_000 * 1024 == pytest.approx(1.82e-3, rel=0.05)
+
+
+def test_parse_bandwidth_and_nominal_k():
+    assert parse_bandwidth("10Gbps") == 1e10
+    assert parse_bandwidth("25 gbit") == 2.5e10
+    assert parse_bandwidth("1e9") == 1e9
+    assert nominal_k(100, 0.07) == 7 and nominal_k(5, 0.01) == 1 and nominal_k(3, 1.0) == 3
+    assert list(nominal_k(np.array([100, 5, 250]), 0.01)) == [1, 1, 3]
+
+
+# -- models --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model, count, total", [
+    ("resnet50", 161, 25_557_032),
+    ("resnet152", 467, 60_192_808),
+    ("gpt2", 148, 124_439_808),
+    ("bert-large", 391, 334_094_338),
+])
+def test_model_tensor_lists(model, count, total):
+    tensors = model_tensors(model)
+    assert len(tensors) == count and sum(n for _, n in tensors) == total
+    last_forward = {"resnet50": "fc.bias", "resnet152": "fc.bias", "gpt2": "transformer.ln_f.bias",
+                    "bert-large": "qa_outputs.bias"}[model]
+    assert tensors[0][0] == last_forward                      # backward order
+
+
+# -- CLI -----------------------------------------------------------------------------------
+
+def test_cli_compares_every_scheme(capsys, tmp_path):
+    assert cli_main(["--model", "resnet50", "--world-size", "16", "--bandwidth", "10Gbps",
+                     "--density", "0.01", "--save-plan", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "assumption: backward time" in out and "scheme=ssfusion_oi" in out
+    assert all(f"\n{s} " in out for s in SCHEMES)
+    assert Plan.load(tmp_path / "p.json").scheme == "ssfusion_oi"
+
+
+def test_cli_with_profile(capsys, tmp_path, resnet50):
+    _, _, c = resnet50
+    c.save(tmp_path / "profile.json")
+    assert cli_main(["--model", "resnet50", "--profile", str(tmp_path / "profile.json"),
+                     "--scheme", "multi_tensor"]) == 0
+    out = capsys.readouterr().out
+    assert "profile.json (world size 16)" in out and "scheme=multi_tensor" in out
+    assert "assumption" not in out

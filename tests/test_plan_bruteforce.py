@@ -1,0 +1,124 @@
+"""The planner's exact searches against brute force, both scored by ``simulate``.
+
+* ``optimal_fusion`` (Cupcake §4.2) against all ``2^(N-1)`` partitions, N <= 14.
+* ``split_interleaved`` (SSFusion §IV-D) against every split of every group.
+"""
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+
+from ssfusion_hvd.plan import (
+    ALLGATHER,
+    ALLREDUCE,
+    CostModel,
+    Group,
+    Plan,
+    SPARSIFICATIONS,
+    fused_plan,
+    nominal_k,
+    optimal_fusion,
+    simulate,
+    split_interleaved,
+    split_objective,
+)
+
+
+def random_sizes(rng: random.Random, n: int) -> list[int]:
+    """Mix of small (norm/bias-like) and large (weight-like) tensors."""
+    return [rng.randint(1, 5000) if rng.random() < 0.5 else rng.randint(10**4, 5 * 10**6) for _ in range(n)]
+
+
+def random_cost(rng: random.Random, n: int) -> CostModel:
+    def ab(alpha_max, beta_max):
+        return (rng.choice([0.0, rng.uniform(0, alpha_max)]), rng.uniform(0, beta_max))
+    return CostModel(
+        world_size=rng.choice([2, 4, 8, 16, 64]),
+        allreduce=ab(2e-3, 2e-9),
+        allgather=ab(4e-3, 1e-8),
+        sparsify={"dgc": {"gpu": ab(2e-3, 2e-10), "cpu": ab(4e-3, 2e-9)}},
+        backward_s=[rng.choice([0.0, rng.uniform(0, 3e-3)]) for _ in range(n)],
+        forward_s=rng.uniform(0, 1e-2),
+    )
+
+
+def partitions(n: int):
+    """All 2^(n-1) ways to cut [0, n) into consecutive groups."""
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        bounds, start = [], 0
+        for i, cut in enumerate(cuts, start=1):
+            if cut:
+                bounds.append((start, i))
+                start = i
+        yield bounds + [(start, n)]
+
+
+# N = 1..12 for every seed, plus N = 13, 14 on every tenth: 240 instances, all modes.
+@pytest.mark.parametrize("seed", range(240))
+def test_optimal_fusion_matches_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(13, 14) if seed % 10 == 0 else rng.randint(1, 12)
+    sparsification = SPARSIFICATIONS[seed % 3]
+    density = rng.choice([0.001, 0.01, 0.05, 0.3, 1.0])
+    sizes = random_sizes(rng, n)
+    cost = random_cost(rng, n)
+
+    plan = optimal_fusion(sizes, cost, sparsification, density)
+    got = simulate(plan, cost).iteration_s
+    brute = min(simulate(fused_plan(sizes, b, sparsification, density, "brute"), cost).iteration_s
+                for b in partitions(n))
+    assert math.isclose(got, brute, rel_tol=1e-12, abs_tol=1e-15), (got, brute)
+
+
+def test_optimal_fusion_extremes():
+    """Comm as long as a backward step but no start-up cost: one group per tensor; pure
+    start-up cost: a single group."""
+    sizes = [1, 1, 1, 1]
+    per_byte = CostModel(4, (0.0, 0.0625), (0.0, 0.0625), {"dgc": {"gpu": (0.0, 0.0)}}, [1.0] * 4)
+    plan = optimal_fusion(sizes, per_byte, "none")
+    assert [(g.start, g.end) for g in plan.groups] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert simulate(plan, per_byte).iteration_s == 4.25
+    latency_bound = CostModel(4, (1.0, 0.0), (1.0, 0.0), {"dgc": {"gpu": (0.0, 0.0)}}, [0.0] * 4)
+    for mode in SPARSIFICATIONS:
+        assert [(g.start, g.end) for g in optimal_fusion(sizes, latency_bound, mode).groups] == [(0, 4)]
+
+
+def one_group_split(plan: Plan, group: Group, dense: set[int]) -> Plan:
+    """``group`` of ``plan`` alone, ``dense`` tensors by allreduce, the rest sparsified by allgather."""
+    idx = list(group.indices())
+    sizes = [plan.sizes[i] for i in idx]
+    return Plan(
+        "split", [plan.names[i] for i in idx], sizes, [Group(0, len(idx))],
+        [i not in dense for i in idx],
+        [plan.sizes[i] if i in dense else nominal_k(plan.sizes[i], plan.density) for i in idx],
+        [ALLREDUCE if i in dense else ALLGATHER for i in idx], [False] * len(idx), plan.density,
+    )
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_split_interleaved_matches_exhaustive_search(seed):
+    rng = random.Random(1000 + seed)
+    n = rng.randint(1, 24)
+    sizes = random_sizes(rng, n)
+    cost = random_cost(rng, n)
+    density = rng.choice([0.001, 0.01, 0.1])
+    cuts = sorted(rng.sample(range(1, n), min(n - 1, rng.randint(0, 3)))) if n > 1 else []
+    bounds = list(zip([0] + cuts, cuts + [n]))
+    plan = fused_plan(sizes, bounds, "per_tensor", density, "fused")
+    split = split_interleaved(plan, cost)
+
+    for gi, g in enumerate(plan.groups):
+        alone = cost.with_backward(cost.backward_s[g.start:g.end])
+        alone.forward_s = 0.0
+        by_size = sorted(g.indices(), key=lambda j: (sizes[j], j))
+        simulated = [simulate(one_group_split(plan, g, set(by_size[:cut])), alone).iteration_s
+                     for cut in range(len(g) + 1)]
+        # T1 + T2 of every split is the one-group timeline ...
+        np.testing.assert_allclose(split_objective(plan, cost, gi), simulated, rtol=1e-12, atol=1e-15)
+        # ... and the chosen split is the best of them.
+        chosen_dense = {i for i in g.indices() if not split.sparse[i]}
+        chosen = simulate(one_group_split(plan, g, chosen_dense), alone).iteration_s
+        assert math.isclose(chosen, min(simulated), rel_tol=1e-12, abs_tol=1e-15)
+        assert all((split.collective[i] == ALLREDUCE) == (not split.sparse[i]) for i in g.indices())
