@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ssfusion_hvd import ops  # noqa: E402
+from ssfusion_hvd.plan.models import model_tensors  # noqa: E402
 
 
 def timeit(fn, warmup, reps):
@@ -42,17 +43,8 @@ def timeit(fn, warmup, reps):
 
 
 def resnet50_sizes():
-    """Parameter sizes of ResNet-50 in model order (161 tensors)."""
-    sizes = [3 * 64 * 49, 64, 64]
-    cin = 64
-    for blocks, w in zip((3, 4, 6, 3), (64, 128, 256, 512)):
-        for b in range(blocks):
-            sizes += [cin * w, w, w, w * w * 9, w, w, w * 4 * w, 4 * w, 4 * w]
-            if b == 0:
-                sizes += [cin * 4 * w, 4 * w, 4 * w]
-            cin = 4 * w
-    sizes += [cin * 1000, 1000]
-    return sizes
+    """ResNet-50's 161 gradient sizes, backward order."""
+    return [n for _, n in model_tensors("resnet50")]
 
 
 def main():

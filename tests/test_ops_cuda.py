@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from ssfusion_hvd import ops
+from ssfusion_hvd.plan.models import model_tensors
+from test_ops import _data as _base_data
 
 if not torch.cuda.is_available() or not ops.build_info().get("cuda_kernels", False):
     # one skip for the module, not one per parametrized case
@@ -28,26 +30,19 @@ DEV = "cuda"
 
 
 def _data(n, dtype, kind, seed):
+    """test_ops's inputs, plus "special": NaN, +-Inf, +-0 and subnormals among normals."""
+    if kind != "special":
+        return _base_data(n, dtype, kind, seed)
     g = torch.Generator().manual_seed(seed)
-    if kind == "normal":
-        x = torch.randn(n, generator=g)
-    elif kind == "ties":  # few distinct magnitudes, both signs: heavy ties everywhere
-        x = torch.randint(-3, 4, (n,), generator=g).float()
-    elif kind == "scaled":  # per-layer scale differences, like real gradients
-        x = torch.randn(n, generator=g) * torch.logspace(-6, 2, n)[torch.randperm(n, generator=g)]
-    elif kind == "special":  # NaN, +-Inf, +-0, subnormals among normal values
-        x = torch.randn(n, generator=g).to(dtype)
-        if n == 0:
-            return x
-        pos = torch.randint(0, n, (max(1, n // 50),), generator=g)
-        tiny = {torch.float32: 1e-40, torch.float16: 6e-8, torch.bfloat16: 1e-39}[dtype]
-        specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
-                                 tiny, -tiny]).to(dtype)  # tiny: a subnormal of dtype
-        x[pos] = specials[torch.arange(pos.numel()) % specials.numel()]
+    x = torch.randn(n, generator=g).to(dtype)
+    if n == 0:
         return x
-    else:
-        raise ValueError(kind)
-    return x.to(dtype)
+    pos = torch.randint(0, n, (max(1, n // 50),), generator=g)
+    tiny = {torch.float32: 1e-40, torch.float16: 6e-8, torch.bfloat16: 1e-39}[dtype]
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
+                             tiny, -tiny]).to(dtype)  # tiny: a subnormal of dtype
+    x[pos] = specials[torch.arange(pos.numel()) % specials.numel()]
+    return x
 
 
 def _bits(t):
@@ -77,20 +72,10 @@ def _both(x):
 
 
 def resnet50_sizes(width_div=1):
-    """Parameter sizes of a ResNet-50 (161 tensors, 25.6M elements), in model order;
-    width_div shrinks every width to keep CPU reference runs short."""
-    w0 = 64 // width_div
-    sizes = [3 * w0 * 49, w0, w0]
-    cin = w0
-    for blocks, w in zip((3, 4, 6, 3), (64, 128, 256, 512)):
-        w //= width_div
-        for b in range(blocks):
-            sizes += [cin * w, w, w, w * w * 9, w, w, w * 4 * w, 4 * w, 4 * w]
-            if b == 0:
-                sizes += [cin * 4 * w, 4 * w, 4 * w]
-            cin = 4 * w
-    sizes += [cin * 1000, 1000]
-    return sizes
+    """ResNet-50's 161 gradient sizes (ssfusion_hvd.plan.models); width_div > 1 shrinks
+    each (about width_div^2 for the convolutions) to keep CPU reference runs short."""
+    sizes = [n for _, n in model_tensors("resnet50")]
+    return sizes if width_div == 1 else [max(1, n // width_div**2) for n in sizes]
 
 
 # ------------------------------------------------------------------------------- top-k

@@ -1,6 +1,7 @@
 // Sparse record codec on the CPU: pack (values, indices) into a flat buffer, scatter-add
 // decode. The record layout is defined once, in record_spans().
 #include "../ops.h"
+#include "../checks.h"
 #include "common.h"
 
 #include <c10/util/Exception.h>
@@ -24,14 +25,6 @@ std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
 }
 
 namespace {
-
-void check_record(const at::Tensor& values, const at::Tensor& indices, const char* op) {
-  TORCH_CHECK(values.dim() == 1 && indices.dim() == 1 && values.numel() == indices.numel(), op,
-              ": values and indices must be 1-D of equal length (got ", values.sizes(), " and ",
-              indices.sizes(), ")");
-  TORCH_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op,
-              ": indices must be int32 or int64, got ", indices.scalar_type());
-}
 
 template <typename I>
 void check_bounds(const I* idx, int64_t k, int64_t n, const char* op) {

@@ -10,6 +10,7 @@
 //   merge:  per chunk, merge the above-list and the chosen candidates into the output.
 // Two reads of the input and work proportional to k + candidates otherwise.
 #include "../ops.h"
+#include "../checks.h"
 #include "common.h"
 
 #include <c10/util/Exception.h>
@@ -156,17 +157,7 @@ void threshold_write(const T* x, const Chunks& ch, double thr, const std::vector
   });
 }
 
-void check_values(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.device().is_cpu(), op, ": expected a CPU tensor, got ", x.device());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
-                  x.scalar_type() == at::kBFloat16,
-              op, ": unsupported dtype ", x.scalar_type(), " (float32, float16, bfloat16)");
-  TORCH_CHECK(x.is_contiguous(), op, ": input must be contiguous");
-}
-
-at::ScalarType index_dtype_for(int64_t n) {
-  return n <= std::numeric_limits<int32_t>::max() ? at::kInt : at::kLong;
-}
+void check_values(const at::Tensor& x, const char* op) { ssf::check_values(x, op, at::kCPU); }
 
 #define SSF_DISPATCH_INDEX(IDX, NAME, ...)                          \
   [&] {                                                             \

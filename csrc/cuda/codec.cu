@@ -247,6 +247,7 @@ SSF_INST_UI(uint32_t, int64_t)
 
 // ============================================================================ torch glue
 #ifdef SSF_WITH_CUDA
+#include "../checks.h"
 #include "../ops.h"
 
 // c10::cuda::getCurrentCUDAStream is what at::cuda::getCurrentCUDAStream forwards to;
@@ -258,13 +259,6 @@ SSF_INST_UI(uint32_t, int64_t)
 namespace ssf {
 namespace {
 
-void check_record_cuda(const at::Tensor& values, const at::Tensor& indices, const char* op) {
-  TORCH_CHECK(values.dim() == 1 && indices.dim() == 1 && values.numel() == indices.numel(), op,
-              ": values and indices must be 1-D of equal length (got ", values.sizes(), " and ",
-              indices.sizes(), ")");
-  TORCH_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op,
-              ": indices must be int32 or int64, got ", indices.scalar_type());
-}
 
 void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op) {
   TORCH_CHECK(b.device() == a.device(), op, ": expected all tensors on ", a.device(), ", got ",
@@ -272,9 +266,8 @@ void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op)
 }
 
 void check_value_dtype(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
-                  x.scalar_type() == at::kBFloat16,
-              op, ": unsupported dtype ", x.scalar_type(), " (float32, float16, bfloat16)");
+  TORCH_CHECK(is_value_dtype(x.scalar_type()), op, ": unsupported dtype ", x.scalar_type(),
+              " (float32, float16, bfloat16)");
 }
 
 cuda::ValueKind kind_of(at::ScalarType t) {
@@ -296,7 +289,7 @@ void dispatch_bits_index(int64_t value_bytes, at::ScalarType idt, const F& fn) {
 
 int64_t pack_cuda(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,
                   int64_t offset) {
-  check_record_cuda(values, indices, "pack");
+  check_record(values, indices, "pack");
   TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.device().is_cuda(),
               "pack: out must be a contiguous 1-D CUDA tensor");
   TORCH_CHECK(out.scalar_type() == values.scalar_type(), "pack: out dtype ", out.scalar_type(),
@@ -322,7 +315,7 @@ int64_t pack_cuda(const at::Tensor& values, const at::Tensor& indices, at::Tenso
 }
 
 void scatter_add_cuda(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
-  check_record_cuda(values, indices, "scatter_add");
+  check_record(values, indices, "scatter_add");
   TORCH_CHECK(dense.is_contiguous() && dense.device().is_cuda(),
               "scatter_add: dense must be a contiguous CUDA tensor");
   TORCH_CHECK(dense.scalar_type() == values.scalar_type(), "scatter_add: dtype mismatch (",

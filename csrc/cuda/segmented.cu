@@ -512,6 +512,7 @@ SSF_INST_UI(uint32_t, int64_t)
 
 // ============================================================================ torch glue
 #ifdef SSF_WITH_CUDA
+#include "../checks.h"
 #include "../ops.h"
 
 #include <c10/cuda/CUDAGuard.h>
@@ -521,13 +522,6 @@ SSF_INST_UI(uint32_t, int64_t)
 namespace ssf {
 namespace {
 
-void check_values_seg(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.device().is_cuda(), op, ": expected a CUDA tensor, got ", x.device());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
-                  x.scalar_type() == at::kBFloat16,
-              op, ": unsupported dtype ", x.scalar_type(), " (float32, float16, bfloat16)");
-  TORCH_CHECK(x.is_contiguous(), op, ": input must be contiguous");
-}
 
 at::Tensor workspace_for(const at::Tensor& x, size_t bytes) {
   return at::empty({int64_t(std::max<size_t>(bytes, 1))}, x.options().dtype(at::kByte));
@@ -538,7 +532,7 @@ at::Tensor workspace_for(const at::Tensor& x, size_t bytes) {
 std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat_in,
                                                        const at::Tensor& offsets_in,
                                                        const at::Tensor& ks_in) {
-  check_values_seg(flat_in, "segmented_topk");
+  check_values(flat_in, "segmented_topk", at::kCUDA);
   const at::Tensor flat = flat_in.reshape({-1});
   // The plan is made on the host from CPU offsets/ks (ops.py passes CPU tensors).
   const at::Tensor offsets = offsets_in.to(at::kCPU, at::kLong).contiguous();
@@ -585,7 +579,7 @@ std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat_in
 }
 
 double sampled_threshold_cuda(const at::Tensor& x_in, int64_t k, int64_t samples) {
-  check_values_seg(x_in, "sampled_threshold");
+  check_values(x_in, "sampled_threshold", at::kCUDA);
   const at::Tensor x = x_in.reshape({-1});
   const int64_t n = x.numel();
   TORCH_CHECK(k >= 1 && k <= n, "sampled_threshold: k=", k, " out of range [1, ", n, "]");

@@ -443,6 +443,7 @@ SSF_INST_UI(uint32_t, int64_t)
 
 // ============================================================================ torch glue
 #ifdef SSF_WITH_CUDA
+#include "../checks.h"
 #include "../ops.h"
 
 // c10::cuda::getCurrentCUDAStream is what at::cuda::getCurrentCUDAStream forwards to;
@@ -454,22 +455,13 @@ SSF_INST_UI(uint32_t, int64_t)
 namespace ssf {
 namespace {
 
-void check_values_cuda(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.device().is_cuda(), op, ": expected a CUDA tensor, got ", x.device());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
-                  x.scalar_type() == at::kBFloat16,
-              op, ": unsupported dtype ", x.scalar_type(), " (float32, float16, bfloat16)");
-  TORCH_CHECK(x.is_contiguous(), op, ": input must be contiguous");
-}
+void check_values_cuda(const at::Tensor& x, const char* op) { check_values(x, op, at::kCUDA); }
 
 cuda::ValueKind kind_of(at::ScalarType t) {
   return t == at::kFloat ? cuda::ValueKind::kFloat32
                          : (t == at::kHalf ? cuda::ValueKind::kFloat16 : cuda::ValueKind::kBFloat16);
 }
 
-at::ScalarType index_dtype_for_cuda(int64_t n) {
-  return n <= std::numeric_limits<int32_t>::max() ? at::kInt : at::kLong;
-}
 
 at::Tensor workspace_like(const at::Tensor& x, size_t bytes) {
   return at::empty({int64_t(std::max<size_t>(bytes, 1))}, x.options().dtype(at::kByte));
@@ -494,7 +486,7 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k) 
   TORCH_CHECK(k >= 0 && k <= n, "topk: k=", k, " out of range [0, ", n, "]");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  const auto idt = index_dtype_for_cuda(n);
+  const auto idt = index_dtype_for(n);
   at::Tensor values = at::empty({k}, x.options());
   at::Tensor indices = at::empty({k}, x.options().dtype(idt));
   dispatch_bits_index(x, idt, [&](auto u, auto i) {
@@ -534,7 +526,7 @@ std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x_in,
   TORCH_CHECK(!std::isnan(thr), "threshold_select: threshold is NaN");
   const at::Tensor x = x_in.reshape({-1});
   const int64_t n = x.numel();
-  const auto idt = index_dtype_for_cuda(n);
+  const auto idt = index_dtype_for(n);
   if (n == 0) return {at::empty({0}, x.options()), at::empty({0}, x.options().dtype(idt))};
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
