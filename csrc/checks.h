@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 namespace ssf {
 
@@ -29,6 +30,35 @@ inline void check_record(const at::Tensor& values, const at::Tensor& indices, co
               indices.sizes(), ")");
   TORCH_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op,
               ": indices must be int32 or int64, got ", indices.scalar_type());
+}
+
+// The output buffer of pack: 1-D, contiguous, on the expected device, of the values' dtype.
+inline void check_pack_out(const at::Tensor& values, const at::Tensor& out, c10::DeviceType device) {
+  TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.device().type() == device,
+              "pack: out must be a contiguous 1-D ", c10::DeviceTypeName(device), " tensor");
+  TORCH_CHECK(out.scalar_type() == values.scalar_type(), "pack: out dtype ", out.scalar_type(),
+              " differs from values dtype ", values.scalar_type());
+}
+
+// Segments of a flat buffer of n elements (int64 CPU offsets[S+1], ks[S]): validates them and
+// returns the output offsets, the prefix sums of ks (S+1 entries).
+inline std::vector<int64_t> check_segments(const at::Tensor& offsets, const at::Tensor& ks,
+                                           int64_t n) {
+  const int64_t nseg = ks.numel();
+  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() == nseg + 1,
+              "segmented_topk: offsets must have len(ks) + 1 entries");
+  const int64_t* off = offsets.const_data_ptr<int64_t>();
+  const int64_t* kp = ks.const_data_ptr<int64_t>();
+  TORCH_CHECK(nseg == 0 || (off[0] >= 0 && off[nseg] <= n), "segmented_topk: offsets outside [0, ",
+              n, "]");
+  std::vector<int64_t> out_off(nseg + 1, 0);
+  for (int64_t s = 0; s < nseg; ++s) {
+    TORCH_CHECK(off[s + 1] >= off[s], "segmented_topk: offsets must be non-decreasing");
+    TORCH_CHECK(kp[s] >= 0 && kp[s] <= off[s + 1] - off[s], "segmented_topk: k=", kp[s],
+                " out of range for segment ", s, " of ", off[s + 1] - off[s], " elements");
+    out_off[s + 1] = out_off[s] + kp[s];
+  }
+  return out_off;
 }
 
 // Index dtype of selections from n elements (ops.h).

@@ -38,10 +38,7 @@ void check_bounds(const I* idx, int64_t k, int64_t n, const char* op) {
 int64_t pack_cpu(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,
                  int64_t offset) {
   check_record(values, indices, "pack");
-  TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.device().is_cpu(),
-              "pack: out must be a contiguous 1-D CPU tensor");
-  TORCH_CHECK(out.scalar_type() == values.scalar_type(), "pack: out dtype ", out.scalar_type(),
-              " differs from values dtype ", values.scalar_type());
+  check_pack_out(values, out, at::kCPU);
   const int64_t k = values.numel();
   auto [vspan, ispan] = record_spans(k, values.scalar_type(), indices.scalar_type());
   TORCH_CHECK(offset >= 0 && offset + vspan + ispan <= out.numel(), "pack: record of ", k,

@@ -199,19 +199,9 @@ std::tuple<at::Tensor, at::Tensor> segmented_topk_cpu(const at::Tensor& flat_in,
   const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
   const at::Tensor ks = ks_in.to(at::kLong).contiguous();
   const int64_t nseg = ks.numel(), n = flat.numel();
-  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() == nseg + 1,
-              "segmented_topk: offsets must have len(ks) + 1 entries");
   const int64_t* off = offsets.const_data_ptr<int64_t>();
   const int64_t* kp = ks.const_data_ptr<int64_t>();
-  std::vector<int64_t> out_off(nseg + 1, 0);
-  TORCH_CHECK(nseg == 0 || (off[0] >= 0 && off[nseg] <= n), "segmented_topk: offsets outside [0, ",
-              n, "]");
-  for (int64_t s = 0; s < nseg; ++s) {
-    TORCH_CHECK(off[s + 1] >= off[s], "segmented_topk: offsets must be non-decreasing");
-    TORCH_CHECK(kp[s] >= 0 && kp[s] <= off[s + 1] - off[s], "segmented_topk: k=", kp[s],
-                " out of range for segment ", s, " of ", off[s + 1] - off[s], " elements");
-    out_off[s + 1] = out_off[s] + kp[s];
-  }
+  const std::vector<int64_t> out_off = check_segments(offsets, ks, n);
   const auto idt = index_dtype_for(n);
   at::Tensor values = at::empty({out_off[nseg]}, flat.options());
   at::Tensor indices = at::empty({out_off[nseg]}, flat.options().dtype(idt));

@@ -290,10 +290,7 @@ void dispatch_bits_index(int64_t value_bytes, at::ScalarType idt, const F& fn) {
 int64_t pack_cuda(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,
                   int64_t offset) {
   check_record(values, indices, "pack");
-  TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.device().is_cuda(),
-              "pack: out must be a contiguous 1-D CUDA tensor");
-  TORCH_CHECK(out.scalar_type() == values.scalar_type(), "pack: out dtype ", out.scalar_type(),
-              " differs from values dtype ", values.scalar_type());
+  check_pack_out(values, out, at::kCUDA);
   check_value_dtype(out, "pack");
   check_same_device(out, values, "pack");
   check_same_device(out, indices, "pack");

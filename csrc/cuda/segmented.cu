@@ -538,18 +538,10 @@ std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat_in
   const at::Tensor offsets = offsets_in.to(at::kCPU, at::kLong).contiguous();
   const at::Tensor ks = ks_in.to(at::kCPU, at::kLong).contiguous();
   const int64_t nseg = ks.numel(), n = flat.numel();
-  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() == nseg + 1,
-              "segmented_topk: offsets must have len(ks) + 1 entries");
   const int64_t* off = offsets.const_data_ptr<int64_t>();
   const int64_t* kp = ks.const_data_ptr<int64_t>();
-  TORCH_CHECK(nseg == 0 || (off[0] >= 0 && off[nseg] <= n), "segmented_topk: offsets outside [0, ",
-              n, "]");
-  for (int64_t s = 0; s < nseg; ++s) {
-    TORCH_CHECK(off[s + 1] >= off[s], "segmented_topk: offsets must be non-decreasing");
-    TORCH_CHECK(kp[s] >= 0 && kp[s] <= off[s + 1] - off[s], "segmented_topk: k=", kp[s],
-                " out of range for segment ", s, " of ", off[s + 1] - off[s], " elements");
-  }
-  const auto idt = n <= std::numeric_limits<int32_t>::max() ? at::kInt : at::kLong;
+  check_segments(offsets, ks, n);
+  const auto idt = index_dtype_for(n);
   const c10::cuda::CUDAGuard guard(flat.device());
   const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
   // Pinned, so the copy below is truly asynchronous; torch's caching host allocator keeps
