@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace ssf {
@@ -14,12 +15,16 @@ inline bool is_value_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
+inline void check_value_dtype(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(is_value_dtype(x.scalar_type()), op, ": unsupported dtype ", x.scalar_type(),
+              " (float32, float16, bfloat16)");
+}
+
 // A selection input: float32/float16/bfloat16, contiguous, on the expected device type.
 inline void check_values(const at::Tensor& x, const char* op, c10::DeviceType device) {
   TORCH_CHECK(x.device().type() == device, op, ": expected a ", c10::DeviceTypeName(device),
               " tensor, got ", x.device());
-  TORCH_CHECK(is_value_dtype(x.scalar_type()), op, ": unsupported dtype ", x.scalar_type(),
-              " (float32, float16, bfloat16)");
+  check_value_dtype(x, op);
   TORCH_CHECK(x.is_contiguous(), op, ": input must be contiguous");
 }
 
@@ -59,6 +64,30 @@ inline std::vector<int64_t> check_segments(const at::Tensor& offsets, const at::
     out_off[s + 1] = out_off[s] + kp[s];
   }
   return out_off;
+}
+
+// Decode of the record (k elements at `offset`) in each of nchunks chunks of chunk_len
+// elements of `gathered` into `dense`; returns the record's (value span, index span).
+std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
+                                          at::ScalarType index_dtype);
+inline std::tuple<int64_t, int64_t> check_chunks(const at::Tensor& dense, const at::Tensor& gathered,
+                                                 int64_t nchunks, int64_t chunk_len, int64_t offset,
+                                                 int64_t k, at::ScalarType index_dtype,
+                                                 c10::DeviceType device) {
+  TORCH_CHECK(dense.is_contiguous() && dense.device().type() == device &&
+                  gathered.is_contiguous() && gathered.dim() == 1 &&
+                  gathered.device() == dense.device(),
+              "scatter_add_chunks: contiguous ", c10::DeviceTypeName(device),
+              " dense and 1-D gathered buffer on one device required");
+  TORCH_CHECK(dense.scalar_type() == gathered.scalar_type(), "scatter_add_chunks: dtype mismatch");
+  check_value_dtype(dense, "scatter_add_chunks");
+  TORCH_CHECK(nchunks >= 0 && chunk_len >= 0 && nchunks * chunk_len == gathered.numel(),
+              "scatter_add_chunks: gathered has ", gathered.numel(), " elements, not ", nchunks,
+              " x ", chunk_len);
+  auto spans = record_spans(k, gathered.scalar_type(), index_dtype);
+  TORCH_CHECK(offset >= 0 && offset + std::get<0>(spans) + std::get<1>(spans) <= chunk_len,
+              "scatter_add_chunks: record outside the chunk");
+  return spans;
 }
 
 // Index dtype of selections from n elements (ops.h).

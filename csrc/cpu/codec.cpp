@@ -74,16 +74,9 @@ void scatter_add_cpu(at::Tensor& dense, const at::Tensor& values, const at::Tens
 void scatter_add_chunks_cpu(at::Tensor& dense, const at::Tensor& gathered, int64_t nchunks,
                             int64_t chunk_len, int64_t offset, int64_t k,
                             at::ScalarType index_dtype) {
-  TORCH_CHECK(dense.is_contiguous() && dense.device().is_cpu() && gathered.is_contiguous() &&
-                  gathered.dim() == 1,
-              "scatter_add_chunks: contiguous CPU dense and 1-D gathered buffer required");
-  TORCH_CHECK(dense.scalar_type() == gathered.scalar_type(), "scatter_add_chunks: dtype mismatch");
-  TORCH_CHECK(nchunks >= 0 && chunk_len >= 0 && nchunks * chunk_len == gathered.numel(),
-              "scatter_add_chunks: gathered has ", gathered.numel(), " elements, not ", nchunks,
-              " x ", chunk_len);
-  auto [vspan, ispan] = record_spans(k, gathered.scalar_type(), index_dtype);
-  TORCH_CHECK(offset >= 0 && offset + vspan + ispan <= chunk_len,
-              "scatter_add_chunks: record outside the chunk");
+  auto [vspan, ispan] =
+      check_chunks(dense, gathered, nchunks, chunk_len, offset, k, index_dtype, at::kCPU);
+  (void)ispan;
   const int64_t n = dense.numel(), vb = gathered.element_size();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dense.scalar_type(), "scatter_add_chunks", [&] {
     scalar_t* d = dense.data_ptr<scalar_t>();

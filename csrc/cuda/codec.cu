@@ -247,45 +247,10 @@ SSF_INST_UI(uint32_t, int64_t)
 
 // ============================================================================ torch glue
 #ifdef SSF_WITH_CUDA
-#include "../checks.h"
-#include "../ops.h"
-
-// c10::cuda::getCurrentCUDAStream is what at::cuda::getCurrentCUDAStream forwards to;
-// ATen/cuda/CUDAContext.h would also pull in cuBLAS/cuSPARSE headers the kernels do not need.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/Exception.h>
+#include "glue.cuh"
 
 namespace ssf {
-namespace {
-
-
-void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op) {
-  TORCH_CHECK(b.device() == a.device(), op, ": expected all tensors on ", a.device(), ", got ",
-              b.device());
-}
-
-void check_value_dtype(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(is_value_dtype(x.scalar_type()), op, ": unsupported dtype ", x.scalar_type(),
-              " (float32, float16, bfloat16)");
-}
-
-cuda::ValueKind kind_of(at::ScalarType t) {
-  return t == at::kFloat ? cuda::ValueKind::kFloat32
-                         : (t == at::kHalf ? cuda::ValueKind::kFloat16 : cuda::ValueKind::kBFloat16);
-}
-
-// Calls fn(U{}, I{}) with the raw bits type of the values and the index type.
-template <typename F>
-void dispatch_bits_index(int64_t value_bytes, at::ScalarType idt, const F& fn) {
-  if (value_bytes == 4) {
-    if (idt == at::kInt) fn(uint32_t{}, int32_t{}); else fn(uint32_t{}, int64_t{});
-  } else {
-    if (idt == at::kInt) fn(uint16_t{}, int32_t{}); else fn(uint16_t{}, int64_t{});
-  }
-}
-
-}  // namespace
+using namespace glue;  // NOLINT: torch-side helpers (glue.cuh)
 
 int64_t pack_cuda(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,
                   int64_t offset) {
@@ -329,7 +294,7 @@ void scatter_add_cuda(at::Tensor& dense, const at::Tensor& values, const at::Ten
     using U = decltype(u);
     using I = decltype(i);
     const size_t bytes = cuda::scatter_add_workspace_bytes<I>(k);
-    at::Tensor ws = at::empty({int64_t(std::max<size_t>(bytes, 1))}, dense.options().dtype(at::kByte));
+    at::Tensor ws = workspace_for(dense, bytes);
     cuda::scatter_add<U, I>(static_cast<U*>(dense.data_ptr()), n, kind_of(dense.scalar_type()),
                             static_cast<const U*>(v.const_data_ptr()), ix.const_data_ptr<I>(), k,
                             ws.data_ptr(), size_t(ws.numel()), s);
@@ -339,18 +304,7 @@ void scatter_add_cuda(at::Tensor& dense, const at::Tensor& values, const at::Ten
 void scatter_add_chunks_cuda(at::Tensor& dense, const at::Tensor& gathered, int64_t nchunks,
                              int64_t chunk_len, int64_t offset, int64_t k,
                              at::ScalarType index_dtype) {
-  TORCH_CHECK(dense.is_contiguous() && dense.device().is_cuda() && gathered.is_contiguous() &&
-                  gathered.dim() == 1,
-              "scatter_add_chunks: contiguous CUDA dense and 1-D gathered buffer required");
-  TORCH_CHECK(dense.scalar_type() == gathered.scalar_type(), "scatter_add_chunks: dtype mismatch");
-  check_value_dtype(dense, "scatter_add_chunks");
-  check_same_device(dense, gathered, "scatter_add_chunks");
-  TORCH_CHECK(nchunks >= 0 && chunk_len >= 0 && nchunks * chunk_len == gathered.numel(),
-              "scatter_add_chunks: gathered has ", gathered.numel(), " elements, not ", nchunks,
-              " x ", chunk_len);
-  auto [vspan, ispan] = record_spans(k, gathered.scalar_type(), index_dtype);
-  TORCH_CHECK(offset >= 0 && offset + vspan + ispan <= chunk_len,
-              "scatter_add_chunks: record outside the chunk");
+  check_chunks(dense, gathered, nchunks, chunk_len, offset, k, index_dtype, at::kCUDA);
   if (k == 0 || nchunks == 0) return;
   const c10::cuda::CUDAGuard guard(dense.device());
   const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();

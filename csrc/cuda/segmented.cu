@@ -512,22 +512,10 @@ SSF_INST_UI(uint32_t, int64_t)
 
 // ============================================================================ torch glue
 #ifdef SSF_WITH_CUDA
-#include "../checks.h"
-#include "../ops.h"
-
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/Exception.h>
+#include "glue.cuh"
 
 namespace ssf {
-namespace {
-
-
-at::Tensor workspace_for(const at::Tensor& x, size_t bytes) {
-  return at::empty({int64_t(std::max<size_t>(bytes, 1))}, x.options().dtype(at::kByte));
-}
-
-}  // namespace
+using namespace glue;  // NOLINT: torch-side helpers (glue.cuh)
 
 std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat_in,
                                                        const at::Tensor& offsets_in,

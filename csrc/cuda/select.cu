@@ -443,44 +443,14 @@ SSF_INST_UI(uint32_t, int64_t)
 
 // ============================================================================ torch glue
 #ifdef SSF_WITH_CUDA
-#include "../checks.h"
-#include "../ops.h"
-
-// c10::cuda::getCurrentCUDAStream is what at::cuda::getCurrentCUDAStream forwards to;
-// ATen/cuda/CUDAContext.h would also pull in cuBLAS/cuSPARSE headers the kernels do not need.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/Exception.h>
+#include "glue.cuh"
 
 namespace ssf {
-namespace {
+using namespace glue;  // NOLINT: torch-side helpers (glue.cuh)
 
-void check_values_cuda(const at::Tensor& x, const char* op) { check_values(x, op, at::kCUDA); }
-
-cuda::ValueKind kind_of(at::ScalarType t) {
-  return t == at::kFloat ? cuda::ValueKind::kFloat32
-                         : (t == at::kHalf ? cuda::ValueKind::kFloat16 : cuda::ValueKind::kBFloat16);
-}
-
-
-at::Tensor workspace_like(const at::Tensor& x, size_t bytes) {
-  return at::empty({int64_t(std::max<size_t>(bytes, 1))}, x.options().dtype(at::kByte));
-}
-
-// Calls fn(U{}, I{}) with the raw bits type of x and the index type idt.
-template <typename F>
-void dispatch_bits_index(const at::Tensor& x, at::ScalarType idt, const F& fn) {
-  if (x.element_size() == 4) {
-    if (idt == at::kInt) fn(uint32_t{}, int32_t{}); else fn(uint32_t{}, int64_t{});
-  } else {
-    if (idt == at::kInt) fn(uint16_t{}, int32_t{}); else fn(uint16_t{}, int64_t{});
-  }
-}
-
-}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k) {
-  check_values_cuda(x_in, "topk");
+  check_values(x_in, "topk", at::kCUDA);
   const at::Tensor x = x_in.reshape({-1});
   const int64_t n = x.numel();
   TORCH_CHECK(k >= 0 && k <= n, "topk: k=", k, " out of range [0, ", n, "]");
@@ -489,11 +459,11 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k) 
   const auto idt = index_dtype_for(n);
   at::Tensor values = at::empty({k}, x.options());
   at::Tensor indices = at::empty({k}, x.options().dtype(idt));
-  dispatch_bits_index(x, idt, [&](auto u, auto i) {
+  dispatch_bits_index(x.element_size(), idt, [&](auto u, auto i) {
     using U = decltype(u);
     using I = decltype(i);
     const size_t bytes = (k == 0 || k == n) ? 0 : cuda::topk_workspace_bytes<U>(n, k);
-    at::Tensor ws = workspace_like(x, bytes);
+    at::Tensor ws = workspace_for(x, bytes);
     cuda::topk<U, I>(static_cast<const U*>(x.const_data_ptr()), n, k,
                      static_cast<U*>(values.data_ptr()), indices.data_ptr<I>(), ws.data_ptr(),
                      size_t(ws.numel()), s);
@@ -502,7 +472,7 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k) 
 }
 
 int64_t threshold_count_cuda(const at::Tensor& x_in, double thr) {
-  check_values_cuda(x_in, "threshold_count");
+  check_values(x_in, "threshold_count", at::kCUDA);
   TORCH_CHECK(!std::isnan(thr), "threshold_count: threshold is NaN");
   const at::Tensor x = x_in.reshape({-1});
   const int64_t n = x.numel();
@@ -511,9 +481,9 @@ int64_t threshold_count_cuda(const at::Tensor& x_in, double thr) {
   const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
   const uint32_t key_min = cuda::threshold_key(thr, kind_of(x.scalar_type()));
   int64_t total = 0;
-  dispatch_bits_index(x, at::kInt, [&](auto u, auto) {
+  dispatch_bits_index(x.element_size(), at::kInt, [&](auto u, auto) {
     using U = decltype(u);
-    at::Tensor ws = workspace_like(x, cuda::threshold_workspace_bytes<U>(n));
+    at::Tensor ws = workspace_for(x, cuda::threshold_workspace_bytes<U>(n));
     cuda::threshold_prepare<U>(static_cast<const U*>(x.const_data_ptr()), n, key_min,
                                ws.data_ptr(), size_t(ws.numel()), s);
     total = cuda::threshold_count_result(ws.data_ptr(), n, s);
@@ -522,7 +492,7 @@ int64_t threshold_count_cuda(const at::Tensor& x_in, double thr) {
 }
 
 std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x_in, double thr) {
-  check_values_cuda(x_in, "threshold_select");
+  check_values(x_in, "threshold_select", at::kCUDA);
   TORCH_CHECK(!std::isnan(thr), "threshold_select: threshold is NaN");
   const at::Tensor x = x_in.reshape({-1});
   const int64_t n = x.numel();
@@ -532,11 +502,11 @@ std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x_in,
   const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
   const uint32_t key_min = cuda::threshold_key(thr, kind_of(x.scalar_type()));
   at::Tensor values, indices;
-  dispatch_bits_index(x, idt, [&](auto u, auto i) {
+  dispatch_bits_index(x.element_size(), idt, [&](auto u, auto i) {
     using U = decltype(u);
     using I = decltype(i);
     const U* px = static_cast<const U*>(x.const_data_ptr());
-    at::Tensor ws = workspace_like(x, cuda::threshold_workspace_bytes<U>(n));
+    at::Tensor ws = workspace_for(x, cuda::threshold_workspace_bytes<U>(n));
     cuda::threshold_prepare<U>(px, n, key_min, ws.data_ptr(), size_t(ws.numel()), s);
     const int64_t total = cuda::threshold_count_result(ws.data_ptr(), n, s);
     values = at::empty({total}, x.options());
