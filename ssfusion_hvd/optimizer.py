@@ -18,6 +18,7 @@ import torch
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, global_process_set
 
+from .consistency import check_same_model
 from .schemes import SCHEMES, SyncConfig
 from .sparsify import SPARSIFIERS
 
@@ -89,6 +90,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def scheme(self) -> str:
         return self._scheme_name
+
+    @property
+    def plan(self):
+        """The :class:`ssfusion_hvd.plan.Plan` in use (None for ``dense`` and during warm-up)."""
+        return getattr(self._scheme, "plan", None)
+
+    def stats(self) -> dict:
+        """Metrics of the last synchronized iteration, on this rank: ``allreduce_bytes`` and
+        ``allgather_bytes`` sent, ``tensors_dense`` / ``tensors_sparse``, ``elements_sent``
+        of ``elements`` and the achieved ``density``, ``tensors_missing`` (tensors that sent
+        nothing), ``nonfinite`` (NaN/Inf elements in the synchronized gradients), and seconds
+        in ``sparsify_s`` (inline selection), ``offload_s`` (worker selection),
+        ``communicate_s`` (first submission to the end of the wait) and ``wait_s`` (blocked
+        in ``synchronize()``). ``phase`` is ``dense``, ``warmup`` or ``planned``."""
+        return self._scheme.stats()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self._delay[p] <= 0:
@@ -182,7 +198,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=global_process_set, *, scheme="dense", sparsifier="topk",
-                         density=0.01):
+                         density=0.01, plan=None, profile=None, warmup_steps=5, log_plan=True):
     """Wraps ``optimizer`` so that ``step()`` applies gradients synchronized across workers.
 
     Horovod arguments (same meaning as in ``hvd.DistributedOptimizer``):
@@ -196,6 +212,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             exactly like Horovod's optimizer).
         sparsifier: how sparse schemes select elements; one of ``ssfusion_hvd.SPARSIFIERS``.
         density: fraction of gradient elements sent by sparse schemes, in (0, 1].
+        plan: a ``ssfusion_hvd.plan.Plan`` or the path of its JSON (``opt.plan.save(path)``):
+            sparse schemes use it from the first step instead of profiling.
+        profile: a ``ssfusion_hvd.plan.CostModel`` or the path of its JSON: used instead of
+            the start-up collective probes and sparsifier timings.
+        warmup_steps: dense iterations measured before a sparse scheme plans (SSFusion:
+            5). The plan is built on rank 0, broadcast, printed once (``log_plan``) and
+            exposed as ``opt.plan``.
 
     Bad arguments raise ``ValueError`` on every rank before any collective is submitted.
     The wrapped optimizer's state (e.g. momentum) is carried over.
@@ -203,6 +226,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     _check_choice("scheme", scheme, SCHEMES)
     _check_choice("sparsifier", sparsifier, SPARSIFIERS)
     density = _check_density(density)
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+        raise ValueError(f"warmup_steps must be a positive int, got {warmup_steps!r}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
@@ -230,6 +255,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             raise ValueError("groups should be a non-negative integer or a list of list of "
                              "torch.Tensor.")
     named = _named_parameters(named_parameters, optimizer.param_groups)
+    # the first collective: every rank must wrap the same model, else a clear error everywhere
+    name_of = {id(v): k for k, v in named}
+    check_same_model(named, [name_of[id(v)] for g in optimizer.param_groups for v in g["params"]
+                             if id(v) in name_of], process_set)
     if op == Adasum and hvd.size() > 1:
         if scheme != "dense":
             raise ValueError(f"op=Adasum is only supported with scheme='dense', got {scheme!r}")
@@ -243,7 +272,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         declared=[v for g in optimizer.param_groups for v in g["params"]],
         compression=compression, op=op, gradient_predivide_factor=float(gradient_predivide_factor),
         groups=groups, sparse_as_dense=sparse_as_dense, process_set=process_set,
-        sparsifier=sparsifier, density=density)
+        sparsifier=sparsifier, density=density, plan=plan, profile=profile,
+        warmup_steps=warmup_steps, log_plan=bool(log_plan))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, config, scheme, backward_passes_per_step)

@@ -1,7 +1,15 @@
-"""Synchronization schemes, selected by ``scheme=`` in ``ssfusion_hvd.DistributedOptimizer``."""
+"""Synchronization schemes, one module each; ``SCHEMES`` maps ``scheme=`` names to classes."""
 from .base import Scheme, SyncConfig
 from .dense import DenseScheme
+from .multi_tensor import MultiTensorScheme
+from .per_tensor import PerTensorScheme
+from .ssfusion import SSFusionScheme
+from .ssfusion_i import SSFusionIScheme
+from .ssfusion_o import SSFusionOScheme
+from .ssfusion_oi import SSFusionOIScheme
 
-SCHEMES = {cls.name: cls for cls in (DenseScheme,)}
+SCHEMES = {cls.name: cls for cls in (DenseScheme, PerTensorScheme, MultiTensorScheme,
+                                     SSFusionScheme, SSFusionOScheme, SSFusionIScheme,
+                                     SSFusionOIScheme)}
 
-__all__ = ["SCHEMES", "Scheme", "SyncConfig", "DenseScheme"]
+__all__ = ["SCHEMES", "Scheme", "SyncConfig"]

@@ -36,6 +36,10 @@ class SyncConfig:
     process_set: Any
     sparsifier: str
     density: float
+    plan: Any = None  # a Plan or a path to its JSON: skips profiling (sparse schemes)
+    profile: Any = None  # a CostModel or a path to its JSON: skips the probes
+    warmup_steps: int = 5  # dense iterations measured before planning
+    log_plan: bool = True  # rank 0 prints the plan table once
     index: Dict[torch.Tensor, int] = field(init=False)  # parameter -> position in order
 
     def __post_init__(self):
@@ -62,6 +66,10 @@ class Scheme:
 
     def reset(self) -> None:
         """Forget submitted-but-unfinished work (used by ``load_state_dict``)."""
+
+    def stats(self) -> dict:
+        """Metrics of the last finished iteration (see ``DistributedOptimizer.stats``)."""
+        return {}
 
     def state_dict(self) -> dict:
         return {}

@@ -8,6 +8,7 @@ Compression, ``op``, ``gradient_predivide_factor`` (pre/post scaling), sparse gr
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Tuple
 
 import torch
@@ -24,6 +25,9 @@ class DenseScheme(Scheme):
     def __init__(self, config: SyncConfig):
         super().__init__(config)
         self._handles: Dict[object, Tuple[object, object]] = {}  # param or group tuple -> (handle, ctx)
+        self._stats: dict = {}
+        self._t_first = None
+        self._bytes = self._elements = self._tensors = 0
         self._group_of: Dict[torch.Tensor, Tuple[torch.Tensor, ...]] = {}
         self._ready_in_group: Dict[Tuple[torch.Tensor, ...], int] = {}
         if config.groups is not None:
@@ -61,6 +65,7 @@ class DenseScheme(Scheme):
     def _allreduce(self, p: torch.Tensor):
         cfg = self.config
         tensor = p.grad
+        self._count(tensor)
         if tensor.is_sparse:
             if not cfg.sparse_as_dense:
                 return sparse_allreduce_async(tensor, name=self._op_name(p), op=cfg.op,
@@ -81,14 +86,25 @@ class DenseScheme(Scheme):
         self._ready_in_group[group] += 1
         if self._ready_in_group[group] == len(group):
             cfg = self.config
+            for q in group:
+                self._count(q.grad)
             compressed, ctxs = zip(*[cfg.compression.compress(q.grad) for q in group])
             handle = grouped_allreduce_async_(list(compressed), name=self._op_name(group[0]),
                                               op=cfg.op, process_set=cfg.process_set)
             self._handles[group] = (handle, ctxs)
             self._ready_in_group[group] = 0
 
+    def _count(self, grad: torch.Tensor) -> None:
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+        n = grad._nnz() if grad.is_sparse else grad.numel()
+        self._elements += n
+        self._tensors += 1
+        self._bytes += n * grad.element_size()
+
     def finish(self) -> None:
         cfg = self.config
+        t_wait = time.perf_counter()
         for key, (handle, ctx) in self._handles.items():
             if isinstance(key, tuple):
                 for q, out, c in zip(key, synchronize(handle), ctx):
@@ -100,12 +116,24 @@ class DenseScheme(Scheme):
                 key.grad.zero_().add_(agg if agg.is_sparse else agg.to_sparse())
             else:
                 key.grad.set_(cfg.compression.decompress(out, ctx))
+        t_end = time.perf_counter()
+        self._stats = {
+            "phase": "dense", "allreduce_bytes": self._bytes, "allgather_bytes": 0,
+            "tensors_dense": self._tensors, "tensors_sparse": 0, "elements": self._elements,
+            "elements_sent": self._elements, "density": 1.0, "tensors_missing": 0,
+            "sparsify_s": 0.0, "offload_s": 0.0,
+            "communicate_s": t_end - (self._t_first or t_wait), "wait_s": t_end - t_wait}
         self.reset()
+
+    def stats(self) -> dict:
+        return dict(self._stats)
 
     def pending(self) -> bool:
         return bool(self._handles) or any(self._ready_in_group.values())
 
     def reset(self) -> None:
+        self._t_first = None
+        self._bytes = self._elements = self._tensors = 0
         self._handles.clear()
         for g in self._ready_in_group:
             self._ready_in_group[g] = 0

@@ -1,0 +1,255 @@
+"""Fusion buffers of one plan group and their wire format (DESIGN "Wire formats").
+
+A group of the plan travels as at most two collectives:
+
+* an **allreduce part**: the group's dense tensors bound for allreduce (SSFusion-I's dense
+  part, or every tensor of a dense scheme), packed back to back into one flat buffer;
+* an **allgather buffer**: one flat buffer of the gradient dtype holding, in this order,
+  ``parts``: a :class:`DensePart` (values of the dense tensors that ride the allgather,
+  SSFusion §IV-B: small tensors are left dense), then :class:`SparsePart` records
+  ``[capacity values | capacity indices]`` (indices aligned to their own size,
+  ``ops.record_spans``). Every rank's buffer has the same length, so the allgather needs no
+  size exchange; rank r's copy is chunk r of the gathered buffer.
+
+A sparse part covers several tensors staged back to back in one flat buffer; its
+indices are positions in that flat buffer. ``mode`` says how it selects:
+
+* ``"segmented"``: per-tensor top-k of every tensor in ONE kernel call (``ops.segmented_topk``);
+* ``"per_tensor"``: per-tensor selection by any sparsifier (one call per tensor: the loop runs
+  over the sparsified tensors of one group only);
+* ``"buffer"``: one selection over the whole fusion buffer (multi-tensor, Cupcake; tensors can
+  go missing, SSFusion §III-A).
+
+Sparsifiers that return fewer than ``capacity`` elements are padded with zero values at
+distinct *sink* positions past the end of the staged data, so decoding (a scatter-add of P
+chunks, which needs distinct indices within a chunk) stays one kernel call and the sink is
+simply never read.
+
+Nothing here talks to Horovod: encode/decode are pure functions of tensors, shared by the
+live schemes and by the tests' reference.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+
+from .. import ops
+from ..sparsify import ResidualMemory, Sparsifier
+
+__all__ = ["DensePart", "SparsePart", "GroupBuffers", "SelectionResult"]
+
+
+@dataclass
+class SelectionResult:
+    """One sparse part's selection in one iteration (indices are positions in the part)."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    per_tensor: Optional[List[int]] = None  # elements selected per tensor, when known on host
+
+
+class DensePart:
+    """Dense tensors carried by the allgather: values only, summed over ranks on decode."""
+
+    kind = "dense"
+
+    def __init__(self, tensors: Sequence[int], shapes: Sequence[torch.Size], offset: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.tensors = list(tensors)
+        self.numels = [math.prod(s) for s in shapes]
+        self.offset = offset
+        self.length = sum(self.numels)
+        self.out = torch.empty(self.length, dtype=dtype, device=device)
+        self.out_views = _views(self.out, shapes)
+
+    def encode(self, grads: Sequence[torch.Tensor], send: torch.Tensor, prescale: float) -> None:
+        region = send[self.offset:self.offset + self.length]
+        torch.cat([g.reshape(-1) for g in grads], out=region)
+        if prescale != 1.0:
+            region.mul_(prescale)
+
+    def decode(self, gathered: torch.Tensor, nranks: int, record_len: int) -> torch.Tensor:
+        chunks = gathered.view(nranks, record_len)[:, self.offset:self.offset + self.length]
+        torch.sum(chunks, dim=0, out=self.out)
+        return self.out
+
+
+class SparsePart:
+    """Sparsified tensors of one group: staged, error-compensated, selected, packed."""
+
+    kind = "sparse"
+
+    def __init__(self, key: str, tensors: Sequence[int], shapes: Sequence[torch.Size],
+                 ks: Sequence[int], mode: str, sparsifiers: Sequence[Sparsifier], offset: int,
+                 dtype: torch.dtype, device: torch.device, stage_device: torch.device | None = None):
+        if mode not in ("segmented", "per_tensor", "buffer"):
+            raise ValueError(f"unknown sparse part mode {mode!r}")
+        self.key = key
+        self.tensors = list(tensors)
+        self.numels = [math.prod(s) for s in shapes]
+        self.bounds = [0]
+        for n in self.numels:
+            self.bounds.append(self.bounds[-1] + n)
+        self.numel = self.bounds[-1]
+        self.ks = [int(k) for k in ks]  # per tensor, or one k for mode "buffer"
+        self.mode = mode
+        self.sparsifiers = list(sparsifiers)  # one per tensor, or one for the buffer
+        if mode == "buffer":
+            assert len(self.ks) == 1 and len(self.sparsifiers) == 1
+            self.capacity = self.sparsifiers[0].capacity(self.ks[0])
+        else:
+            assert len(self.ks) == len(self.tensors)
+            self.capacity = sum(s.capacity(k) for s, k in zip(self.sparsifiers, self.ks)) \
+                if mode == "per_tensor" else sum(self.ks)
+        self.dtype = dtype
+        self.idx_dtype = ops.index_dtype(self.numel + self.capacity)
+        self.offset = offset
+        self.length = ops.record_numel(self.capacity, dtype, self.idx_dtype)
+        stage_device = device if stage_device is None else stage_device
+        pin = stage_device.type == "cpu" and device.type == "cuda" and torch.cuda.is_available()
+        self.stage = torch.empty(self.numel, dtype=dtype, device=stage_device, pin_memory=pin)
+        # decode target: the part's tensors plus the sink that padding entries point into
+        self.out = torch.empty(self.numel + self.capacity, dtype=dtype, device=device)
+        self.out_views = _views(self.out, shapes)
+        self._offsets = torch.tensor(self.bounds, dtype=torch.int64)
+        self._ks = torch.tensor(self.ks, dtype=torch.int64)
+        self._sink = torch.arange(self.numel, self.numel + self.capacity,
+                                  dtype=self.idx_dtype, device=stage_device)
+
+    # -- encode ------------------------------------------------------------------------
+    def stage_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        torch.cat([g.reshape(-1) for g in grads], out=self.stage)
+
+    def select(self, memory: ResidualMemory) -> SelectionResult:
+        """Error feedback around the selection: acc = grad + residual; what is not sent
+        becomes the new residual (``ResidualMemory``: bit-exact bookkeeping)."""
+        acc = memory.compensate(self.key, self.stage)
+        if self.mode == "segmented":
+            values, indices = ops.segmented_topk(acc, self._offsets, self._ks)
+            result = SelectionResult(values, indices, list(self.ks))
+        elif self.mode == "buffer":
+            values, indices = self.sparsifiers[0].select(acc, self.ks[0])
+            result = SelectionResult(values, indices)
+        else:
+            vals, idxs, counts = [], [], []
+            for s, k, lo, hi in zip(self.sparsifiers, self.ks, self.bounds, self.bounds[1:]):
+                v, i = s.select(acc[lo:hi], k)
+                vals.append(v)
+                idxs.append(i.to(self.idx_dtype) + lo)
+                counts.append(v.numel())
+            result = SelectionResult(torch.cat(vals), torch.cat(idxs), counts)
+        memory.update(self.key, acc, result.indices)
+        return result
+
+    def pack(self, result: SelectionResult, send: torch.Tensor, prescale: float) -> None:
+        """Writes the record of ``result`` (padded to capacity) at this part's offset."""
+        values, indices = result.values, result.indices.to(self.idx_dtype)
+        count = values.numel()
+        if count > self.capacity:
+            raise RuntimeError(f"part {self.key}: selection of {count} exceeds its capacity "
+                               f"{self.capacity}")
+        if count < self.capacity:
+            values = torch.cat([values, values.new_zeros(self.capacity - count)])
+            indices = torch.cat([indices, self._sink[count:]])
+        if prescale != 1.0:
+            values = values * prescale
+        values, indices = values.to(send.device), indices.to(send.device)
+        end = ops.pack(values, indices, send, self.offset)
+        assert end == self.offset + self.length
+
+    # -- decode ------------------------------------------------------------------------
+    def decode(self, gathered: torch.Tensor, nranks: int, record_len: int) -> torch.Tensor:
+        self.out.zero_()
+        ops.scatter_add_chunks(self.out, gathered, nranks, self.offset, self.capacity,
+                               self.idx_dtype)
+        return self.out[:self.numel]
+
+    def missing(self, result: SelectionResult) -> torch.Tensor | int:
+        """Tensors of this part with no element selected (host int when known, else a
+        0-d device tensor: no host sync in the backward path)."""
+        if result.per_tensor is not None:
+            return sum(1 for c in result.per_tensor if c == 0)
+        if len(self.tensors) == 1:
+            return int(result.values.numel() == 0)
+        owner = torch.bucketize(result.indices.long(), self._offsets[1:-1].to(result.indices.device),
+                                right=True)
+        hit = torch.zeros(len(self.tensors), dtype=torch.bool, device=owner.device)
+        hit[owner] = True
+        return (~hit).sum()
+
+
+@dataclass
+class GroupBuffers:
+    """Everything one plan group sends, allocated once per plan."""
+
+    index: int
+    tensors: List[int]  # plan indices of the group, in plan order
+    allreduce: List[int]  # plan indices sent by allreduce
+    ar_buf: Optional[torch.Tensor]
+    ar_views: List[torch.Tensor]
+    parts: List[object]  # DensePart / SparsePart, in wire order
+    send: Optional[torch.Tensor]  # the allgather buffer
+    offloaded: List[SparsePart] = field(default_factory=list)
+
+    @property
+    def record_len(self) -> int:
+        return 0 if self.send is None else self.send.numel()
+
+
+def _views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
+    out, lo = [], 0
+    for s in shapes:
+        n = math.prod(s)
+        out.append(flat[lo:lo + n].view(s))
+        lo += n
+    return out
+
+
+def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload_device=None,
+                key_prefix: str = "g") -> GroupBuffers:
+    """The buffers of ``plan.groups[index]``.
+
+    ``shapes`` are the gradient shapes in plan order; ``new_sparsifier(key, i)`` returns the
+    sparsifier instance for tensor ``i`` (or for a fusion buffer, with ``i = None``).
+    Offloaded tensors (SSFusion-O) get a sparse part each, staged on ``offload_device``.
+    """
+    g = plan.groups[index]
+    members = list(g.indices())
+    if g.buffer_k is not None:  # multi-tensor: one top-k over the whole fusion buffer
+        key = f"{key_prefix}{index}"
+        part = SparsePart(key, members, [shapes[i] for i in members], [g.buffer_k], "buffer",
+                          [new_sparsifier(key, None)], 0, dtype, device)
+        send = torch.empty(part.length, dtype=dtype, device=device)
+        return GroupBuffers(index, members, [], None, [], [part], send)
+    ar = [i for i in members if not plan.sparse[i] and plan.collective[i] == "allreduce"]
+    ag_dense = [i for i in members if not plan.sparse[i] and plan.collective[i] == "allgather"]
+    inline = [i for i in members if plan.sparse[i] and not plan.offload[i]]
+    offl = [i for i in members if plan.sparse[i] and plan.offload[i]]
+    ar_buf = None
+    ar_views: List[torch.Tensor] = []
+    if ar:
+        ar_buf = torch.empty(sum(math.prod(shapes[i]) for i in ar), dtype=dtype, device=device)
+        ar_views = _views(ar_buf, [shapes[i] for i in ar])
+    parts: List[object] = []
+    offset = 0
+    if ag_dense:
+        parts.append(DensePart(ag_dense, [shapes[i] for i in ag_dense], offset, dtype, device))
+        offset += parts[-1].length
+    offloaded = []
+    for tensors, on in ([inline, None], *[([i], offload_device) for i in offl]):
+        if not tensors:
+            continue
+        key = f"{key_prefix}{index}.{'s' if on is None else f'o{tensors[0]}'}"
+        sps = [new_sparsifier(key, i) for i in tensors]
+        mode = "segmented" if all(s.name == "topk" for s in sps) else "per_tensor"
+        part = SparsePart(key, tensors, [shapes[i] for i in tensors], [plan.k[i] for i in tensors],
+                          mode, sps, offset, dtype, device, stage_device=on)
+        parts.append(part)
+        if on is not None:
+            offloaded.append(part)
+        offset += part.length
+    send = torch.empty(offset, dtype=dtype, device=device) if offset else None
+    return GroupBuffers(index, members, ar, ar_buf, ar_views, parts, send, offloaded)

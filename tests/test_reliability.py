@@ -1,0 +1,160 @@
+"""Failure modes across ranks: a model that differs between ranks, a worker that dies.
+
+Mismatched models must raise ValueError on every rank (never a hang or a shape error deep
+inside a collective); a SIGKILLed worker must bring the whole job down quickly with a
+message that says what happened, for every scheme.
+"""
+import re
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hvdrun import TESTS, launch, run_workers
+from ssfusion_hvd.consistency import mismatch_message, model_signature
+
+WORKER = str(TESTS / "workers_reliability.py")
+KILL_STEP = 5
+DEADLINE_S = 60.0  # after the kill, the whole horovodrun must be over within this
+SHUTDOWN = "Horovod has been shut down"
+
+EXPECTED = {  # case -> what the message must say besides naming rank 1 as the culprit
+    "names": "rank 1 has parameter 'extra.bias' that rank 0 lacks",
+    "shape": "rank 1: parameter 'fc.weight' has shape (10, 4), rank 0 has (10, 3)",
+    "order": "parameters are declared in a different order on rank 1: optimizer parameter #0 "
+             "is 'out.bias' on rank 1, 'fc.weight' on rank 0",
+}
+
+
+def _check_messages(results):
+    for r in results:
+        assert r["total"] == 2.0  # ranks still in step after the error
+        assert r["messages"]["same"] is None
+        for case, needle in EXPECTED.items():
+            msg = r["messages"][case]
+            assert msg is not None, f"{case}: no ValueError"
+            assert needle in msg, (case, msg)
+            assert "rank 1 differs from rank 0" in msg, (case, msg)
+            assert "All ranks must build the same model" in msg, (case, msg)
+    assert results[0]["messages"] == results[1]["messages"]  # same words on every rank
+
+
+# --------------------------------------------------------------------------- pure parts
+def test_signature_lists_parameters_then_declared_order():
+    model = nn.Sequential(nn.Linear(3, 2))
+    named = sorted(model.named_parameters())
+    sig = model_signature(named, ["0.weight", "0.bias"])
+    assert sig == [("0.bias", (2,), "torch.float32", True),
+                   ("0.weight", (2, 3), "torch.float32", True), ("0.weight", "0.bias")]
+    assert mismatch_message([sig, list(sig), list(sig)]) is None
+
+
+def test_mismatch_message_names_every_differing_rank():
+    base = [("a", (2,), "torch.float32", True), ("b", (3, 3), "torch.float32", True), ("a", "b")]
+    dtype = [base[0], ("b", (3, 3), "torch.float16", True), ("a", "b")]
+    frozen = [("a", (2,), "torch.float32", False), base[1], ("a", "b")]
+    lacks = [base[0], ("a",)]
+    msg = mismatch_message([base, base, dtype, frozen, lacks], ranks=[0, 1, 2, 3, 5])
+    assert "ranks 2, 3, 5 differ from rank 0" in msg
+    assert "rank 1" not in msg
+    assert "rank 2: parameter 'b' has dtype torch.float16, rank 0 has torch.float32" in msg
+    assert "rank 3: parameter 'a' has requires_grad=False, rank 0 has requires_grad=True" in msg
+    assert "rank 5 lacks parameter 'b' that rank 0 has" in msg
+
+
+# --------------------------------------------------------------------------- on workers
+@pytest.mark.multiworker
+def test_mismatched_models_raise_on_every_rank():
+    _check_messages(run_workers("workers_reliability:check_cases", np=2, timeout=120))
+
+
+@pytest.mark.multiworker
+def test_single_rank_check_is_a_no_op():
+    [r] = run_workers("workers_reliability:check_cases", np=1, timeout=120)
+    assert r["total"] == 1.0
+    assert all(m is None for m in r["messages"].values())
+
+
+@pytest.mark.multiworker
+def test_distributed_optimizer_rejects_mismatched_models():
+    _check_messages(run_workers("workers_reliability:optimizer_cases", np=2, timeout=120,
+                                scheme="dense"))
+
+
+def _run_kill(scheme, wrap_killed):
+    """Trains on 3 workers, rank 1 SIGKILLs itself at KILL_STEP; returns (rc, output, seconds
+    from the kill to the end of horovodrun). With ``wrap_killed`` rank 1's slot stays alive
+    (a shell sleeps in place of the dead process), so horovodrun cannot notice the death
+    itself and only the surviving ranks can end the job."""
+    train = [sys.executable, WORKER, "train", scheme, "1", str(KILL_STEP)]
+    if wrap_killed:
+        script = ('"$@"; rc=$?; if [ "$rc" = 137 ]; then echo "slot of the killed rank '
+                  'stays alive"; exec sleep 300; fi; exit "$rc"')
+        train = ["sh", "-c", script, "sh"] + train
+    rc, out = launch(train, np=3, timeout=120)
+    end = time.time()
+    killed = re.search(r"KILLING rank 1 at step 5 t=([0-9.]+)", out)
+    assert killed, out[-6000:]
+    return rc, out, end - float(killed.group(1))
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("scheme", ["dense"])
+def test_killed_worker_ends_the_job(scheme):
+    rc, out, after_kill = _run_kill(scheme, wrap_killed=False)
+    assert rc != 0, out[-6000:]
+    assert after_kill < DEADLINE_S, (after_kill, out[-6000:])
+    assert re.search(r"Process 1 exit with status code (137|-9)\.", out), out[-6000:]
+    assert "Horovod detected that one or more processes exited with non-zero status" in out
+    assert "finished 1000 steps" not in out
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi"])
+def test_survivors_of_a_killed_worker_fail_on_their_own(scheme):
+    rc, out, after_kill = _run_kill(scheme, wrap_killed=True)
+    assert "slot of the killed rank stays alive" in out, out[-6000:]
+    assert rc != 0, out[-6000:]
+    assert after_kill < DEADLINE_S, (after_kill, out[-6000:])
+    assert "most recent call first" not in out, out[-6000:]  # no faulthandler dump: no hang
+    # a survivor (not the launcher) ended the job, with Horovod's own error
+    assert re.search(r"Process [02] exit with status code 1\.", out), out[-6000:]
+    assert re.search(r"\[[02]\]<stderr>:horovod\.common\.exceptions\.HorovodInternalError: "
+                     + SHUTDOWN, out), out[-6000:]
+    assert "finished 1000 steps" not in out
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("scheme,sparsifier", [("ssfusion_oi", "topk"), ("per_tensor", "threshold"),
+                                               ("multi_tensor", "randomk")])
+def test_checkpoint_restart_is_bit_identical(scheme, sparsifier, tmp_path):
+    """Save at step 4 (after the 2 warm-up steps: the plan, residuals and sparsifier state
+    are in the checkpoint), restart in a new job, 4 more steps: bit-identical parameters."""
+    kw = dict(scheme=scheme, sparsifier=sparsifier, ckpt_dir=str(tmp_path))
+    straight = run_workers("workers_schemes:checkpoint_run", np=2, timeout=240, **kw)
+    resumed = run_workers("workers_schemes:checkpoint_resume", np=2, timeout=240, **kw)
+    for r in range(2):
+        for n, t in straight[r].items():
+            assert torch.equal(resumed[r][n], t), (r, n)
+
+
+@pytest.mark.multiworker
+def test_nonfinite_gradients_are_propagated_and_counted():
+    """Rank 1 poisons two elements (NaN, Inf) of two tensors at step 3. Every poisoned element
+    reaches every rank's synchronized gradient: at once, or one step later when error
+    feedback held it back (``c.bias`` sends k=1 per step: NaN ranks above Inf, so the Inf
+    waits in the residual). Sparse schemes count them in ``stats()["nonfinite"]``."""
+    for scheme in ("dense", "per_tensor", "multi_tensor", "forced"):
+        runs = run_workers("workers_schemes:nonfinite", np=2, timeout=240, scheme=scheme)
+        for run in runs:
+            for name in ("a.weight", "c.bias"):
+                for pos in (0, 1):
+                    seen = [not torch.isfinite(run[s]["grads"][name].reshape(-1)[pos])
+                            for s in (3, 4)]
+                    assert any(seen), (scheme, name, pos)
+            assert all(s["stats"].get("nonfinite", 0) == 0 for s in run[:3]), scheme
+            if scheme != "dense":
+                counted = run[3]["stats"]["nonfinite"] + run[4]["stats"]["nonfinite"]
+                assert counted >= 4, (scheme, [s["stats"] for s in run[3:]])

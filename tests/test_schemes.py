@@ -1,0 +1,126 @@
+"""Every planned scheme against a reference built from the same inputs, on real Horovod workers.
+
+The reference knows only the plan and, per rank, the local gradients and residuals: it
+error-compensates (acc = grad + residual), selects by the plan's rules with the torch
+reference top-k (per tensor, or over the whole fusion buffer for multi-tensor), sums over
+ranks and scales by ``op``. The synchronized gradients must match up to float rounding,
+and the next residual must be acc minus what was sent (nothing lost).
+"""
+import pytest
+import torch
+
+from hvdrun import run_workers
+from ssfusion_hvd import ops
+from ssfusion_hvd.plan import Plan
+
+pytestmark = pytest.mark.multiworker
+
+SCHEMES = ["per_tensor", "multi_tensor", "ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"]
+
+
+def reference_step(plan: Plan, ranks, op="average", predivide=1.0):
+    """(expected synced grads, expected new residual per rank) of one planned step."""
+    nranks = len(ranks)
+    grads = [{n: (g if g is not None else torch.zeros_like(r["synced"][n])).reshape(-1)
+              for n, g in r["local"].items() if n in plan.names} for r in ranks]
+    dtype = next(iter(grads[0].values())).dtype
+    total = {n: torch.zeros(plan.sizes[i], dtype=torch.float64) for i, n in enumerate(plan.names)}
+    new_residual = [dict() for _ in ranks]
+    for g in plan.groups:
+        members = [plan.names[i] for i in g.indices()]
+        if g.buffer_k is not None:
+            units = [(members, g.buffer_k)]
+        else:
+            units = [([plan.names[i]], plan.k[i]) for i in g.indices() if plan.sparse[i]]
+            for i in g.indices():
+                if not plan.sparse[i]:
+                    for r in range(nranks):
+                        total[plan.names[i]] += grads[r][plan.names[i]].double()
+        for names, k in units:
+            for r, rank in enumerate(ranks):
+                acc = torch.cat([grads[r][n] for n in names])
+                res = [rank["residual"].get(n) for n in names]
+                if all(x is not None for x in res):
+                    acc = acc + torch.cat([x.reshape(-1) for x in res])
+                values, idx = ops.topk(acc, k, backend="torch")
+                sent = torch.zeros_like(acc)
+                sent[idx.long()] = values
+                kept = acc.clone()
+                kept[idx.long()] = 0
+                lo = 0
+                for n in names:
+                    size = grads[r][n].numel()
+                    total[n] += sent[lo:lo + size].double()
+                    new_residual[r][n] = kept[lo:lo + size]
+                    lo += size
+    scale = 1.0 / nranks if op == "average" else 1.0
+    return {n: (t * scale).to(dtype) for n, t in total.items()}, new_residual
+
+
+def check_run(runs, op="average", predivide=1.0, rtol=1e-5, atol=1e-6):
+    """Checks every step of one scheme's run; returns the number of planned steps checked."""
+    nsteps = len(runs[0]["steps"])
+    checked = 0
+    for s in range(nsteps):
+        ranks = [run["steps"][s] for run in runs]
+        for r in ranks[1:]:  # every rank holds the same synchronized gradient, bit for bit
+            for n, t in r["synced"].items():
+                assert torch.equal(t, ranks[0]["synced"][n]), (s, n)
+        if ranks[0]["plan"] is None:  # warm-up: dense average
+            for n, t in ranks[0]["synced"].items():
+                local = [r["local"][n] for r in ranks]
+                local = [torch.zeros_like(t) if x is None else x for x in local]
+                want = sum(x.double() for x in local) / (len(ranks) if op == "average" else 1)
+                torch.testing.assert_close(t.double(), want, rtol=rtol, atol=atol)
+            continue
+        plan = Plan.from_json(ranks[0]["plan"])
+        want, new_res = reference_step(plan, ranks, op, predivide)
+        for n, t in want.items():
+            got = ranks[0]["synced"][n].reshape(-1)
+            torch.testing.assert_close(got.double(), t.double(), rtol=rtol, atol=atol,
+                                       msg=lambda m: f"step {s} tensor {n}: {m}")
+        if s + 1 < nsteps:  # nothing lost: the next residual is acc minus what was sent
+            for r, run in enumerate(runs):
+                nxt = run["steps"][s + 1]["residual"]
+                for n, kept in new_res[r].items():
+                    assert torch.equal(nxt[n].reshape(-1), kept), (s, r, n)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_every_scheme_matches_reference(np_):
+    results = run_workers("workers_schemes:record_all", np=np_, timeout=300,
+                          schemes=SCHEMES, steps=5, warmup=2)
+    for scheme in SCHEMES + ["forced"]:
+        runs = [r[scheme] for r in results]
+        assert check_run(runs) == (5 if scheme == "forced" else 3), scheme
+        st = runs[0]["steps"][-1]["stats"]
+        assert st["phase"] == "planned" and st["nonfinite"] == 0
+        assert st["allreduce_bytes"] + st["allgather_bytes"] > 0
+        if scheme in ("per_tensor", "multi_tensor", "forced"):
+            assert st["allgather_bytes"] > 0
+        if scheme == "forced":  # every part kind ran, the offload worker included
+            assert st["allreduce_bytes"] > 0 and st["offload_s"] > 0
+        if scheme != "multi_tensor":
+            assert st["tensors_missing"] == 0, scheme
+        # every rank ends with bit-identical parameters
+        for r in runs[1:]:
+            for n, t in r["params"].items():
+                assert torch.equal(t, runs[0]["params"][n]), (scheme, n)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(passes=2), dict(op="sum"), dict(predivide=2.0),
+    dict(dtype="float16"),
+])
+def test_variants_match_reference(variant):
+    schemes = ["per_tensor", "multi_tensor", "ssfusion_oi"]
+    results = run_workers("workers_schemes:record_all", np=2, timeout=300, schemes=schemes,
+                          steps=4, warmup=1, **variant)
+    tol = dict(rtol=2e-3, atol=2e-3) if variant.get("dtype") == "float16" else {}
+    for scheme in schemes + ["forced"]:
+        runs = [r[scheme] for r in results]
+        assert check_run(runs, op=variant.get("op", "average"),
+                         predivide=variant.get("predivide", 1.0), **tol) == \
+            (4 if scheme == "forced" else 3), scheme
