@@ -1,4 +1,5 @@
 """The default job: the digits CNN trains under horovodrun and reports what the README says."""
+import json
 import re
 import subprocess
 import sys
@@ -25,3 +26,24 @@ def test_default_training_job_learns():
     assert losses[-1] < losses[0]
     assert float(rows[-1][2]) >= 85.0  # digits: a few epochs reach >90 % (measured ~95-97 %)
     assert all(float(r[3]) > 0 for r in rows)
+    # the default scheme is ssfusion_oi: planned after the warm-up, plan table printed once
+    assert out.count("plan: scheme=ssfusion_oi") == 1, out[-4000:]
+    assert re.search(r"last iteration: planned, sent \d+ of \d+ elements .* 0 missing", out)
+
+
+def test_compare_line(tmp_path):
+    from ssfusion_hvd.examples import compare
+
+    def write(name, scheme, speeds, accs):
+        hist = [{"epoch": i + 1, "loss": 1.0, "test_acc": a, "samples_per_s": v}
+                for i, (v, a) in enumerate(zip(speeds, accs))]
+        path = tmp_path / name
+        path.write_text(json.dumps({"args": {"scheme": scheme}, "history": hist}))
+        return str(path)
+
+    ours = compare.summary(write("a.json", "ssfusion_oi", [1.0, 300.0, 100.0, 200.0], [0.5, 0.8, 0.9, 0.97]))
+    base = compare.summary(write("b.json", "dense", [1.0, 100.0, 100.0, 100.0], [0.5, 0.8, 0.9, 0.98]))
+    assert ours["samples_per_s"] == 200.0  # median after the first epoch
+    assert compare.line(ours, base) == (
+        "ssfusion_oi vs dense (4 epochs each): samples/s 200.0 vs 100.0 (2.00x), "
+        "test accuracy 97.00% vs 98.00% (-1.00 points)")

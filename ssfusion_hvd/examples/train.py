@@ -1,9 +1,10 @@
 """Data-parallel training of the default model on the default data, under horovodrun.
 
-    horovodrun -np 2 --gloo python -m ssfusion_hvd.examples.train --scheme dense --epochs 10
+    horovodrun -np 2 --gloo python -m ssfusion_hvd.examples.train --scheme ssfusion_oi --epochs 10
 
 (or ``bash scripts/demo.sh``). Rank 0 prints one line per epoch: mean training loss over
-all ranks, test accuracy, and samples/s (all ranks' samples over the epoch's wall time).
+all ranks, test accuracy, and samples/s (all ranks' samples over the epoch's wall time),
+then what the scheme sent in its last iteration (``opt.stats()``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ssfusion_hvd.examples.data import DigitsNet, load_digits_split, shard
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scheme", default="dense", help=f"one of {sorted(ssfusion_hvd.SCHEMES)}")
+    p.add_argument("--scheme", default="ssfusion_oi", help=f"one of {sorted(ssfusion_hvd.SCHEMES)}")
     p.add_argument("--sparsifier", default="topk", help=f"one of {sorted(ssfusion_hvd.SPARSIFIERS)}")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--epochs", type=int, default=10)
@@ -98,9 +99,18 @@ def main(argv=None):
             print(line, flush=True)
     if bar is not None:
         bar.close()
+    stats = opt.stats()
+    if rank == 0:
+        print(f"last iteration: {stats.get('phase')}, sent {stats.get('elements_sent')} of "
+              f"{stats.get('elements')} elements (density {stats.get('density', 1.0):.4g}), "
+              f"{stats.get('tensors_sparse', 0)} tensors sparse, {stats.get('tensors_dense', 0)} "
+              f"dense, {stats.get('tensors_missing', 0)} missing; bytes allreduce "
+              f"{stats.get('allreduce_bytes', 0)}, allgather {stats.get('allgather_bytes', 0)}",
+              flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "workers": size, "history": history}, f, indent=1)
+            json.dump({"args": vars(args), "workers": size, "history": history,
+                       "stats": stats}, f, indent=1)
     return history
 
 
