@@ -254,6 +254,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         elif isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
             raise ValueError("groups should be a non-negative integer or a list of list of "
                              "torch.Tensor.")
+    if groups is not None and scheme != "dense":
+        warnings.warn(f"groups is ignored by scheme={scheme!r}: its plan decides the fusion groups")
     named = _named_parameters(named_parameters, optimizer.param_groups)
     # the first collective: every rank must wrap the same model, else a clear error everywhere
     name_of = {id(v): k for k, v in named}

@@ -295,6 +295,7 @@ def test_cli_compares_every_scheme(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "assumption: backward time" in out and "scheme=ssfusion_oi" in out
     assert all(f"\n{s} " in out for s in SCHEMES)
+    assert all(f"\n{s} " in out for s in ("spardl", "zen", "exdyna"))
     assert Plan.load(tmp_path / "p.json").scheme == "ssfusion_oi"
 
 
@@ -306,3 +307,34 @@ def test_cli_with_profile(capsys, tmp_path, resnet50):
     out = capsys.readouterr().out
     assert "profile.json (world size 16)" in out and "scheme=multi_tensor" in out
     assert "assumption" not in out
+
+
+# -- closed-form costs of the non-plan schemes ---------------------------------------------
+
+def test_formulas_match_the_papers():
+    from ssfusion_hvd.plan import formulas
+
+    bw, lat, p = 1e9, 1e-4, 4
+    cost = CostModel.from_network(bw, lat, p, backward_s=[1e-3, 2e-3])
+    alpha, beta = formulas.message_cost(cost)
+    assert alpha == pytest.approx(lat) and beta == pytest.approx(8 / bw)
+    n, k = 1_000_000, 10_000
+    # SparDL Eq. 4: 2 ceil(log2 P) alpha + 4k (P-1)/P beta, one unit = 4 bytes (value or index)
+    want = 2 * 2 * lat + 4 * k * (3 / 4) * 4 * (8 / bw)
+    assert formulas.spardl_comm_s(cost, n, k) == pytest.approx(want)
+    # P = 3: ceil(log2 3) = 2 steps
+    c3 = CostModel.from_network(bw, lat, 3, backward_s=[])
+    assert formulas.spardl_comm_s(c3, n, k) == pytest.approx(4 * lat + 4 * k * (2 / 3) * 4 * 8 / bw)
+    # ZEN: densification between 1 (full overlap) and P (disjoint)
+    g = formulas.zen_densification(0.01, p)
+    assert 1 < g <= p and g == pytest.approx((1 - 0.99 ** 4) / 0.01)
+    want = 2 * lat + (3 / 4) * (g + 1) * n * 0.01 * 8 * (8 / bw)
+    assert formulas.zen_comm_s(cost, n, 0.01) == pytest.approx(want)
+    assert formulas.exdyna_comm_s(cost, n, k) == pytest.approx(cost.allgather_s(2500 * 8))
+    single = CostModel.from_network(bw, lat, 1, backward_s=[])
+    assert formulas.spardl_comm_s(single, n, k) == formulas.zen_comm_s(single, n, 0.01) == 0.0
+    t = formulas.iteration_s("spardl", cost, [n], 0.01, "dgc")
+    assert t == pytest.approx(3e-3 + cost.sparsify_s("dgc", "gpu", 4 * n)
+                              + formulas.spardl_comm_s(cost, n, k))
+    with pytest.raises(ValueError, match="no cost formula"):
+        formulas.iteration_s("dense", cost, [n], 0.01, "dgc")

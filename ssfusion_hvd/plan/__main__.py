@@ -19,6 +19,7 @@ from .cost import (
 )
 from .models import MODELS, model_tensors
 from .schemes import DEFAULT_FUSION_THRESHOLD, SCHEMES, build_plan
+from .formulas import FORMULA_SCHEMES, iteration_s
 from .timeline import simulate
 
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -89,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         dense = sum(not x for x in p.sparse)
         print(f"{s:<14} {len(p.groups):>7} {dense:>14} {sum(p.offload):>10} "
               f"{p.sent_elements() / sum(sizes):>14.4f} {t * 1e3:>13.2f} {base / t:>8.2f}x")
+    for s in FORMULA_SCHEMES:  # no fusion plan: the papers' closed forms, after backward
+        t = iteration_s(s, cost, sizes, args.density, args.sparsifier)
+        print(f"{s:<14} {'-':>7} {0:>14} {0:>10} {args.density:>14.4f} {t * 1e3:>13.2f} "
+              f"{base / t:>8.2f}x")
+    print("spardl: SparDL Eq. 4 (d=1); zen: ZEN Eq. 1 with independent-index densification; "
+          "exdyna: one allgather of k/P entries per worker; all three start after backward.")
     return 0
 
 

@@ -1,0 +1,80 @@
+"""Closed-form communication costs of the schemes that do not use fusion plans.
+
+SparDL, ZEN and ExDyna synchronize the whole model gradient after backward with their own
+collective algorithms, so the timeline simulator does not apply; their papers give the
+communication time in the α-β model instead. These functions evaluate those formulas on a
+:class:`CostModel`, whose collective fits are turned into one point-to-point message's
+``α`` and ``β`` (ring model, SSFusion Eq. 4: an allgather is ``P-1`` messages in sequence).
+
+Sizes are elements; a sparse entry costs ``value bytes + index bytes`` (COO).
+"""
+from __future__ import annotations
+
+import math
+
+from .cost import CostModel, index_size
+
+__all__ = ["iteration_s", "message_cost", "spardl_comm_s", "zen_comm_s", "exdyna_comm_s",
+           "zen_densification", "FORMULA_SCHEMES"]
+
+FORMULA_SCHEMES = ("spardl", "zen", "exdyna")
+
+
+def message_cost(cost: CostModel) -> tuple[float, float]:
+    """``(α, β)`` of one point-to-point message, from the allgather fit (ring: P-1 steps)."""
+    steps = max(cost.world_size - 1, 1)
+    return cost.allgather[0] / steps, cost.allgather[1] / steps
+
+
+def spardl_comm_s(cost: CostModel, n: int, k: int) -> float:
+    """SparDL Eq. 4 (d = 1): ``2⌈log2 P⌉α + 4k(P-1)/P β``, where the paper's ``2k`` counts
+    values and indices as one unit each: here ``2k β`` is ``k·(value+index bytes)·β``."""
+    p = cost.world_size
+    if p == 1:
+        return 0.0
+    alpha, beta = message_cost(cost)
+    entry = cost.element_size + index_size(n)
+    return 2 * math.ceil(math.log2(p)) * alpha + 2 * k * entry * (p - 1) / p * beta
+
+
+def zen_densification(density: float, world_size: int) -> float:
+    """``γ`` of ZEN Eq. 1: non-zeros of the sum of P sparse tensors over those of one, for
+    independent uniformly placed indices, ``(1 - (1-d)^P) / d`` (an upper bound: top-k
+    selections of real gradients overlap more, which only lowers ZEN's cost)."""
+    return (1.0 - (1.0 - density) ** world_size) / density
+
+
+def zen_comm_s(cost: CostModel, n: int, density: float) -> float:
+    """ZEN Eq. 1 (Balanced Parallelism): ``(P-1)/P (γ+1) 2 M d_G / b`` with the COO entry
+    size in place of ``2``, plus one message latency per step (push, pull), which Eq. 1
+    leaves out."""
+    p = cost.world_size
+    if p == 1:
+        return 0.0
+    alpha, beta = message_cost(cost)
+    entry = cost.element_size + index_size(n)
+    gamma = zen_densification(density, p)
+    return 2 * alpha + (p - 1) / p * (gamma + 1) * n * density * entry * beta
+
+
+def exdyna_comm_s(cost: CostModel, n: int, k: int) -> float:
+    """ExDyna: partitions are exclusive, so each worker contributes about ``k/P`` entries
+    to one allgather (ExDyna §IV: no gradient build-up)."""
+    p = cost.world_size
+    entry = cost.element_size + index_size(n)
+    return cost.allgather_s(math.ceil(k / p) * entry) if p > 1 else 0.0
+
+
+def iteration_s(scheme: str, cost: CostModel, sizes, density: float, sparsifier: str) -> float:
+    """Iteration time of a formula scheme: forward, all of backward, one selection over the
+    whole gradient (on the compute stream), then its communication, with no overlap (these
+    schemes start once the last gradient is ready)."""
+    n = int(sum(sizes))
+    k = max(1, math.ceil(density * n - 1e-9))
+    comm = {"spardl": lambda: spardl_comm_s(cost, n, k),
+            "zen": lambda: zen_comm_s(cost, n, density),
+            "exdyna": lambda: exdyna_comm_s(cost, n, k)}
+    if scheme not in comm:
+        raise ValueError(f"no cost formula for scheme {scheme!r}; have {FORMULA_SCHEMES}")
+    select = cost.sparsify_s(sparsifier, "gpu", n * cost.element_size)
+    return cost.forward_s + sum(cost.backward_s) + select + comm[scheme]()
