@@ -103,7 +103,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         nothing), ``nonfinite`` (NaN/Inf elements in the synchronized gradients), and seconds
         in ``sparsify_s`` (inline selection), ``offload_s`` (worker selection),
         ``communicate_s`` (first submission to the end of the wait) and ``wait_s`` (blocked
-        in ``synchronize()``). ``phase`` is ``dense``, ``warmup`` or ``planned``."""
+        in ``synchronize()``). ``phase`` is ``dense``, ``warmup``, ``planned`` or ``sparse``
+        (SparDL, ExDyna, ZEN); those schemes add their own keys."""
         return self._scheme.stats()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:

@@ -330,7 +330,8 @@ def test_formulas_match_the_papers():
     assert 1 < g <= p and g == pytest.approx((1 - 0.99 ** 4) / 0.01)
     want = 2 * lat + (3 / 4) * (g + 1) * n * 0.01 * 8 * (8 / bw)
     assert formulas.zen_comm_s(cost, n, 0.01) == pytest.approx(want)
-    assert formulas.exdyna_comm_s(cost, n, k) == pytest.approx(cost.allgather_s(2500 * 8))
+    assert formulas.exdyna_comm_s(cost, n, k) == pytest.approx(cost.allgather_s(2500 * 4)
+                                                               + cost.allreduce_s(k * 4))
     single = CostModel.from_network(bw, lat, 1, backward_s=[])
     assert formulas.spardl_comm_s(single, n, k) == formulas.zen_comm_s(single, n, 0.01) == 0.0
     t = formulas.iteration_s("spardl", cost, [n], 0.01, "dgc")

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s:<14} {'-':>7} {0:>14} {0:>10} {args.density:>14.4f} {t * 1e3:>13.2f} "
               f"{base / t:>8.2f}x")
     print("spardl: SparDL Eq. 4 (d=1); zen: ZEN Eq. 1 with independent-index densification; "
-          "exdyna: one allgather of k/P entries per worker; all three start after backward.")
+          "exdyna: allgather of k/P indices per worker, then allreduce of k values; all three start after backward.")
     return 0
 
 

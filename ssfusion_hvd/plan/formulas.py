@@ -58,11 +58,14 @@ def zen_comm_s(cost: CostModel, n: int, density: float) -> float:
 
 
 def exdyna_comm_s(cost: CostModel, n: int, k: int) -> float:
-    """ExDyna: partitions are exclusive, so each worker contributes about ``k/P`` entries
-    to one allgather (ExDyna §IV: no gradient build-up)."""
+    """ExDyna (its Algorithm 1): partitions are exclusive, so each worker selects about
+    ``k/P`` indices; one allgather of those indices, then one allreduce of every worker's
+    values at the union of ``k`` indices, in sequence."""
     p = cost.world_size
-    entry = cost.element_size + index_size(n)
-    return cost.allgather_s(math.ceil(k / p) * entry) if p > 1 else 0.0
+    if p == 1:
+        return 0.0
+    return (cost.allgather_s(math.ceil(k / p) * index_size(n))
+            + cost.allreduce_s(k * cost.element_size))
 
 
 def iteration_s(scheme: str, cost: CostModel, sizes, density: float, sparsifier: str) -> float:

@@ -1,0 +1,282 @@
+"""ExDyna (scheme="exdyna"): the state machine alone, then real Horovod workers (2, 3, 4).
+
+The workers' run is checked against a reference rebuilt from what each rank recorded
+before the step (threshold, partitions, iteration, residual) and its local gradient:
+partition ``(t % P + r) % P`` of the recorded blocks, ``|acc| >= threshold`` inside it (exact
+top-k per partition in the calibration step), the union of the ranks' selections, every
+rank's acc summed there and scaled by ``op``. Tolerance: float rounding.
+"""
+import math
+
+import pytest
+import torch
+
+from hvdrun import run_workers
+from ssfusion_hvd import ops
+from ssfusion_hvd.schemes.exdyna import ExDynaState
+from ssfusion_hvd.sparsify import Threshold
+
+# --------------------------------------------------------------------------- the state alone
+
+
+def _bounds_ok(st):
+    b = st.bounds()
+    assert b[0] == 0 and b[-1] == st.numel and all(x <= y for x, y in zip(b, b[1:]))
+    return b
+
+
+def test_block_partitioning():
+    st = ExDynaState(3041, 2, 0.05)  # the tiny Net
+    assert (st.block_size, st.num_blocks, st.blocks) == (32, 95, [48, 47])
+    assert _bounds_ok(st) == [0, 48 * 32, 3041]
+    st = ExDynaState(10**6, 4, 0.01)  # ~128 blocks per worker, size a multiple of 32
+    assert st.block_size % 32 == 0 and st.blocks == [128] * 4
+    assert 0 <= st.numel - st.num_blocks * st.block_size < st.block_size  # tail < one block
+    _bounds_ok(st)
+    st = ExDynaState(10**6 + 7, 3, 0.01)
+    assert max(st.blocks) - min(st.blocks) <= 1 and sum(st.blocks) == st.num_blocks
+    _bounds_ok(st)
+    st = ExDynaState(50, 2, 0.1)  # smaller than 32 per rank
+    assert st.bounds() == [0, 25, 50]
+    st = ExDynaState(3, 4, 0.5)  # fewer elements than ranks: one partition stays empty
+    assert st.bounds() == [0, 1, 2, 3, 3]
+
+
+def test_cyclic_allocation():
+    st = ExDynaState(10_000, 4, 0.01)
+    for t in range(9):
+        st.iteration = t
+        alloc = [st.allocation(r) for r in range(4)]
+        assert sorted(alloc) == [0, 1, 2, 3]  # exclusive: one partition per rank
+        assert alloc == [(t + r) % 4 for r in range(4)]  # partition 0 to rank 0 at t=0, ...
+
+
+def test_rebalance_algorithm3():
+    st = ExDynaState(30 * 32, 3, 0.05)
+    assert st.blocks == [10, 10, 10] and st.block_size == 32
+    st.rebalance([30, 5, 10])  # 0 heavy, 1 light: one block 0 -> 1; then 1 vs 2 balanced
+    assert st.blocks == [9, 11, 10]
+    st.blocks = [10, 10, 10]
+    # 0 light, 1 heavy: one block 1 -> 0; k[1] becomes 30 - 1.5 (k_move = 32 * 45/960),
+    # still heavy against light 2: one block 1 -> 2
+    st.rebalance([5, 30, 10])
+    assert st.blocks == [11, 8, 11]
+    st.blocks = [1, 10, 19]
+    st.rebalance([30, 5, 10])  # would leave partition 0 below min_blocks
+    assert st.blocks == [1, 10, 19]
+    for counts in ([15, 15, 15], [16, 14, 15], [0, 0, 0]):  # balanced / nothing selected
+        st.blocks = [10, 10, 10]
+        st.rebalance(counts)
+        assert st.blocks == [10, 10, 10]
+
+
+def test_threshold_scaling_algorithm5():
+    scale = Threshold().scale_factor  # the one implementation, in sparsify/threshold.py
+    for counts in ([100, 100], [60, 45], [40, 10], [50, 45], [50, 50]):
+        st = ExDynaState(10_000, 2, 0.01)
+        assert st.k == 100
+        st.threshold = 2.0
+        st.observe(counts)
+        assert st.threshold == 2.0 * scale(sum(counts) / 100) and st.iteration == 1
+    assert scale(2.0) == 1.05 and scale(1.1) == 1.0125 and scale(0.5) == 0.95 \
+        and scale(0.95) == 0.9875 and scale(1.0) == 1.0
+    st = ExDynaState(10_000, 3, 0.01)
+    st.observe([34, 33, 33], kth=[1.0, 3.0, math.nan])  # calibration: mean of the finite ones
+    assert st.threshold == 2.0
+    st = ExDynaState(10_000, 2, 0.01)
+    st.observe([50, 50], kth=[0.0, math.inf])  # nothing usable: calibrate again
+    assert st.threshold is None
+
+
+def test_state_roundtrip():
+    st = ExDynaState(10_000, 3, 0.01)
+    st.threshold, st.iteration, st.blocks = 0.25, 7, [30, 40, 28]
+    st2 = ExDynaState(10_000, 3, 0.01)
+    st2.load_state_dict(st.state_dict())
+    assert st2.state_dict() == st.state_dict()
+    st3 = ExDynaState(10_000, 2, 0.01)  # another world size: equal partitions again
+    st3.load_state_dict(st.state_dict())
+    assert st3.threshold == 0.25 and st3.blocks == ExDynaState(10_000, 2, 0.01).blocks
+    with pytest.raises(ValueError):
+        ExDynaState(9_999, 3, 0.01).load_state_dict(st.state_dict())
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def _bounds(s):
+    """Partition offsets from a recorded state dict (rebuilt here, not by ExDynaState)."""
+    b, pos = [0], 0
+    for nb in s["blocks"]:
+        pos += nb
+        b.append(min(pos * s["block_size"], s["numel"]))
+    b[-1] = s["numel"]
+    return b
+
+
+def _flat(d, names, like):
+    return torch.cat([(d[n] if d.get(n) is not None else torch.zeros_like(like[n])).reshape(-1)
+                      for n in names])
+
+
+def reference_step(ranks, density, op="average"):
+    """Expected (synced flat gradient, per-rank selections, per-rank new residuals)."""
+    nranks = len(ranks)
+    names = sorted(ranks[0]["synced"])  # canonical order: sorted by name
+    s = ranks[0]["state"]["exdyna"]
+    b = _bounds(s)
+    k = max(1, math.ceil(s["numel"] * density - 1e-9))
+    accs, sels = [], []
+    for r, rank in enumerate(ranks):
+        acc = _flat(rank["local"], names, rank["synced"])
+        if rank["state"]["residuals"]:
+            acc = _flat(rank["state"]["residuals"], names, rank["synced"]) + acc
+        a = (s["iteration"] % nranks + r) % nranks
+        lo, hi = b[a], b[a + 1]
+        if s["threshold"] is None:  # calibration: exact top-k of the partition
+            kk = min(hi - lo, math.ceil(k * (hi - lo) / s["numel"] - 1e-9))
+            _, idx = ops.topk(acc[lo:hi], kk, backend="torch")
+        else:
+            mask = (acc[lo:hi].double().abs() >= s["threshold"]) | acc[lo:hi].isnan()
+            idx = mask.nonzero().flatten()
+        accs.append(acc)
+        sels.append(idx.long() + lo)
+    union = torch.cat(sels)
+    total = torch.zeros(s["numel"], dtype=torch.float64)
+    total[union] = sum(acc[union].double() for acc in accs)
+    if op == "average":
+        total /= nranks
+    residuals = []
+    for acc in accs:
+        kept = acc.clone()
+        kept[union] = 0
+        residuals.append(kept)
+    return total, sels, residuals
+
+
+def check_run(runs, density, op="average", rtol=1e-5, atol=1e-6):
+    """Checks every step of a recorded run on all ranks; returns per-step densities."""
+    nranks = len(runs)
+    names = sorted(runs[0]["steps"][0]["synced"])
+    densities = []
+    for s in range(len(runs[0]["steps"])):
+        ranks = [run["steps"][s] for run in runs]
+        for r in ranks[1:]:  # same decisions and the same synchronized gradient everywhere
+            assert r["state"]["exdyna"] == ranks[0]["state"]["exdyna"], s
+            for n in names:
+                assert torch.equal(r["synced"][n], ranks[0]["synced"][n]), (s, n)
+        want, sels, residuals = reference_step(ranks, density, op)
+        # (1) exclusive: no index selected by two ranks; each rank's selection as rebuilt
+        got = [r["selected"].long() for r in ranks]
+        for r in range(nranks):
+            assert torch.equal(got[r], sels[r]), (s, r)
+        union = torch.cat(got)
+        assert union.unique().numel() == union.numel(), f"step {s}: an index selected twice"
+        # (3) the synchronized gradient equals the reference
+        flat = _flat(ranks[0]["synced"], names, ranks[0]["synced"])
+        torch.testing.assert_close(flat.double(), want, rtol=rtol, atol=atol,
+                                   msg=lambda m: f"step {s}: {m}")
+        assert torch.count_nonzero(flat[torch.ones_like(flat, dtype=torch.bool).index_fill_(
+            0, union, False)]) == 0  # nothing outside the selected indices
+        # nothing lost: the next residual is acc minus what was sent, bit for bit
+        if s + 1 < len(runs[0]["steps"]):
+            for r, run in enumerate(runs):
+                nxt = _flat(run["steps"][s + 1]["state"]["residuals"], names, ranks[0]["synced"])
+                assert torch.equal(nxt, residuals[r]), (s, r)
+        st = ranks[0]["stats"]
+        assert st["elements_sent"] == union.numel() and st["nonfinite"] == 0
+        assert sum(st["counts"]) == union.numel()
+        densities.append(union.numel() / flat.numel())
+    return densities
+
+
+# --------------------------------------------------------------------------- real workers
+
+_RESULTS = {}
+STATS_KEYS = {"phase", "allreduce_bytes", "allgather_bytes", "tensors_dense", "tensors_sparse",
+              "elements", "elements_sent", "density", "tensors_missing", "nonfinite",
+              "sparsify_s", "offload_s", "communicate_s", "wait_s"}  # those of every scheme
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def results(request):
+    np_ = request.param
+    if np_ not in _RESULTS:
+        _RESULTS[np_] = run_workers("workers_exdyna:all_cases", np=np_, timeout=300)
+    return _RESULTS[np_]
+
+
+@pytest.mark.multiworker
+def test_matches_reference(results):
+    for case, density, op in [("stream", 0.05, "average"), ("stream_predivide", 0.02, "average"),
+                              ("stream_sum", 0.05, "sum"), ("net", 0.05, "average"),
+                              ("net_sum", 0.05, "sum"), ("net_fp16", 0.05, "average")]:
+        runs = [r[case] for r in results]
+        tol = dict(rtol=2e-3, atol=2e-3) if case == "net_fp16" else {}
+        check_run(runs, density, op, **tol)
+        assert runs[0]["steps"][0]["stats"]["phase"] == "calibration"
+        assert STATS_KEYS <= set(runs[0]["steps"][-1]["stats"])
+        assert runs[0]["steps"][-1]["stats"]["phase"] == "sparse"
+        for r in runs[1:]:  # every rank ends with bit-identical parameters
+            for n, t in r["params"].items():
+                assert torch.equal(t, runs[0]["params"][n]), (case, n)
+
+
+@pytest.mark.multiworker
+def test_density_follows_target(results):
+    """(2) a stationary stream: after 50 iterations the achieved global density (mean of
+    the last 10) is within +-20 % of the target; partitions were rebalanced on the way."""
+    runs = [r["stream"] for r in results]
+    steps = runs[0]["steps"]
+    assert len(steps) == 50
+    dens = [s["stats"]["density"] for s in steps]
+    k = math.ceil(0.05 * steps[0]["stats"]["elements"] - 1e-9)
+    sent0 = steps[0]["stats"]["elements_sent"]  # calibration: exact top-k per partition
+    assert k <= sent0 <= k + len(runs) - 1
+    last = sum(dens[-10:]) / 10
+    assert 0.8 * 0.05 <= last <= 1.2 * 0.05, dens
+    blocks = [s["state"]["exdyna"]["blocks"] for s in steps]
+    assert any(b != blocks[0] for b in blocks), "Algorithm 3 never moved a block"
+
+
+@pytest.mark.multiworker
+def test_checkpoint_roundtrip(results):
+    for r in results:
+        ck = r["checkpoint"]
+        assert ck["saved"]["exdyna"] == ck["restored"]["exdyna"]
+        assert ck["saved"]["exdyna"]["threshold"] is not None
+        assert ck["saved"]["residuals"].keys() == ck["restored"]["residuals"].keys()
+        for n, t in ck["saved"]["residuals"].items():
+            assert torch.equal(t, ck["restored"]["residuals"][n]), n
+        for n, t in ck["uninterrupted"].items():
+            assert torch.equal(t, ck["resumed"][n]), n
+
+
+@pytest.mark.multiworker
+def test_nonfinite_reaches_everyone(results):
+    """A NaN in rank 1's gradient sits in its residual until rank 1 owns that partition
+    (at most P - 1 iterations later), then every rank's synchronized gradient carries it
+    and stats() counts it; afterwards it is gone from the residual."""
+    nranks = len(results)
+    runs = [r["nonfinite"] for r in results]
+    for s in range(len(runs[0])):
+        vals = [run[s]["value"] for run in runs]
+        assert all(math.isnan(v) for v in vals) or len(set(vals)) == 1, (s, vals)
+    nan_steps = [s for s in range(len(runs[0])) if math.isnan(runs[0][s]["value"])]
+    assert len(nan_steps) == 1 and 2 <= nan_steps[0] < 2 + nranks, nan_steps
+    for s in range(len(runs[0])):
+        assert runs[0][s]["stats"]["nonfinite"] == (1 if s in nan_steps else 0), s
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_trains(results, op):
+    """(5) the tiny Net's global loss falls, by at least half of what dense achieves."""
+    for r in results:
+        t, dense = r[f"train_{op}"], r[f"dense_{op}"]
+        assert t["before"] == dense["before"]
+        assert t["after"] < t["before"] - 0.03, t
+        assert t["before"] - t["after"] >= 0.5 * (dense["before"] - dense["after"]), (t, dense)
+        assert t["stats"]["phase"] == "sparse" and t["stats"]["nonfinite"] == 0
+        for n, p in t["params"].items():
+            assert torch.equal(p, results[0][f"train_{op}"]["params"][n]), n

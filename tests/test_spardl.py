@@ -1,0 +1,204 @@
+"""SparDL (ssfusion_hvd/schemes/spardl.py) on real Horovod workers and in simulation.
+
+The live scheme and :func:`spardl.simulate` run the same per-rank generator; the simulator
+only replaces Horovod's alltoall/allgather by an in-memory exchange. On 2, 3 and 4 gloo
+workers, for every team count d dividing P (d = 1: SRS + all-gather; powers of two: R-SAG;
+others: B-SAG), each recorded step must give:
+
+1. the synchronized gradient of every rank == the simulation of all ranks from the recorded
+   local gradients, residuals and B-SAG state (and the new residuals and B-SAG state ==
+   the simulation's);
+2. nothing lost: delivered sum + all new residuals == all gradients + old residuals, from the
+   live data alone, up to float rounding;
+3. a state_dict/load_state_dict round trip resumes bit for bit;
+4. training the tiny model decreases the loss, with Average and Sum.
+"""
+import pytest
+import torch
+
+from hvdrun import run_workers
+from ssfusion_hvd.schemes.spardl import (BSAGState, Layout, output_scale, simulate,
+                                         teams_from_env)
+
+STATS_KEYS = {"phase", "allreduce_bytes", "allgather_bytes", "tensors_dense", "tensors_sparse",
+              "elements", "elements_sent", "density", "tensors_missing", "nonfinite",
+              "sparsify_s", "offload_s", "communicate_s", "wait_s"}
+
+
+def _flat(d, names):
+    return torch.cat([d[n].reshape(-1) for n in names])
+
+
+def check_record(runs, exact=True):
+    """Checks one recorded case (per-rank results); returns the number of steps checked."""
+    P = len(runs)
+    r0 = runs[0]
+    names, d, op = r0["names"], r0["teams"], r0["op"]
+    dtype = r0["steps"][0]["synced"][names[0]].dtype
+    scale = output_scale(op != "sum", P)
+    nsteps = len(r0["steps"])
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    for s in range(nsteps):
+        steps = [run["steps"][s] for run in runs]
+        synced = [_flat(st["synced"], names) for st in steps]
+        for x in synced[1:]:  # every rank holds the same gradient, bit for bit
+            assert torch.equal(x, synced[0]), s
+        accs = []
+        for st in steps:
+            acc = _flat(st["local"], names)
+            if st["residual"]:
+                acc.add_(_flat(st["residual"], names))
+            accs.append(acc)
+        nxt = [run["steps"][s + 1] if s + 1 < nsteps else
+               {"residual": run["final_residual"], "bsag": run["final_bsag"]} for run in runs]
+        new_res = [_flat(x["residual"], names) for x in nxt]
+        # (2) nothing lost, from the live data alone
+        delivered = synced[0].double() / scale
+        lhs = delivered + torch.stack(new_res).double().sum(0)
+        rhs = torch.stack(accs).double().sum(0)
+        torch.testing.assert_close(lhs, rhs, **tol, msg=lambda m: f"step {s}: {m}")
+        # (1) the simulation of the same algorithm on the same inputs
+        layout = Layout(accs[0].numel(), P, d, r0["density"], dtype)
+        states = None
+        if layout.sag == "bsag":
+            states = [BSAGState(**st["bsag"]) for st in steps]
+        else:
+            assert all(st["bsag"] is None for st in steps)
+        sim = simulate(layout, [a.clone() for a in accs], states)
+        want = sim[0].delivered.mul_(scale) if scale != 1.0 else sim[0].delivered
+        if exact:
+            assert torch.equal(synced[0], want), (s, (synced[0] - want).abs().max())
+        else:
+            torch.testing.assert_close(synced[0], want, **tol)
+        for r in range(P):
+            if exact:
+                assert torch.equal(new_res[r], sim[r].residual), (s, r)
+            else:
+                torch.testing.assert_close(new_res[r], sim[r].residual, **tol)
+            if states is not None:
+                assert nxt[r]["bsag"] == states[r].as_dict(), (s, r)
+        st = steps[0]["stats"]
+        assert STATS_KEYS <= set(st), STATS_KEYS - set(st)
+        assert st["phase"] == "sparse" and st["teams"] == d and st["nonfinite"] == 0
+        assert st["elements"] == accs[0].numel() and st["allgather_bytes"] > 0
+        assert st["delivered"] == sim[0].final.numel()
+    return nsteps
+
+
+def check_launch(results, teams):
+    P = len(results)
+    for d in teams:
+        for op in ("average", "sum"):
+            assert check_record([r[("record", d, op)] for r in results]) == 4, (d, op)
+        # (3) checkpoint round trip
+        for r in results:
+            ck = r[("checkpoint", d)]
+            assert ck["saved"]["iteration"] == ck["loaded"]["iteration"] == 3
+            assert ck["saved"]["bsag"] == ck["loaded"]["bsag"]
+            assert ck["saved"]["residuals"].keys() == ck["loaded"]["residuals"].keys()
+            assert ck["saved"]["residuals"]
+            for n, t in ck["saved"]["residuals"].items():
+                assert torch.equal(t, ck["loaded"]["residuals"][n]), n
+            for n, t in ck["first"].items():
+                assert torch.equal(t, ck["second"][n]), (d, n)
+        # (4) training decreases the loss; every rank ends with the same parameters
+        for op in ("average", "sum"):
+            runs = [r[("train", d, op)] for r in results]
+            losses = runs[0]["losses"]
+            first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+            assert last < 0.9 * first, (d, op, first, last)
+            for run in runs[1:]:
+                for n, t in run["params"].items():
+                    assert torch.equal(t, runs[0]["params"][n]), (d, op, n)
+            st = runs[0]["stats"]
+            assert st["tensors_sparse"] == 8 and st["allreduce_bytes"] == 0
+    if 1 in teams:
+        assert check_record([r[("record", 1, "predivide")] for r in results]) == 3
+        assert check_record([r[("record", 1, "float16")] for r in results]) == 3
+    return P
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("np_,teams", [(2, [1, 2]), (3, [1, 3]), (4, [1, 2, 4])])
+def test_spardl_live_matches_simulation(np_, teams):
+    results = run_workers("workers_spardl:run_all", np=np_, timeout=300, teams=teams)
+    assert check_launch(results, teams) == np_
+
+
+# ------------------------------------------------------------------ pure (no Horovod)
+
+
+@pytest.mark.parametrize("P", range(1, 9))
+def test_simulation_conserves_and_agrees(P):
+    """Every d dividing P (R-SAG and B-SAG included), odd sizes: all ranks decode the same
+    gradient and residuals + delivered == sum of inputs; a few iterations of error feedback
+    and B-SAG adjustment."""
+    g = torch.Generator().manual_seed(P)
+    for d in [x for x in range(1, P + 1) if P % x == 0]:
+        for n, density in [(1000, 0.05), (37, 0.3), (10, 0.5)]:
+            if n < P // d:
+                continue
+            layout = Layout(n, P, d, density)
+            states = ([BSAGState.initial(layout, layout.pos_of(r)) for r in range(P)]
+                      if layout.sag == "bsag" else None)
+            residual = [torch.zeros(n) for _ in range(P)]
+            for _ in range(3):
+                accs = [torch.randn(n, generator=g) + residual[r] for r in range(P)]
+                out = simulate(layout, [a.clone() for a in accs], states)
+                for r in out[1:]:
+                    assert torch.equal(r.delivered, out[0].delivered)
+                total = torch.stack(accs).double().sum(0)
+                got = out[0].delivered.double() + sum(r.residual.double() for r in out)
+                torch.testing.assert_close(got, total, rtol=1e-6, atol=1e-5)
+                assert out[0].final.unique().numel() == out[0].final.numel()
+                assert out[0].final.numel() == sum(layout.block_k)
+                residual = [r.residual for r in out]
+                if states is not None:  # one h per position group
+                    for r in range(P):
+                        assert states[r] == states[layout.rank_of(0, layout.pos_of(r))]
+
+
+@pytest.mark.parametrize("P,d", [(3, 1), (4, 2), (6, 3), (8, 8)])
+def test_full_density_is_the_exact_sum(P, d):
+    n = 50
+    layout = Layout(n, P, d, 1.0)
+    accs = [torch.randn(n) for _ in range(P)]
+    out = simulate(layout, [a.clone() for a in accs],
+                   [BSAGState(h=n / P * d, step=1.0) for _ in range(P)]
+                   if layout.sag == "bsag" else None)
+    torch.testing.assert_close(out[0].delivered, torch.stack(accs).sum(0), rtol=1e-6, atol=1e-6)
+    for r in out:
+        assert r.residual.abs().max() < 1e-5
+
+
+def test_bsag_adjustment_moves_h_toward_the_target():
+    layout = Layout(3000, 3, 3, 0.1)  # L = 300 per block, h in [100, 300]
+    st = BSAGState.initial(layout, 0)
+    assert st.h == 100.0 and st.step == pytest.approx(0.01 * 300 * 2 / 3)
+    hs = []
+    for _ in range(12):  # too few gradients after B-SAG: h grows, faster and faster
+        st.adjust(layout, 0, count=150)
+        hs.append(st.h)
+    assert all(b >= a for a, b in zip(hs, hs[1:])) and hs[-1] > 110
+    h = st.h
+    st.adjust(layout, 0, count=400)  # too many: turn back, half the step
+    assert st.h < h and st.step < 0
+    for _ in range(200):
+        st.adjust(layout, 0, count=10**6)
+    assert st.h == 100.0  # clamped to the paper's range
+    for _ in range(200):
+        st.adjust(layout, 0, count=0)
+    assert st.h == 300.0
+
+
+def test_teams_from_env(monkeypatch):
+    monkeypatch.delenv("SSFUSION_SPARDL_TEAMS", raising=False)
+    assert teams_from_env() == 1
+    monkeypatch.setenv("SSFUSION_SPARDL_TEAMS", "3")
+    assert teams_from_env() == 3
+    for bad in ("0", "x", "-2"):
+        monkeypatch.setenv("SSFUSION_SPARDL_TEAMS", bad)
+        with pytest.raises(ValueError):
+            teams_from_env()
+    with pytest.raises(ValueError):
+        Layout(100, 4, 3, 0.1)

@@ -1,0 +1,123 @@
+"""Worker functions for tests/test_spardl.py (run on every Horovod rank).
+
+``run_all`` runs every case of one launch: for each team count ``d`` (set through
+``SSFUSION_SPARDL_TEAMS`` before the optimizer is built) it records a few steps with
+Average and with Sum (local gradients by autograd.grad, residuals and B-SAG state before
+the step, the synchronized gradients, stats), checks a state_dict/load_state_dict
+round trip, and trains the tiny model of tests/workers_schemes.py.
+"""
+import io
+import os
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+import ssfusion_hvd
+from ssfusion_hvd.schemes.spardl import TEAMS_ENV
+from workers_schemes import OPS, _batch, _model
+
+
+def _state(opt):
+    return opt.state_dict()["ssfusion"]["state"]
+
+
+def _optimizer(model, teams, op="average", predivide=1.0, density=0.05, lr=0.05, momentum=0.0):
+    os.environ[TEAMS_ENV] = str(teams)
+    try:
+        return ssfusion_hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+            named_parameters=model.named_parameters(), scheme="spardl", density=density,
+            op=OPS[op], gradient_predivide_factor=predivide)
+    finally:
+        del os.environ[TEAMS_ENV]
+
+
+def record(teams, steps=4, op="average", predivide=1.0, dtype="float32", density=0.05):
+    model = _model(dtype)
+    opt = _optimizer(model, teams, op, predivide, density)
+    names = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    params = dict(model.named_parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    out = []
+    for step in range(steps):
+        opt.zero_grad()
+        state = _state(opt)
+        x, y = _batch(step, 0, dtype)
+        grads = torch.autograd.grad(loss_fn(model(x).float(), y), [params[n] for n in names],
+                                    allow_unused=True)
+        local = {n: (torch.zeros_like(params[n]) if g is None else g.detach().clone())
+                 for n, g in zip(names, grads)}
+        loss_fn(model(x).float(), y).backward()
+        opt.synchronize()
+        synced = {n: params[n].grad.detach().clone() for n in names}
+        with opt.skip_synchronize():
+            opt.step()
+        out.append({"residual": {k: v.clone() for k, v in state["residuals"].items()},
+                    "bsag": state["bsag"], "local": local, "synced": synced,
+                    "stats": opt.stats()})
+    final = _state(opt)
+    return {"names": names, "steps": out, "final_residual": final["residuals"],
+            "final_bsag": final["bsag"], "teams": teams, "op": op, "density": density,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _train(model, opt, steps, dtype="float32"):
+    loss_fn = nn.CrossEntropyLoss()
+    losses = []
+    for step in steps:
+        opt.zero_grad()
+        x, y = _batch(step % 2, 0, dtype)  # two fixed batches per rank
+        loss = loss_fn(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(hvd.allreduce(loss.detach(), name="spardl.test.loss").item())
+    return losses
+
+
+def checkpoint(teams, save_at=3, total=7):
+    """Saves (model, optimizer) at ``save_at``, runs on; then a fresh model and optimizer
+    load the saved state and run the same steps: parameters must match bit for bit."""
+    model = _model("float32")
+    opt = _optimizer(model, teams, momentum=0.9)
+    _train(model, opt, range(save_at))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    saved = _state(opt)
+    _train(model, opt, range(save_at, total))
+    first = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    torch.manual_seed(99 + hvd.rank())  # different weights: everything must come from the file
+    model2 = type(model)()
+    opt2 = _optimizer(model2, teams, momentum=0.9)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=False)
+    model2.load_state_dict(state["model"])
+    opt2.load_state_dict(state["opt"])
+    loaded = _state(opt2)
+    _train(model2, opt2, range(save_at, total))
+    second = {n: p.detach().clone() for n, p in model2.named_parameters()}
+    return {"saved": saved, "loaded": loaded, "first": first, "second": second}
+
+
+def train(teams, op="average", steps=30, lr=1.0, density=0.1):
+    model = _model("float32")
+    opt = _optimizer(model, teams, op, density=density,
+                     lr=lr if op == "average" else lr / hvd.size())
+    losses = _train(model, opt, range(steps))
+    return {"losses": losses, "stats": opt.stats(),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def run_all(teams, steps=4, train_steps=30):
+    out = {}
+    for d in teams:
+        out[("record", d, "average")] = record(d, steps=steps)
+        out[("record", d, "sum")] = record(d, steps=steps, op="sum")
+        out[("checkpoint", d)] = checkpoint(d)
+        out[("train", d, "average")] = train(d, steps=train_steps)
+        out[("train", d, "sum")] = train(d, "sum", steps=train_steps)
+    if 1 in teams:  # other dtypes and the predivide factor, plain SRS
+        out[("record", 1, "predivide")] = record(1, steps=3, predivide=2.0)
+        out[("record", 1, "float16")] = record(1, steps=3, dtype="float16")
+    return out
