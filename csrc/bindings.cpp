@@ -23,6 +23,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("scatter_add_chunks_cpu", &ssf::scatter_add_chunks_cpu, py::arg("dense"),
         py::arg("gathered"), py::arg("nchunks"), py::arg("chunk_len"), py::arg("offset"),
         py::arg("k"), py::arg("index_dtype"), nogil);
+  m.def("hash_partition_cpu", &ssf::hash_partition_cpu, py::arg("indices"), py::arg("nparts"),
+        py::arg("seed"), py::arg("table_size"), py::arg("rounds"), nogil);
+  m.def("hash_owner_cpu", &ssf::hash_owner_cpu, py::arg("indices"), py::arg("nparts"),
+        py::arg("seed"), nogil);
   m.def("record_spans", &ssf::record_spans, py::arg("k"), py::arg("value_dtype"),
         py::arg("index_dtype"));
 #ifdef SSF_WITH_CUDA
@@ -40,6 +44,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("scatter_add_chunks_cuda", &ssf::scatter_add_chunks_cuda, py::arg("dense"),
         py::arg("gathered"), py::arg("nchunks"), py::arg("chunk_len"), py::arg("offset"),
         py::arg("k"), py::arg("index_dtype"), nogil);
+  m.def("hash_partition_cuda", &ssf::hash_partition_cuda, py::arg("indices"), py::arg("nparts"),
+        py::arg("seed"), py::arg("table_size"), py::arg("rounds"), nogil);
+  m.def("hash_owner_cuda", &ssf::hash_owner_cuda, py::arg("indices"), py::arg("nparts"),
+        py::arg("seed"), nogil);
 #endif
   py::dict info;
   info["cuda_kernels"] =

@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "hash.h"
+
 #include <cstdint>
 #include <limits>
 #include <tuple>
@@ -88,6 +90,23 @@ inline std::tuple<int64_t, int64_t> check_chunks(const at::Tensor& dense, const 
   TORCH_CHECK(offset >= 0 && offset + std::get<0>(spans) + std::get<1>(spans) <= chunk_len,
               "scatter_add_chunks: record outside the chunk");
   return spans;
+}
+
+// Arguments of the hash ops (hash_partition, hash_owner): 1-D int32/int64 indices on the
+// expected device, a partition count and table size the 32-bit range reduction can take.
+inline void check_hash_args(const at::Tensor& indices, int64_t nparts, int64_t table_size,
+                            int64_t rounds, c10::DeviceType device, const char* op) {
+  TORCH_CHECK(indices.device().type() == device, op, ": expected a ",
+              c10::DeviceTypeName(device), " tensor, got ", indices.device());
+  TORCH_CHECK(indices.dim() == 1, op, ": indices must be 1-D, got ", indices.sizes());
+  TORCH_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op,
+              ": indices must be int32 or int64, got ", indices.scalar_type());
+  TORCH_CHECK(nparts >= 1 && nparts <= hashing::kMaxRange, op, ": nparts=", nparts,
+              " out of range [1, ", hashing::kMaxRange, "]");
+  TORCH_CHECK(table_size >= 1 && table_size <= hashing::kMaxRange, op, ": table_size=",
+              table_size, " out of range [1, ", hashing::kMaxRange, "]");
+  TORCH_CHECK(rounds >= 0 && rounds <= hashing::kMaxRounds, op, ": rounds=", rounds,
+              " out of range [0, ", hashing::kMaxRounds, "]");
 }
 
 // Index dtype of selections from n elements (ops.h).

@@ -46,6 +46,31 @@ void scatter_add_chunks_cpu(at::Tensor& dense, const at::Tensor& gathered, int64
                             int64_t chunk_len, int64_t offset, int64_t k,
                             at::ScalarType index_dtype);
 
+// ZEN's hierarchical hashing ("ZEN: Empowering Distributed Training with Sparsity-driven
+// Data Synchronization", OSDI'25, §3.2, Algorithm 1); the hash functions are in hash.h.
+// `indices` is 1-D int32/int64 (any values; normally a gradient's selected positions).
+// Index j goes to partition p_j = h_0(indices[j]) in [0, nparts): the same seed gives the
+// same partition on every rank. Each partition has a parallel memory of `table_size` slots
+// and a serial memory without bound. Insertion runs `rounds` rounds: in round i = 1..rounds
+// every index not yet placed tries slot h_i(indices[j]) of its partition; a slot empty at the
+// start of the round goes to the lowest j among the indices trying it, the others stay
+// pending (the paper's read-after-write collision check, made deterministic). Indices still
+// pending after the last round are appended to their partition's serial memory in ascending
+// j (the paper's atomic counter, in input order): nothing is lost, whatever the table size.
+// Returns (order, counts, overflow):
+//   order    int64[m]: the positions j grouped by partition 0..nparts-1; inside partition p
+//            the occupied slots of its parallel memory in slot order, then its serial memory;
+//   counts   int64[nparts]: entries per partition;
+//   overflow int64[nparts]: entries that went to each partition's serial memory.
+// nparts and table_size in [1, 2^31), rounds in [0, 64]; duplicate indices are each placed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_cpu(const at::Tensor& indices,
+                                                                  int64_t nparts, int64_t seed,
+                                                                  int64_t table_size,
+                                                                  int64_t rounds);
+// h_0 of every index (int32): its partition. {idx : h_0(idx) = p} is the index set I_p that
+// ZEN's hash bitmap (§3.3, Algorithm 2) is laid over.
+at::Tensor hash_owner_cpu(const at::Tensor& indices, int64_t nparts, int64_t seed);
+
 // Elements of a buffer of dtype `value_dtype` taken by the values (padded) and by the
 // indices of a record of k elements.
 std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
@@ -65,6 +90,11 @@ void scatter_add_cuda(at::Tensor& dense, const at::Tensor& values, const at::Ten
 void scatter_add_chunks_cuda(at::Tensor& dense, const at::Tensor& gathered, int64_t nchunks,
                              int64_t chunk_len, int64_t offset, int64_t k,
                              at::ScalarType index_dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_cuda(const at::Tensor& indices,
+                                                                   int64_t nparts, int64_t seed,
+                                                                   int64_t table_size,
+                                                                   int64_t rounds);
+at::Tensor hash_owner_cuda(const at::Tensor& indices, int64_t nparts, int64_t seed);
 #endif
 
 }  // namespace ssf

@@ -141,5 +141,21 @@ void scatter_add_chunks(U* dense, int64_t n, ValueKind kind, const U* gathered,
                         int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k,
                         cudaStream_t stream);
 
+// ----------------------------------------------------------------------------- hash
+
+// ZEN's hierarchical hashing (hash.cu; semantics of ssf::hash_partition_cpu in ops.h, hash
+// functions in ../hash.h): positions of idx[0, m) grouped by partition into order[m],
+// entries per partition into counts[nparts], serial-memory entries into overflow[nparts]
+// (all int64, on the device). The same results as the CPU; no host synchronization.
+size_t hash_partition_workspace_bytes(int64_t m, int64_t nparts, int64_t table_size);
+template <typename I>
+void hash_partition(const I* idx, int64_t m, int64_t nparts, uint64_t seed, int64_t table_size,
+                    int64_t rounds, int64_t* order, int64_t* counts, int64_t* overflow,
+                    void* workspace, size_t workspace_bytes, cudaStream_t stream);
+// out[j] = h_0(idx[j]), the partition of each index (int32).
+template <typename I>
+void hash_owner(const I* idx, int64_t m, int64_t nparts, uint64_t seed, int32_t* out,
+                cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace ssf

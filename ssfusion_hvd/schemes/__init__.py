@@ -9,9 +9,10 @@ from .ssfusion import SSFusionScheme
 from .ssfusion_i import SSFusionIScheme
 from .ssfusion_o import SSFusionOScheme
 from .ssfusion_oi import SSFusionOIScheme
+from .zen import ZenScheme
 
 SCHEMES = {cls.name: cls for cls in (DenseScheme, PerTensorScheme, MultiTensorScheme,
                                      SSFusionScheme, SSFusionOScheme, SSFusionIScheme,
-                                     SSFusionOIScheme, ExDynaScheme, SparDLScheme)}
+                                     SSFusionOIScheme, ExDynaScheme, SparDLScheme, ZenScheme)}
 
 __all__ = ["SCHEMES", "Scheme", "SyncConfig"]

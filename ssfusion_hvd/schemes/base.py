@@ -15,6 +15,7 @@ only decides how finished gradients travel and how the synchronized gradient is 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
@@ -77,3 +78,30 @@ class Scheme:
     def load_state_dict(self, state: dict) -> None:
         if state:
             raise ValueError(f"scheme {self.name!r} has no state, got keys {sorted(state)}")
+
+
+class WholeGradientScheme(Scheme):
+    """Base of the schemes that synchronize the whole model gradient as one flat vector
+    once its last tensor is final (SparDL, ZEN, ExDyna): counts submissions and calls
+    ``_launch()`` when every trainable parameter's gradient is in."""
+
+    def __init__(self, config: SyncConfig):
+        super().__init__(config)
+        self._trainable = [p for p in config.order if p.requires_grad]
+        self._submitted = 0
+        self._t_first = None  # first submission of the step (for stats' communicate_s)
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor:
+        if p.grad.is_sparse:  # sparse gradients travel densely in these schemes
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def submit(self, p: torch.Tensor) -> None:
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+        self._submitted += 1
+        if self._submitted == len(self._trainable):
+            self._launch()
+
+    def _launch(self) -> None:
+        raise NotImplementedError

@@ -92,7 +92,7 @@ from horovod.torch.mpi_ops import Average, allgather_async, allreduce_async_, sy
 from .. import ops
 from ..sparsify import ResidualMemory
 from ..sparsify.threshold import Threshold
-from .base import Scheme, SyncConfig
+from .base import SyncConfig, WholeGradientScheme
 
 __all__ = ["ExDynaScheme", "ExDynaState"]
 
@@ -237,7 +237,7 @@ class ExDynaState:
             self.partition_blocks()
 
 
-class ExDynaScheme(Scheme):
+class ExDynaScheme(WholeGradientScheme):
     """ExDyna over Horovod (see the module docstring)."""
 
     name = "exdyna"
@@ -245,7 +245,6 @@ class ExDynaScheme(Scheme):
     def __init__(self, config: SyncConfig, **knobs):
         super().__init__(config)
         self._tag = f"exd{next(_instances)}"  # created in the same order on every rank
-        self._trainable = [p for p in config.order if p.requires_grad]
         kinds = {(p.dtype, p.device) for p in self._trainable}
         if len(kinds) > 1:
             raise ValueError(f"scheme {self.name!r} needs every gradient in one dtype on one "
@@ -280,17 +279,7 @@ class ExDynaScheme(Scheme):
         self.reset()
 
     # ------------------------------------------------------------------ submit
-    def _grad(self, p: torch.Tensor) -> torch.Tensor:
-        if p.grad.is_sparse:  # sparse gradients travel densely here
-            p.grad = p.grad.to_dense()
-        return p.grad
 
-    def submit(self, p: torch.Tensor) -> None:
-        if self._t_first is None:
-            self._t_first = time.perf_counter()
-        self._ready += 1
-        if self._ready == len(self._trainable):
-            self._launch()
 
     def _launch(self) -> None:
         """Error feedback, exclusive selection in the own partition, index allgather."""
@@ -378,10 +367,10 @@ class ExDynaScheme(Scheme):
         return out
 
     def pending(self) -> bool:
-        return self._ready > 0 or self._ag is not None
+        return self._submitted > 0 or self._ag is not None
 
     def reset(self) -> None:
-        self._ready = 0
+        self._submitted = 0
         self._ag = self._kth = None
         self._acc = None
         self._calibrating = False

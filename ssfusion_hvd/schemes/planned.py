@@ -46,7 +46,7 @@ from .dense import DenseScheme
 __all__ = ["PlannedScheme"]
 
 _instances = itertools.count()
-_SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SPARSE_DTYPES = (torch.float32, torch.float16)
 
 
 def _load(obj, cls):
@@ -73,6 +73,11 @@ class PlannedScheme(Scheme):
             self._ag_postscale = config.gradient_predivide_factor / self._nranks
         else:
             self._prescale, self._ag_postscale = 1.0, 1.0
+        if any(p.dtype == torch.bfloat16 for p in self._trainable):
+            # fail at construction, not in the first collective of the warm-up
+            raise ValueError(f"scheme {self.name!r}: Horovod 0.28.1 cannot allreduce or "
+                             "allgather bfloat16 tensors; train in float32 or float16, or use "
+                             "scheme='zen' (it sends bfloat16 values as raw bytes)")
         self._dense = DenseScheme(config)  # the warm-up phase
         self._timer = _profile.BackwardTimer(device=self._device)
         self._memory = ResidualMemory()
@@ -109,7 +114,7 @@ class PlannedScheme(Scheme):
                              f"device, got {sorted(map(str, kinds))}; use scheme='dense'")
         dtype, device = next(iter(kinds))
         if dtype not in _SPARSE_DTYPES:
-            raise ValueError(f"scheme {self.name!r} supports float32, float16 and bfloat16 "
+            raise ValueError(f"scheme {self.name!r} supports float32 and float16 "
                              f"gradients, got {dtype}; use scheme='dense'")
         self.plan = plan
         self._params = params

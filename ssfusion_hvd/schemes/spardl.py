@@ -125,7 +125,7 @@ from horovod.torch.mpi_ops import (Average, allgather, allgather_async, alltoall
 
 from .. import ops
 from ..plan.cost import nominal_k
-from .base import Scheme, SyncConfig
+from .base import SyncConfig, WholeGradientScheme
 
 __all__ = ["SparDLScheme", "Layout", "BSAGState", "RankResult", "Send", "Gather", "run_rank",
            "simulate", "encode", "decode", "output_scale", "teams_from_env", "TEAMS_ENV"]
@@ -529,7 +529,7 @@ def simulate(layout: Layout, accs: Sequence[torch.Tensor],
 # --------------------------------------------------------------------------- the scheme
 
 
-class SparDLScheme(Scheme):
+class SparDLScheme(WholeGradientScheme):
     """SparDL over Horovod (see the module docstring)."""
 
     name = "spardl"
@@ -537,7 +537,6 @@ class SparDLScheme(Scheme):
     def __init__(self, config: SyncConfig):
         super().__init__(config)
         self._tag = f"spardl{next(_instances)}"  # created in the same order on every rank
-        self._trainable = [p for p in config.order if p.requires_grad]
         self._names = [config.names[p] for p in self._trainable]
         self._sizes = [p.numel() for p in self._trainable]
         self._shapes = [p.shape for p in self._trainable]
@@ -572,14 +571,8 @@ class SparDLScheme(Scheme):
         self.reset()
 
     # ------------------------------------------------------------------ submit
-    def submit(self, p: torch.Tensor) -> None:
-        if self._t_first is None:
-            self._t_first = time.perf_counter()
-        self._submitted += 1
-        if self._submitted == len(self._trainable):
-            self._start()
 
-    def _start(self) -> None:
+    def _launch(self) -> None:
         grads = []
         for p in self._trainable:
             if p.grad.is_sparse:  # sparse schemes send sparse gradients densely
