@@ -124,3 +124,13 @@ def test_variants_match_reference(variant):
         assert check_run(runs, op=variant.get("op", "average"),
                          predivide=variant.get("predivide", 1.0), **tol) == \
             (4 if scheme == "forced" else 3), scheme
+
+
+def test_bfloat16_refused_where_horovod_cannot_reduce_it():
+    """Horovod 0.28.1 rejects bfloat16 allreduce/allgather: schemes that use them refuse a
+    bfloat16 model at construction; ZEN and SparDL move values as raw bytes and accept it."""
+    [errors] = run_workers("workers_schemes:dtype_errors", np=1, timeout=120,
+                           schemes=SCHEMES + ["exdyna", "zen", "spardl"])
+    for scheme in SCHEMES + ["exdyna"]:
+        assert errors[scheme] and "bfloat16" in errors[scheme], (scheme, errors[scheme])
+    assert errors["zen"] is None and errors["spardl"] is None, errors

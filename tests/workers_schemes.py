@@ -193,3 +193,18 @@ def nonfinite(scheme):
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         out.append({"grads": grads, "stats": opt.stats()})
     return out
+
+
+def dtype_errors(schemes):
+    """The error each scheme raises at construction for a bfloat16 model (None: accepted)."""
+    out = {}
+    for scheme in schemes:
+        model = _model("float32").to(torch.bfloat16)
+        try:
+            ssfusion_hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                named_parameters=model.named_parameters(), scheme=scheme, log_plan=False)
+            out[scheme] = None
+        except ValueError as e:
+            out[scheme] = str(e)
+    return out

@@ -80,14 +80,40 @@ class Scheme:
             raise ValueError(f"scheme {self.name!r} has no state, got keys {sorted(state)}")
 
 
+def op_scales(config: SyncConfig) -> tuple:
+    """``(sender prescale, receiver postscale)`` of a sum over the ranks, as Horovod scales
+    an allreduce: Average is ``1/f`` before the sum and ``f/P`` after it
+    (``f = gradient_predivide_factor``); Sum scales nothing."""
+    from horovod.torch.mpi_ops import Average
+
+    if config.op == Average:
+        f = config.gradient_predivide_factor
+        return 1.0 / f, f / config.process_set.size()
+    return 1.0, 1.0
+
+
 class WholeGradientScheme(Scheme):
     """Base of the schemes that synchronize the whole model gradient as one flat vector
-    once its last tensor is final (SparDL, ZEN, ExDyna): counts submissions and calls
-    ``_launch()`` when every trainable parameter's gradient is in."""
+    once its last tensor is final (SparDL, ZEN, ExDyna): checks that the gradients share
+    one dtype (of ``dtypes``) and device, counts submissions and calls ``_launch()`` when
+    every trainable parameter's gradient is in."""
+
+    #: gradient dtypes the scheme's collectives can carry
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
 
     def __init__(self, config: SyncConfig):
         super().__init__(config)
         self._trainable = [p for p in config.order if p.requires_grad]
+        kinds = {(p.dtype, p.device) for p in self._trainable}
+        if len(kinds) > 1:
+            raise ValueError(f"scheme {self.name!r} needs every gradient in one dtype on one "
+                             f"device, got {sorted(map(str, kinds))}; use scheme='dense'")
+        self._dtype, self._device = (next(iter(kinds)) if kinds
+                                     else (torch.float32, torch.device("cpu")))
+        if self._dtype not in self.dtypes:
+            raise ValueError(f"scheme {self.name!r} supports gradients of "
+                             f"{', '.join(map(str, self.dtypes))}, got {self._dtype}; "
+                             "use scheme='dense'")
         self._submitted = 0
         self._t_first = None  # first submission of the step (for stats' communicate_s)
 

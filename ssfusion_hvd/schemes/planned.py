@@ -26,7 +26,6 @@ Horovod's own pre/postscale.
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 import time
 import zlib
@@ -40,7 +39,7 @@ from .. import profile as _profile
 from ..comm.buffers import DensePart, GroupBuffers, SparsePart, _views, build_group
 from ..plan import CostModel, Plan, build_plan
 from ..sparsify import ResidualMemory, make_sparsifier
-from .base import Scheme, SyncConfig
+from .base import Scheme, SyncConfig, op_scales
 from .dense import DenseScheme
 
 __all__ = ["PlannedScheme"]
@@ -68,11 +67,7 @@ class PlannedScheme(Scheme):
         self._device = next(iter(dev)) if len(dev) == 1 else torch.device("cpu")
         self._nranks = config.process_set.size()
         self._rank = config.process_set.rank()
-        if config.op == Average:
-            self._prescale = 1.0 / config.gradient_predivide_factor
-            self._ag_postscale = config.gradient_predivide_factor / self._nranks
-        else:
-            self._prescale, self._ag_postscale = 1.0, 1.0
+        self._prescale, self._ag_postscale = op_scales(config)
         if any(p.dtype == torch.bfloat16 for p in self._trainable):
             # fail at construction, not in the first collective of the warm-up
             raise ValueError(f"scheme {self.name!r}: Horovod 0.28.1 cannot allreduce or "

@@ -131,7 +131,6 @@ __all__ = ["SparDLScheme", "Layout", "BSAGState", "RankResult", "Send", "Gather"
            "simulate", "encode", "decode", "output_scale", "teams_from_env", "TEAMS_ENV"]
 
 TEAMS_ENV = "SSFUSION_SPARDL_TEAMS"
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _instances = itertools.count()
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (values, global indices), indices ascending
@@ -540,15 +539,6 @@ class SparDLScheme(WholeGradientScheme):
         self._names = [config.names[p] for p in self._trainable]
         self._sizes = [p.numel() for p in self._trainable]
         self._shapes = [p.shape for p in self._trainable]
-        kinds = {(p.dtype, p.device) for p in self._trainable}
-        if len(kinds) > 1:
-            raise ValueError(f"scheme 'spardl' needs every gradient in one dtype on one device, "
-                             f"got {sorted(map(str, kinds))}; use scheme='dense'")
-        self._dtype, self._device = next(iter(kinds)) if kinds else (torch.float32,
-                                                                     torch.device("cpu"))
-        if self._dtype not in _DTYPES:
-            raise ValueError(f"scheme 'spardl' supports float32, float16 and bfloat16 gradients, "
-                             f"got {self._dtype}; use scheme='dense'")
         if config.sparsifier != "topk":
             warnings.warn(f"scheme 'spardl' selects by exact top-k (the paper's operator); "
                           f"sparsifier={config.sparsifier!r} is ignored")

@@ -69,16 +69,15 @@ import zlib
 from typing import Optional
 
 import torch
-from horovod.torch.mpi_ops import Average, allgather_async, alltoall_async, synchronize
+from horovod.torch.mpi_ops import allgather_async, alltoall_async, synchronize
 
 from .. import ops
 from ..sparsify import ResidualMemory, make_sparsifier
-from .base import SyncConfig, WholeGradientScheme
+from .base import SyncConfig, WholeGradientScheme, op_scales
 
 __all__ = ["ZenScheme", "imbalance_ratio", "pack_bitmap", "unpack_bitmap"]
 
 _instances = itertools.count()
-_SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KEY = "zen"  # the residual of the flat gradient
 _BIT_WEIGHTS = {}
 
@@ -132,26 +131,13 @@ class ZenScheme(WholeGradientScheme):
         super().__init__(config)
         self._tag = f"zen{next(_instances)}"  # created in the same order on every rank
         self._names = [config.names[p] for p in self._trainable]
-        kinds = {(p.dtype, p.device) for p in self._trainable}
-        if len(kinds) > 1:
-            raise ValueError(f"scheme 'zen' needs every gradient in one dtype on one device, got "
-                             f"{sorted(map(str, kinds))}; use scheme='dense'")
-        self._dtype, self._device = next(iter(kinds)) if kinds else (torch.float32,
-                                                                      torch.device("cpu"))
-        if self._dtype not in _SPARSE_DTYPES:
-            raise ValueError(f"scheme 'zen' supports float32, float16 and bfloat16 gradients, "
-                             f"got {self._dtype}; use scheme='dense'")
         self._sizes = [p.numel() for p in self._trainable]
         self._bounds = [0] + list(itertools.accumulate(self._sizes))
         self._n = self._bounds[-1]
         self._k = max(1, math.ceil(config.density * self._n)) if self._n else 0
         self._nranks = config.process_set.size()
         self._rank = config.process_set.rank()
-        if config.op == Average:
-            self._prescale = 1.0 / config.gradient_predivide_factor
-            self._postscale = config.gradient_predivide_factor / self._nranks
-        else:
-            self._prescale, self._postscale = 1.0, 1.0
+        self._prescale, self._postscale = op_scales(config)
         self._idx_dtype = ops.index_dtype(self._n)
         kwargs = {"seed": zlib.crc32(b"zen")} if config.sparsifier == "randomk" else {}
         self._sparsifier = make_sparsifier(config.sparsifier, **kwargs)
