@@ -96,6 +96,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The :class:`ssfusion_hvd.plan.Plan` in use (None for ``dense`` and during warm-up)."""
         return getattr(self._scheme, "plan", None)
 
+    @property
+    def cost_model(self):
+        """The :class:`ssfusion_hvd.plan.CostModel` the plan was built from (measured on
+        rank 0 and broadcast, so identical on every rank; None for schemes without a plan
+        and during warm-up)."""
+        return getattr(self._scheme, "cost", None)
+
     def stats(self) -> dict:
         """Metrics of the last synchronized iteration, on this rank: ``allreduce_bytes`` and
         ``allgather_bytes`` sent, ``tensors_dense`` / ``tensors_sparse``, ``elements_sent``

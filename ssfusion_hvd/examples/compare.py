@@ -3,7 +3,8 @@
     python -m ssfusion_hvd.examples.compare ours.json baseline.json
 
 Throughput is the median samples/s over the epochs after the first (the first holds
-start-up, warm-up and profiling); accuracy is the last epoch's test accuracy.
+start-up, warm-up and profiling); quality is the last epoch's metric (digits: test
+accuracy; lm: validation perplexity).
 """
 from __future__ import annotations
 
@@ -17,16 +18,20 @@ def summary(path: str) -> dict:
         run = json.load(f)
     hist = run["history"]
     steady = [h["samples_per_s"] for h in (hist[1:] or hist)]
+    metric = run.get("metric", "test_acc")
     return {"scheme": run["args"]["scheme"], "samples_per_s": statistics.median(steady),
-            "test_acc": hist[-1]["test_acc"], "epochs": len(hist)}
+            "metric": metric, metric: hist[-1][metric], "epochs": len(hist)}
 
 
 def line(ours: dict, base: dict) -> str:
-    return (f"{ours['scheme']} vs {base['scheme']} ({ours['epochs']} epochs each): samples/s "
+    head = (f"{ours['scheme']} vs {base['scheme']} ({ours['epochs']} epochs each): samples/s "
             f"{ours['samples_per_s']:.1f} vs {base['samples_per_s']:.1f} "
-            f"({ours['samples_per_s'] / base['samples_per_s']:.2f}x), test accuracy "
-            f"{100 * ours['test_acc']:.2f}% vs {100 * base['test_acc']:.2f}% "
-            f"({100 * (ours['test_acc'] - base['test_acc']):+.2f} points)")
+            f"({ours['samples_per_s'] / base['samples_per_s']:.2f}x), ")
+    m = ours["metric"]
+    if m == "test_acc":
+        return head + (f"test accuracy {100 * ours[m]:.2f}% vs {100 * base[m]:.2f}% "
+                       f"({100 * (ours[m] - base[m]):+.2f} points)")
+    return head + f"{m} {ours[m]:.3f} vs {base[m]:.3f} ({ours[m] / base[m]:.3f}x)"
 
 
 def main(argv=None) -> None:

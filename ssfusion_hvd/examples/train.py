@@ -1,10 +1,16 @@
-"""Data-parallel training of the default model on the default data, under horovodrun.
+"""Data-parallel training on real data that ships with a package, under horovodrun.
 
     horovodrun -np 2 --gloo python -m ssfusion_hvd.examples.train --scheme ssfusion_oi --epochs 10
+    horovodrun -np 2 --gloo python -m ssfusion_hvd.examples.train --task lm --epochs 4
 
-(or ``bash scripts/demo.sh``). Rank 0 prints one line per epoch: mean training loss over
-all ranks, test accuracy, and samples/s (all ranks' samples over the epoch's wall time),
-then what the scheme sent in its last iteration (``opt.stats()``).
+Tasks: ``digits`` (the default: a small CNN on scikit-learn's handwritten digits, momentum
+SGD, test accuracy; ``bash scripts/demo.sh`` runs it) and ``lm`` (a small GPT-2 on the
+standard library's docstrings, byte level, Adam, validation perplexity; see
+``examples/text.py``). Rank 0 prints one line per epoch: mean training loss over all
+ranks, the task's metric, and samples/s (all ranks' samples over the epoch's wall time),
+then what the scheme sent in its last iteration (``opt.stats()``). With ``--json`` every
+step's ``opt.stats()`` is read (which resolves device counters: a measuring run) so that
+each epoch also reports the tensor missing rate (tensors that sent nothing / tensors).
 """
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import horovod.torch as hvd
 import torch
@@ -20,15 +28,24 @@ import torch.nn.functional as F
 import ssfusion_hvd
 from ssfusion_hvd.examples.data import DigitsNet, load_digits_split, shard
 
+TASKS = ("digits", "lm")
+#: per task: (batch size per worker, learning rate, steps per epoch or 0 for one pass)
+DEFAULTS = {"digits": (32, 0.05, 0), "lm": (16, 2e-3, 100)}
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="digits", choices=TASKS)
     p.add_argument("--scheme", default="ssfusion_oi", help=f"one of {sorted(ssfusion_hvd.SCHEMES)}")
     p.add_argument("--sparsifier", default="topk", help=f"one of {sorted(ssfusion_hvd.SPARSIFIERS)}")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=32, help="per worker")
-    p.add_argument("--lr", type=float, default=0.05, help="per worker; scaled by the number of workers")
+    p.add_argument("--batch-size", type=int, default=0, help="per worker (0: the task's default)")
+    p.add_argument("--lr", type=float, default=0.0,
+                   help="0: the task's default (digits: 0.05 per worker, scaled by the number of "
+                        "workers; lm: Adam 2e-3)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="steps per epoch (0: digits one pass over the shard, lm 100)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write per-epoch metrics here (rank 0)")
@@ -36,37 +53,90 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def evaluate(model, split) -> float:
-    model.eval()
-    with torch.no_grad():
-        correct = (model(split.x).argmax(1) == split.y).sum().item()
-    model.train()
-    return correct / len(split.y)
+@dataclass
+class Task:
+    """What the training loop needs from a task."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    steps: int  # per epoch
+    loss: Callable[[int, int], torch.Tensor]  # (epoch, step) -> this rank's batch loss
+    evaluate: Callable[[], float]  # the metric on held-out data
+    metric: str  # its name in the history rows
+    describe: str
+
+
+def digits_task(args, rank: int, size: int) -> Task:
+    train, test = load_digits_split(seed=args.seed)
+    mine = shard(train, rank, size)
+    steps = args.steps or len(mine.y) // args.batch_size
+    if steps == 0:
+        raise SystemExit(f"batch size {args.batch_size} exceeds the shard of {len(mine.y)} samples")
+    model = DigitsNet()
+    opt = torch.optim.SGD(model.parameters(), lr=(args.lr or DEFAULTS["digits"][1]) * size,
+                          momentum=args.momentum)
+    orders = {}
+
+    def loss(epoch: int, s: int) -> torch.Tensor:
+        if epoch not in orders:
+            orders.clear()
+            g = torch.Generator().manual_seed(args.seed * 1000 + epoch * 10 + rank)
+            orders[epoch] = torch.randperm(len(mine.y), generator=g)
+        idx = orders[epoch][(s * args.batch_size) % len(mine.y):][:args.batch_size]
+        return F.cross_entropy(model(mine.x[idx]), mine.y[idx])
+
+    def evaluate() -> float:
+        model.eval()
+        with torch.no_grad():
+            correct = (model(test.x).argmax(1) == test.y).sum().item()
+        model.train()
+        return correct / len(test.y)
+    return Task(model, opt, steps, loss, evaluate, "test_acc",
+                f"digits train={len(train.y)} test={len(test.y)}")
+
+
+def lm_task(args, rank: int, size: int) -> Task:
+    from ssfusion_hvd.examples import text
+
+    train, valid = text.load_text_split()
+    model = text.lm_model()
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr or DEFAULTS["lm"][1])
+    gens = {}
+
+    def loss(epoch: int, s: int) -> torch.Tensor:
+        if epoch not in gens:
+            gens.clear()
+            gens[epoch] = torch.Generator().manual_seed((args.seed * 1000 + epoch) * 1000 + rank)
+        return text.lm_loss(model, *train.batch(args.batch_size, gens[epoch]))
+    return Task(model, opt, args.steps or DEFAULTS["lm"][2], loss,
+                lambda: text.perplexity(model, valid), "val_ppl",
+                f"lm: stdlib docstrings, {len(train.data)} train / {len(valid.data)} valid bytes")
+
+
+def metric_text(metric: str, value: float) -> str:
+    return f"test_acc {100 * value:6.2f}%" if metric == "test_acc" else f"{metric} {value:8.3f}"
 
 
 def main(argv=None):
     args = parse_args(argv)
+    batch, _, _ = DEFAULTS[args.task]
+    args.batch_size = args.batch_size or batch
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(args.seed)
-    train, test = load_digits_split(seed=args.seed)
-    mine = shard(train, rank, size)
-    steps = len(mine.y) // args.batch_size
-    if steps == 0:
-        raise SystemExit(f"batch size {args.batch_size} exceeds the shard of {len(mine.y)} samples")
-
-    model = DigitsNet()
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
-    opt = ssfusion_hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+    task = (digits_task if args.task == "digits" else lm_task)(args, rank, size)
+    model, steps = task.model, task.steps
+    opt = ssfusion_hvd.DistributedOptimizer(task.optimizer, named_parameters=model.named_parameters(),
                                             scheme=args.scheme, sparsifier=args.sparsifier,
                                             density=args.density)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
+    n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    measure = args.json is not None
 
     if rank == 0:
         print(f"ssfusion_hvd {ssfusion_hvd.__version__}: scheme={args.scheme} "
               f"sparsifier={args.sparsifier} density={args.density} workers={size} "
-              f"train={len(train.y)} test={len(test.y)} steps/epoch={steps}", flush=True)
+              f"{task.describe} steps/epoch={steps}", flush=True)
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
@@ -74,27 +144,30 @@ def main(argv=None):
         bar = tqdm(total=args.epochs * steps, unit="step", file=sys.stderr, mininterval=1.0, leave=False)
     history = []
     for epoch in range(1, args.epochs + 1):
-        order = torch.randperm(len(mine.y), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch * 10 + rank))
         loss_sum = torch.zeros(1)
+        missing = 0
         start = time.perf_counter()
         for s in range(steps):
-            idx = order[s * args.batch_size:(s + 1) * args.batch_size]
             opt.zero_grad()
-            loss = F.cross_entropy(model(mine.x[idx]), mine.y[idx])
+            loss = task.loss(epoch, s)
             loss.backward()
             opt.step()
             loss_sum += loss.detach()
+            if measure:
+                missing += int(opt.stats().get("tensors_missing", 0))
             if bar is not None:
                 bar.update(1)
         elapsed = time.perf_counter() - start
         mean_loss = hvd.allreduce(loss_sum / steps, name="train.loss", op=hvd.Average).item()
         elapsed = hvd.allreduce(torch.tensor([elapsed]), name="train.time", op=hvd.Max).item()
-        acc = evaluate(model, test)
-        row = {"epoch": epoch, "loss": mean_loss, "test_acc": acc,
+        value = task.evaluate()
+        row = {"epoch": epoch, "loss": mean_loss, task.metric: value,
                "samples_per_s": size * steps * args.batch_size / elapsed}
+        if measure:
+            row["missing_rate"] = missing / (steps * n_tensors)
         history.append(row)
         if rank == 0:
-            line = (f"epoch {epoch:3d}/{args.epochs}  loss {mean_loss:.4f}  test_acc {100 * acc:6.2f}%"
+            line = (f"epoch {epoch:3d}/{args.epochs}  loss {mean_loss:.4f}  {metric_text(task.metric, value)}"
                     f"  samples/s {row['samples_per_s']:9.1f}")
             print(line, flush=True)
     if bar is not None:
@@ -109,8 +182,8 @@ def main(argv=None):
               flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "workers": size, "history": history,
-                       "stats": stats}, f, indent=1)
+            json.dump({"args": vars(args), "workers": size, "metric": task.metric,
+                       "history": history, "stats": stats}, f, indent=1)
     return history
 
 

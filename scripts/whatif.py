@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Scale what-if (SIMULATION): every scheme at 8-64 workers and 10-100 Gbit/s.
+
+    .venv/bin/python scripts/whatif.py                        # cost model from docs/results/e2e.json
+    .venv/bin/python scripts/whatif.py --profile cost.json    # or any CostModel JSON
+
+Nothing here runs a collective. The planner's timeline simulator (``plan/timeline.py``) and
+the closed forms of SparDL, ZEN and ExDyna (``plan/formulas.py``) are evaluated on the
+layer lists of ResNet-152, BERT-large and GPT2-large, with a cost model whose parts come
+from:
+
+* **measured** (the start-up profile of a planned run in the shaped-network benchmark,
+  ``scripts/bench_e2e.py``): the fixed cost of one collective (its fitted α: Horovod's
+  cycle and the launch path) and the CPU selection kernel's fit (``cpu``: the offload
+  path of SSFusion-O);
+* **scaled**: ring collectives over the target bandwidth with 25 us per hop (SSFusion
+  Eq. 3-4, ``CostModel.from_network``), added to the measured fixed cost;
+* **assumed** (no GPU was measured): backward time 20 us + 1 ns per element per tensor and
+  inline (GPU) selection fitted to SSFusion Table III.
+
+Gains are reported as SSFusion-(O+I)'s throughput over the best of the other sparse
+schemes (the papers' "state of the art": per_tensor, multi_tensor, spardl, zen, exdyna),
+beside the SSFusion paper's measured 27.5-106.7 %. Output: ``<out>/whatif.json`` and
+``whatif.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from ssfusion_hvd.plan.cost import DEFAULT_SPARSIFY, CostModel, default_backward_times  # noqa: E402
+from ssfusion_hvd.plan.formulas import FORMULA_SCHEMES, iteration_s  # noqa: E402
+from ssfusion_hvd.plan.models import model_tensors  # noqa: E402
+from ssfusion_hvd.plan.schemes import build_plan  # noqa: E402
+from ssfusion_hvd.plan.timeline import simulate  # noqa: E402
+
+PLANNED = ("dense", "per_tensor", "multi_tensor", "ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi")
+BASELINES = ("per_tensor", "multi_tensor", "spardl", "zen", "exdyna")
+#: the SSFusion paper's Fig. 11 gains of SSFusion-(O+I) over the state of the art, per model
+PAPER = {"resnet152": "28.7-74.2 %", "bert-large": "29.1-106.7 %", "gpt2-large": "27.5-84.1 %"}
+HOP_LATENCY_S = 25e-6
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", help="a CostModel JSON (default: the one measured in --e2e)")
+    p.add_argument("--e2e", default=str(REPO / "docs" / "results" / "e2e.json"))
+    p.add_argument("--models", default="resnet152,bert-large,gpt2-large")
+    p.add_argument("--workers", default="8,16,32,64")
+    p.add_argument("--bandwidths", default="10,25,100", help="Gbit/s")
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--sparsifier", default="topk")
+    p.add_argument("--out", default=str(REPO / "docs" / "results"))
+    return p.parse_args(argv)
+
+
+def measured_profile(args) -> tuple[dict, str]:
+    """(CostModel dict, where it came from): ``--profile``, else the planned run of the
+    e2e benchmark with the most workers (gpt2 first, ssfusion_oi first)."""
+    if args.profile:
+        return json.loads(Path(args.profile).read_text()), args.profile
+    doc = json.loads(Path(args.e2e).read_text())
+    runs = [r for r in doc["runs"] if r.get("cost_model")]
+    if not runs:
+        raise SystemExit(f"{args.e2e} has no measured cost model; run scripts/bench_e2e.py or pass --profile")
+    rank = lambda r: (r["workers"], r["model"] == "gpt2", r["scheme"] == "ssfusion_oi")  # noqa: E731
+    best = max(runs, key=rank)
+    return best["cost_model"], f"{args.e2e}: {best['model']} x{best['workers']} {best['scheme']}"
+
+
+def scaled_cost(measured: dict, sparsifier: str, bandwidth_bps: float, workers: int, sizes) -> CostModel:
+    """The ring model at (bandwidth, workers) plus the measured fixed cost per collective;
+    measured CPU selection; assumed GPU selection and backward times (see module doc)."""
+    ring = CostModel.from_network(bandwidth_bps, HOP_LATENCY_S, workers, default_backward_times(sizes))
+    cpu = measured["sparsify"].get(sparsifier, {}).get("cpu")
+    if cpu is None:
+        raise SystemExit(f"the measured profile has no CPU fit for {sparsifier!r}: {sorted(measured['sparsify'])}")
+    gpu = DEFAULT_SPARSIFY["dgc"]["gpu"]
+    return CostModel(
+        world_size=workers,
+        allreduce=(ring.allreduce[0] + max(measured["allreduce"][0], 0.0), ring.allreduce[1]),
+        allgather=(ring.allgather[0] + max(measured["allgather"][0], 0.0), ring.allgather[1]),
+        sparsify={sparsifier: {"gpu": tuple(gpu), "cpu": tuple(cpu)}},
+        backward_s=ring.backward_s, element_size=4,
+        notes={"source": "what-if: measured fixed costs and CPU selection, ring bandwidth, "
+                         "assumed backward and GPU selection"})
+
+
+def evaluate(model: str, workers: int, gbit: float, measured: dict, args) -> dict:
+    tensors = model_tensors(model)
+    names, sizes = [n for n, _ in tensors], [n for _, n in tensors]
+    cost = scaled_cost(measured, args.sparsifier, gbit * 1e9, workers, sizes)
+    t = {s: simulate(build_plan(s, sizes, cost, args.density, names, args.sparsifier), cost).iteration_s
+         for s in PLANNED}
+    for s in FORMULA_SCHEMES:
+        t[s] = iteration_s(s, cost, sizes, args.density, args.sparsifier)
+    best = min(BASELINES, key=lambda s: t[s])
+    return {"model": model, "workers": workers, "gbit_s": gbit, "iteration_s": t,
+            "best_baseline": best, "gain_over_best": t[best] / t["ssfusion_oi"] - 1,
+            "speedup_over_dense": t["dense"] / t["ssfusion_oi"]}
+
+
+def report(doc: dict) -> str:
+    rows = doc["rows"]
+    bws = sorted({r["gbit_s"] for r in rows})
+    lines = [f"SIMULATION, not a measurement. Cost model: {doc['source']} (see scripts/whatif.py "
+             f"for which parts are measured, scaled and assumed). Density {doc['density']}.\n",
+             "SSFusion-(O+I) throughput gain over the best other sparse scheme (which one in "
+             "brackets) and, after the slash, its speedup over dense:\n",
+             "| model | workers | " + " | ".join(f"{b:g} Gbit/s" for b in bws) + " | paper (measured) |",
+             "|---|---:|" + "---:|" * len(bws) + "---|"]
+    for m in dict.fromkeys(r["model"] for r in rows):
+        for w in sorted({r["workers"] for r in rows if r["model"] == m}):
+            cells = []
+            for b in bws:
+                r = next(x for x in rows if x["model"] == m and x["workers"] == w and x["gbit_s"] == b)
+                cells.append(f"{100 * r['gain_over_best']:+.1f} % [{r['best_baseline']}] / "
+                             f"{r['speedup_over_dense']:.2f}x")
+            lines.append(f"| {m} | {w} | " + " | ".join(cells) + f" | {PAPER.get(m, '')} |")
+    gains = [r["gain_over_best"] for r in rows]
+    lines.append(f"\nRange of the simulated gain: {100 * min(gains):+.1f} % to {100 * max(gains):+.1f} % "
+                 "(paper, measured on GPU clusters: 27.5-106.7 %).\n")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    measured, source = measured_profile(args)
+    rows = [evaluate(m, w, b, measured, args)
+            for m in args.models.split(",") for w in map(int, args.workers.split(","))
+            for b in map(float, args.bandwidths.split(","))]
+    doc = {"command": ".venv/bin/python scripts/whatif.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "source": source, "measured": measured, "density": args.density,
+           "sparsifier": args.sparsifier, "hop_latency_s": HOP_LATENCY_S,
+           "date": time.strftime("%Y-%m-%d", time.gmtime()), "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "whatif.json").write_text(json.dumps(doc, indent=1))
+    text = report(doc)
+    (out / "whatif.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Throughput of one (model, scheme) under horovodrun: the worker of ``scripts/bench_e2e.py``.
+
+    horovodrun -np 4 --gloo python -m ssfusion_hvd.examples.bench --model gpt2 --scheme ssfusion_oi
+
+Runs ``--warmup`` iterations (they include a sparse scheme's dense warm-up, profiling and
+planning: keep ``--warmup`` above ``--warmup-steps``), then times ``--iters`` iterations of
+forward, backward and ``opt.step()`` on synthetic data (``examples/models.py``). An
+iteration's time is the slowest rank's; samples/s is ``workers * batch / median``. After
+every timed iteration it reads ``opt.stats()`` (which resolves device counters, so this is
+a measuring run, not a production loop). Rank 0 also reads the byte counter of the
+loopback device (``/proc/self/net/dev``) around the timed window: in the benchmark's
+network namespace that is every byte the workers put on the shaped link.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import horovod.torch as hvd
+import torch
+
+import ssfusion_hvd
+from ssfusion_hvd.examples.models import MODELS, build
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="demo", choices=sorted(MODELS))
+    p.add_argument("--scheme", default="ssfusion_oi", help=f"one of {sorted(ssfusion_hvd.SCHEMES)}")
+    p.add_argument("--sparsifier", default="topk")
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--batch-size", type=int, default=0, help="per worker; 0: the model's default")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (gpt2)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="the sparse schemes' dense profiling iterations (part of --warmup)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the result here (rank 0)")
+    return p.parse_args(argv)
+
+
+def loopback_tx_bytes() -> int:
+    """Bytes sent by ``lo`` in this process's network namespace (0 if unreadable)."""
+    try:
+        with open("/proc/self/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == "lo":
+                    return int(rest.split()[8])
+    except OSError:
+        pass
+    return 0
+
+
+def _barrier() -> None:
+    hvd.allreduce(torch.zeros(1), name="bench.barrier")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.warmup <= args.warmup_steps:
+        raise SystemExit(f"--warmup ({args.warmup}) must exceed --warmup-steps ({args.warmup_steps}): "
+                         "the timed window must start after planning")
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    model, loss_fn = build(args.model, args.batch_size, args.seq_len, args.seed, rank)
+    batch = args.batch_size or MODELS[args.model][1]
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt = ssfusion_hvd.DistributedOptimizer(
+        opt, named_parameters=model.named_parameters(), scheme=args.scheme,
+        sparsifier=args.sparsifier, density=args.density, warmup_steps=args.warmup_steps,
+        log_plan=False)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+
+    times, per_iter = [], []
+    tx0 = 0
+    for step in range(args.warmup + args.iters):
+        if step == args.warmup:
+            _barrier()
+            tx0 = loopback_tx_bytes()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(step)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        if step >= args.warmup:
+            times.append(t3 - t0)
+            s = opt.stats()
+            per_iter.append({"forward_s": t1 - t0, "backward_s": t2 - t1, "step_s": t3 - t2})
+            per_iter[-1].update({k: s.get(k, 0) for k in (
+                "phase", "wait_s", "communicate_s", "sparsify_s", "offload_s", "allreduce_bytes",
+                "allgather_bytes", "alltoall_bytes", "tensors_missing", "elements_sent",
+                "elements", "nonfinite")})
+    _barrier()
+    tx = loopback_tx_bytes() - tx0
+    everyone = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times")
+    slowest = everyone.max(dim=0).values.tolist()
+    it = statistics.median(slowest)
+    med = lambda key: statistics.median(float(r[key]) for r in per_iter)  # noqa: E731
+    result = {
+        "model": args.model, "scheme": args.scheme, "sparsifier": args.sparsifier,
+        "density": args.density, "workers": size, "batch": batch, "tensors": n_tensors,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "iteration_s": it, "samples_per_s": size * batch / it, "iteration_s_all": slowest,
+        "phase": per_iter[-1]["phase"],
+        # rank 0's medians: time step() blocked on communication, time from the first
+        # collective to the last result, time selecting
+        "wait_s": med("wait_s"), "communicate_s": med("communicate_s"),
+        "sparsify_s": med("sparsify_s"), "offload_s": med("offload_s"),
+        "wait_share": med("wait_s") / it,
+        # rank 0's breakdown of an iteration: forward (with zero_grad and the synthetic
+        # batch), backward (with the hooks' inline selection and submissions), step
+        # (waiting, decoding, copying into .grad, the wrapped optimizer's update)
+        "forward_s": med("forward_s"), "backward_s": med("backward_s"), "step_s": med("step_s"),
+        "payload_bytes": med("allreduce_bytes") + med("allgather_bytes") + med("alltoall_bytes"),
+        "wire_bytes": tx / max(args.iters, 1),  # all workers, per iteration (rank 0's netns)
+        "achieved_density": med("elements_sent") / max(med("elements"), 1),
+        "missing_rate": statistics.mean(float(r["tensors_missing"]) for r in per_iter) / n_tensors,
+        "nonfinite": max(int(r["nonfinite"] or 0) for r in per_iter),
+        "final_loss": float(loss.detach()),
+        "args": vars(args),
+        # what a planned scheme measured at start-up (input of scripts/whatif.py)
+        "cost_model": None if opt.cost_model is None else json.loads(opt.cost_model.to_json()),
+    }
+    if rank == 0:
+        print(f"[bench] {args.model} {args.scheme} x{size}: {result['samples_per_s']:.2f} samples/s "
+              f"(median iteration {1e3 * it:.1f} ms, blocked on communication "
+              f"{100 * result['wait_share']:.0f}%, {result['wire_bytes'] / 1e6:.2f} MB on the wire "
+              f"per iteration, missing rate {result['missing_rate']:.3f})", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

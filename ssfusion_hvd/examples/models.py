@@ -1,0 +1,104 @@
+"""The evaluation's models and their synthetic inputs (no downloads, random init).
+
+* ``gpt2``: GPT-2 small (124M parameters, 148 gradient tensors, the 38.6M-element tied
+  token embedding the largest) built from ``transformers.GPT2Config()``; synthetic token
+  sequences, language-model loss.
+* ``resnet``: a CIFAR-style ResNet-18 (11.2M parameters, 62 tensors) defined here;
+  synthetic 32x32 RGB images, 10 classes.
+* ``demo``: the default model of ``examples/train.py`` (150k parameters) on 8x8 images.
+
+``build(name, batch, seq_len, seed)`` returns the model and a ``loss(step)`` closure that
+draws the step's synthetic batch deterministically from (seed, rank, step).
+"""
+from __future__ import annotations
+
+from typing import Callable, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ssfusion_hvd.examples.data import DigitsNet
+
+__all__ = ["MODELS", "ResNet18", "build"]
+
+
+class _Basic(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.short = None
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.short is None else self.short(x)))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 for 32x32 inputs (3x3 stem, no max-pool), as commonly trained on CIFAR."""
+
+    def __init__(self, classes: int = 10, width: int = 64):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        layers, cin = [], width
+        for i, stride in enumerate((1, 2, 2, 2)):
+            cout = width * 2 ** i
+            layers += [_Basic(cin, cout, stride), _Basic(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = self.layers(F.relu(self.bn1(self.conv1(x))))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def _gen(seed: int, rank: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + rank) * 1_000_003 + step)
+
+
+def _gpt2(batch: int, seq_len: int, seed: int, rank: int):
+    import transformers
+
+    cfg = transformers.GPT2Config()  # GPT-2 small: 12 layers, 768 wide, 50257 tokens
+    model = transformers.GPT2LMHeadModel(cfg)
+
+    def loss(step: int) -> torch.Tensor:
+        tokens = torch.randint(cfg.vocab_size, (batch, seq_len), generator=_gen(seed, rank, step))
+        return model(input_ids=tokens, labels=tokens).loss
+    return model, loss
+
+
+def _images(model: nn.Module, shape, classes: int, batch: int, seed: int, rank: int):
+    def loss(step: int) -> torch.Tensor:
+        g = _gen(seed, rank, step)
+        x = torch.rand((batch,) + shape, generator=g)
+        y = torch.randint(classes, (batch,), generator=g)
+        return F.cross_entropy(model(x), y)
+    return model, loss
+
+
+#: name -> (builder(batch, seq_len, seed, rank) -> (model, loss(step)), default batch)
+MODELS: dict = {
+    "gpt2": (_gpt2, 2),
+    "resnet": (lambda b, t, s, r: _images(ResNet18(), (3, 32, 32), 10, b, s, r), 16),
+    "demo": (lambda b, t, s, r: _images(DigitsNet(), (1, 8, 8), 10, b, s, r), 32),
+}
+
+
+def build(name: str, batch: int = 0, seq_len: int = 64, seed: int = 0,
+          rank: int = 0) -> Tuple[nn.Module, Callable[[int], torch.Tensor]]:
+    """``(model, loss(step))`` of evaluation model ``name``; ``batch=0`` is its default.
+    Parameters are initialized from ``seed`` alone, identically on every rank."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    builder, default_batch = MODELS[name]
+    torch.manual_seed(seed)
+    return builder(batch or default_batch, seq_len, seed, rank)
