@@ -111,7 +111,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         in ``sparsify_s`` (inline selection), ``offload_s`` (worker selection),
         ``communicate_s`` (first submission to the end of the wait) and ``wait_s`` (blocked
         in ``synchronize()``). ``phase`` is ``dense``, ``warmup``, ``planned`` or ``sparse``
-        (SparDL, ExDyna, ZEN); those schemes add their own keys."""
+        (SparDL, ExDyna, ZEN); those schemes add their own keys.
+
+        Counts that need a pass over the outputs (``nonfinite`` of the planned schemes) or
+        a device-to-host read are taken here, not in the training step: call ``stats()``
+        between steps (before the next ``step()``/``synchronize()``)."""
         return self._scheme.stats()
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:

@@ -146,7 +146,7 @@ def test_nonfinite_gradients_are_propagated_and_counted():
     reaches every rank's synchronized gradient: at once, or one step later when error
     feedback held it back (``c.bias`` sends k=1 per step: NaN ranks above Inf, so the Inf
     waits in the residual). Sparse schemes count them in ``stats()["nonfinite"]``."""
-    for scheme in ("dense", "per_tensor", "multi_tensor", "forced"):
+    for scheme in ("dense", "per_tensor", "multi_tensor", "forced", "spardl", "zen"):
         runs = run_workers("workers_schemes:nonfinite", np=2, timeout=240, scheme=scheme)
         for run in runs:
             for name in ("a.weight", "c.bias"):

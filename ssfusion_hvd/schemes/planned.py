@@ -304,18 +304,22 @@ class PlannedScheme(Scheme):
             "tensors_sparse": sum(1 for s in plan.sparse if s),
             "elements": elements, "elements_sent": sent, "density": sent / max(elements, 1),
             "tensors_missing": missing,  # resolved lazily by stats()
-            "nonfinite": [torch.isfinite(o).logical_not_().sum() for o in outputs],
+            # counted by stats(), not here: a full pass over every output is too costly per
+            # step, and the outputs are this plan's buffers, unchanged until the next finish()
+            "nonfinite": list(outputs),
             "sparsify_s": self._sparsify_s, "offload_s": self._offload_s,
             "communicate_s": t_end - (self._t_first if self._t_first is not None else t_wait),
             "wait_s": t_end - t_wait,
         }
 
     def stats(self) -> dict:
-        out = dict(self._stats)
-        for key in ("tensors_missing", "nonfinite"):
-            if isinstance(out.get(key), list):
-                out[key] = int(sum(int(v) for v in out[key]))
-        return out
+        st = self._stats
+        if isinstance(st.get("tensors_missing"), list):
+            st["tensors_missing"] = int(sum(int(v) for v in st["tensors_missing"]))
+        if isinstance(st.get("nonfinite"), list):
+            st["nonfinite"] = int(sum(int(torch.isfinite(o).logical_not_().sum())
+                                      for o in st["nonfinite"]))
+        return dict(st)
 
     def pending(self) -> bool:
         return self._dense.pending() or any(self._ready) or bool(self._pending)

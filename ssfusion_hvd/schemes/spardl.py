@@ -635,7 +635,8 @@ class SparDLScheme(WholeGradientScheme):
             "elements": n, "elements_sent": result.elements_sent,
             "density": result.elements_sent / max(n, 1),
             "tensors_missing": (result.final, self._tensor_ends),  # resolved lazily by stats()
-            "nonfinite": torch.isfinite(flat).logical_not_().sum(),
+            # only the delivered entries can be non-finite (the rest is 0): count those
+            "nonfinite": torch.isfinite(flat.index_select(0, result.final.long())).logical_not_().sum(),
             "sparsify_s": self._sparsify_s, "offload_s": 0.0,
             "communicate_s": t_end - (self._t_first if self._t_first is not None else t_wait),
             "wait_s": t_end - t_wait,
