@@ -53,7 +53,7 @@ def parse_args(argv=None):
 
 
 def run_one(args, task: str, scheme: str, seed: int, logs: Path) -> dict:
-    stem = f"{task}-{scheme}-{seed}"
+    stem = f"{args.name}-{task}-{scheme}-{seed}"
     out, log = logs / f"{stem}.json", logs / f"{stem}.log"
     out.unlink(missing_ok=True)
     horovodrun = shutil.which("horovodrun", path=str(Path(sys.executable).parent)) or "horovodrun"

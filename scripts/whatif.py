@@ -14,7 +14,10 @@ from:
   cycle and the launch path) and the CPU selection kernel's fit (``cpu``: the offload
   path of SSFusion-O);
 * **scaled**: ring collectives over the target bandwidth with 25 us per hop (SSFusion
-  Eq. 3-4, ``CostModel.from_network``), added to the measured fixed cost;
+  Eq. 3-4, ``CostModel.from_network``), plus the measured fixed cost once per collective
+  call: in the α of every allreduce and allgather of the planned schemes, and
+  ``formulas.collectives(scheme, P)`` times for SparDL, ZEN and ExDyna, whose closed forms
+  are evaluated on the ring model alone;
 * **assumed** (no GPU was measured): backward time 20 us + 1 ns per element per tensor and
   inline (GPU) selection fitted to SSFusion Table III.
 
@@ -74,18 +77,26 @@ def measured_profile(args) -> tuple[dict, str]:
     return best["cost_model"], f"{args.e2e}: {best['model']} x{best['workers']} {best['scheme']}"
 
 
-def scaled_cost(measured: dict, sparsifier: str, bandwidth_bps: float, workers: int, sizes) -> CostModel:
-    """The ring model at (bandwidth, workers) plus the measured fixed cost per collective;
-    measured CPU selection; assumed GPU selection and backward times (see module doc)."""
+def fixed_cost(measured: dict) -> tuple[float, float]:
+    """The measured fixed cost of one allreduce and of one allgather call (fitted α)."""
+    return max(measured["allreduce"][0], 0.0), max(measured["allgather"][0], 0.0)
+
+
+def scaled_cost(measured: dict, sparsifier: str, bandwidth_bps: float, workers: int, sizes,
+                with_fixed: bool = True) -> CostModel:
+    """The ring model at (bandwidth, workers), plus (``with_fixed``) the measured fixed cost
+    in every collective's α; measured CPU selection; assumed GPU selection and backward
+    times (see module doc)."""
     ring = CostModel.from_network(bandwidth_bps, HOP_LATENCY_S, workers, default_backward_times(sizes))
     cpu = measured["sparsify"].get(sparsifier, {}).get("cpu")
     if cpu is None:
         raise SystemExit(f"the measured profile has no CPU fit for {sparsifier!r}: {sorted(measured['sparsify'])}")
     gpu = DEFAULT_SPARSIFY["dgc"]["gpu"]
+    ar, ag = fixed_cost(measured) if with_fixed else (0.0, 0.0)
     return CostModel(
         world_size=workers,
-        allreduce=(ring.allreduce[0] + max(measured["allreduce"][0], 0.0), ring.allreduce[1]),
-        allgather=(ring.allgather[0] + max(measured["allgather"][0], 0.0), ring.allgather[1]),
+        allreduce=(ring.allreduce[0] + ar, ring.allreduce[1]),
+        allgather=(ring.allgather[0] + ag, ring.allgather[1]),
         sparsify={sparsifier: {"gpu": tuple(gpu), "cpu": tuple(cpu)}},
         backward_s=ring.backward_s, element_size=4,
         notes={"source": "what-if: measured fixed costs and CPU selection, ring bandwidth, "
@@ -98,8 +109,10 @@ def evaluate(model: str, workers: int, gbit: float, measured: dict, args) -> dic
     cost = scaled_cost(measured, args.sparsifier, gbit * 1e9, workers, sizes)
     t = {s: simulate(build_plan(s, sizes, cost, args.density, names, args.sparsifier), cost).iteration_s
          for s in PLANNED}
+    ring = scaled_cost(measured, args.sparsifier, gbit * 1e9, workers, sizes, with_fixed=False)
+    per_call = sum(fixed_cost(measured)) / 2
     for s in FORMULA_SCHEMES:
-        t[s] = iteration_s(s, cost, sizes, args.density, args.sparsifier)
+        t[s] = iteration_s(s, ring, sizes, args.density, args.sparsifier, per_collective_s=per_call)
     best = min(BASELINES, key=lambda s: t[s])
     return {"model": model, "workers": workers, "gbit_s": gbit, "iteration_s": t,
             "best_baseline": best, "gain_over_best": t[best] / t["ssfusion_oi"] - 1,

@@ -84,7 +84,8 @@ def test_bench_worker_reports_a_planned_run(tmp_path):
     assert len(r["iteration_s_all"]) == 3 and r["iteration_s"] == sorted(r["iteration_s_all"])[1]
     assert r["samples_per_s"] == pytest.approx(2 * 32 / r["iteration_s"])
     assert r["missing_rate"] == 0.0 and r["nonfinite"] == 0
-    assert 0.01 <= r["achieved_density"] < 1.0  # small tensors go dense, so above 0.01
+    # the measured plan decides what goes dense (on a fast loopback maybe everything)
+    assert 0.01 <= r["achieved_density"] <= 1.0
     assert r["payload_bytes"] > 0 and r["tensors"] == 8
     cm = r["cost_model"]  # the start-up profile, broadcast from rank 0
     assert cm["world_size"] == 2 and "topk" in cm["sparsify"] and len(cm["backward_s"]) == 8
@@ -215,3 +216,18 @@ def test_whatif_scales_a_measured_profile(tmp_path):
     assert cost.allreduce == pytest.approx((ring.allreduce[0] + 1e-3, ring.allreduce[1]))
     assert cost.sparsify["topk"]["cpu"] == (1e-4, 1e-10)
     assert "SIMULATION" in (tmp_path / "whatif.md").read_text()
+
+
+def test_formula_schemes_pay_the_fixed_cost_once_per_collective_call():
+    from ssfusion_hvd.plan import formulas
+    from ssfusion_hvd.plan.cost import CostModel
+
+    sizes = [1000, 50_000, 200_000]
+    for p, spardl_calls in ((2, 2), (8, 4), (9, 5), (64, 7)):  # ceil(log2 P) SRS steps + 1
+        cost = CostModel.from_network(10e9, 25e-6, p, [1e-3] * 3)
+        assert formulas.collectives("spardl", p) == spardl_calls
+        for s in formulas.FORMULA_SCHEMES:
+            base = formulas.iteration_s(s, cost, sizes, 0.01, "dgc")
+            with_fixed = formulas.iteration_s(s, cost, sizes, 0.01, "dgc", per_collective_s=1e-3)
+            assert with_fixed - base == pytest.approx(1e-3 * formulas.collectives(s, p))
+    assert formulas.collectives("zen", 1) == 0

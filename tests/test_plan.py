@@ -339,3 +339,21 @@ def test_formulas_match_the_papers():
                               + formulas.spardl_comm_s(cost, n, k))
     with pytest.raises(ValueError, match="no cost formula"):
         formulas.iteration_s("dense", cost, [n], 0.01, "dgc")
+
+
+@pytest.mark.parametrize("gbit", [1, 10, 100, 10_000])
+def test_ssfusion_plans_never_lose_to_their_buffers_sent_dense(gbit):
+    """Selective sparsification decides per tensor; the plan as a whole must still be at
+    least as fast, under its own cost model, as the same fusion buffers sent dense. On a
+    network fast enough that sparsification never pays, that is the dense plan itself."""
+    tensors = model_tensors("resnet152")
+    names, sizes = [n for n, _ in tensors], [n for _, n in tensors]
+    c = CostModel.from_network(gbit * 1e9, 25e-6, 16, default_backward_times(sizes))
+    for s in ("ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"):
+        p = build_plan(s, sizes, c, 0.01, names)
+        bounds = [(g.start, g.end) for g in p.groups]
+        dense = fused_plan(sizes, bounds, "none", 0.01, s, names, "dgc")
+        assert simulate(p, c).iteration_s <= simulate(dense, c).iteration_s, (s, gbit)
+        assert p.scheme == s
+        if gbit == 10_000:
+            assert not any(p.sparse), s

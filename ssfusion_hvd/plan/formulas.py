@@ -15,9 +15,19 @@ import math
 from .cost import CostModel, index_size
 
 __all__ = ["iteration_s", "message_cost", "spardl_comm_s", "zen_comm_s", "exdyna_comm_s",
-           "zen_densification", "FORMULA_SCHEMES"]
+           "zen_densification", "collectives", "FORMULA_SCHEMES"]
 
 FORMULA_SCHEMES = ("spardl", "zen", "exdyna")
+
+
+def collectives(scheme: str, world_size: int) -> int:
+    """Collective calls one iteration of a formula scheme makes in this package (each pays
+    the framework's fixed cost once, e.g. a Horovod cycle): SparDL ``⌈log2 P⌉``
+    Spar-Reduce-Scatter steps plus one allgather (d = 1); ZEN a push alltoall and a pull
+    allgather; ExDyna an allgather of indices and an allreduce of values."""
+    if world_size <= 1:
+        return 0
+    return {"spardl": math.ceil(math.log2(world_size)) + 1, "zen": 2, "exdyna": 2}[scheme]
 
 
 def message_cost(cost: CostModel) -> tuple[float, float]:
@@ -68,10 +78,12 @@ def exdyna_comm_s(cost: CostModel, n: int, k: int) -> float:
             + cost.allreduce_s(k * cost.element_size))
 
 
-def iteration_s(scheme: str, cost: CostModel, sizes, density: float, sparsifier: str) -> float:
+def iteration_s(scheme: str, cost: CostModel, sizes, density: float, sparsifier: str,
+                per_collective_s: float = 0.0) -> float:
     """Iteration time of a formula scheme: forward, all of backward, one selection over the
     whole gradient (on the compute stream), then its communication, with no overlap (these
-    schemes start once the last gradient is ready)."""
+    schemes start once the last gradient is ready). ``per_collective_s`` is a fixed cost
+    paid once per collective call (:func:`collectives`) on top of the α-β formulas."""
     n = int(sum(sizes))
     k = max(1, math.ceil(density * n - 1e-9))
     comm = {"spardl": lambda: spardl_comm_s(cost, n, k),
@@ -80,4 +92,5 @@ def iteration_s(scheme: str, cost: CostModel, sizes, density: float, sparsifier:
     if scheme not in comm:
         raise ValueError(f"no cost formula for scheme {scheme!r}; have {FORMULA_SCHEMES}")
     select = cost.sparsify_s(sparsifier, "gpu", n * cost.element_size)
-    return cost.forward_s + sum(cost.backward_s) + select + comm[scheme]()
+    fixed = per_collective_s * collectives(scheme, cost.world_size)
+    return cost.forward_s + sum(cost.backward_s) + select + comm[scheme]() + fixed
