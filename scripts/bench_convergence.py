@@ -9,7 +9,10 @@ of a small GPT-2 on the standard library's docstrings), scheme and seed it runs
 ``horovodrun -np W --gloo python -m ssfusion_hvd.examples.train --json ...`` with the same
 epochs, density and hyper-parameters, and records the per-epoch curves and the tensor
 missing rate (tensors that sent nothing in a step / tensors, averaged over every step).
-Accuracy does not depend on the network's speed, so this runs on the plain loopback.
+Accuracy does not depend on the network's speed, but what SSFusion's planner decides to
+sparsify does: the planned schemes plan with ``--profile`` (default: the cost model that
+``bench_e2e.py`` measured on the 1 Gbit/s shaped namespace), so they send what they would
+send there, while the runs themselves use the plain loopback.
 
 Output under ``--out`` (default ``docs/results``): ``convergence.json`` (every run;
 rewritten after each), ``convergence.md`` (mean ± std over seeds, difference to dense,
@@ -46,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--sparsifier", default="topk")
     p.add_argument("--epochs", type=int, default=0, help="0: per-task default (digits 10, lm 5)")
+    p.add_argument("--profile", default=str(REPO / "docs" / "results" / "profile_1gbit.json"),
+                   help="CostModel JSON the planned schemes plan with ('' : probe the loopback)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=str(REPO / "docs" / "results"))
     p.add_argument("--name", default="convergence")
@@ -61,6 +66,8 @@ def run_one(args, task: str, scheme: str, seed: int, logs: Path) -> dict:
            sys.executable, "-m", "ssfusion_hvd.examples.train", "--task", task, "--scheme", scheme,
            "--sparsifier", args.sparsifier, "--density", str(args.density), "--seed", str(seed),
            "--epochs", str(args.epochs or EPOCHS[task]), "--no-progress", "--json", str(out)]
+    if args.profile:
+        cmd += ["--profile", args.profile]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.workers)),
                HOROVOD_CYCLE_TIME="1", PYTHONPATH=str(REPO))
     t0 = time.time()
@@ -188,7 +195,7 @@ def main(argv=None) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     doc = {"command": ".venv/bin/python scripts/bench_convergence.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "workers": args.workers, "density": args.density, "sparsifier": args.sparsifier,
-           "seeds": seeds, "environment": environment(), "runs": []}
+           "seeds": seeds, "profile": args.profile, "environment": environment(), "runs": []}
     for t in tasks:
         for s in schemes:
             for seed in seeds:

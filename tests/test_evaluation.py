@@ -50,6 +50,13 @@ def test_e2e_ratios_are_against_the_dense_run_of_the_same_model_and_workers():
     assert "| ssfusion_oi | 20.00 | 4.00x |" in table
     assert "| zen | failed: exit 1 |" in table
     assert bench_e2e.speedups(rows[1:2], "m", 2) == {}  # no dense run: no ratio invented
+    gpt = [_row("gpt2", 4, s, v, missing_rate=m) for s, v, m in
+           (("dense", 1.0, 0.0), ("per_tensor", 2.0, 0.0), ("multi_tensor", 3.0, 0.2), ("ssfusion_oi", 3.3, 0.0))]
+    t = bench_e2e.targets(gpt)
+    assert "- >= 1.5x dense: 3.30x, met" in t
+    assert "- >= 1.2x per_tensor: 1.65x, met" in t
+    assert "- >= 1.2x multi_tensor: 1.10x, MISSED" in t
+    assert "- tensor missing rate 0: 0.000 (multi_tensor: 0.200)" in t
 
 
 def test_convergence_table_mean_std_and_difference_to_dense():

@@ -48,6 +48,9 @@ def parse_args(argv=None):
                    help="steps per epoch (0: digits one pass over the shard, lm 100)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None,
+                   help="a CostModel JSON for the sparse schemes' planner instead of start-up "
+                        "probes (e.g. one measured on the slow network you deploy on)")
     p.add_argument("--json", default=None, help="write per-epoch metrics here (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p.parse_args(argv)
@@ -127,7 +130,7 @@ def main(argv=None):
     model, steps = task.model, task.steps
     opt = ssfusion_hvd.DistributedOptimizer(task.optimizer, named_parameters=model.named_parameters(),
                                             scheme=args.scheme, sparsifier=args.sparsifier,
-                                            density=args.density)
+                                            density=args.density, profile=args.profile)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
