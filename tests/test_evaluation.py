@@ -148,7 +148,7 @@ def test_e2e_ctrl_c_removes_the_namespace_and_its_workers(tmp_path):
             time.sleep(0.5)
         assert name in _namespaces()
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=180)  # killing 3 GB workers is slow on a loaded machine
     finally:
         if proc.poll() is None:
             proc.kill()
