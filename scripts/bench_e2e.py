@@ -352,7 +352,10 @@ def main(argv=None) -> None:
     out = Path(args.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    # explicit for SIGINT too: a job started in the background (nohup, CI) inherits an
+    # ignored SIGINT, and Python then never raises KeyboardInterrupt
     signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, _on_sigterm)
     doc = {"command": "sudo .venv/bin/python scripts/bench_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "rate": args.rate, "delay": args.delay, "density": args.density,
            "sparsifier": args.sparsifier, "environment": environment(), "runs": []}
