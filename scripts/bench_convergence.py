@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_e2e import SCHEMES, environment  # noqa: E402
+from bench_e2e import SCHEMES, choices, environment  # noqa: E402
 
 #: task -> epochs
 EPOCHS = {"digits": 10, "lm": 5}
@@ -181,15 +181,9 @@ def report(doc: dict, out: Path, name: str) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    tasks = [t for t in args.tasks.split(",") if t]
-    schemes = [s for s in args.schemes.split(",") if s]
+    tasks = choices(args.tasks, EPOCHS, "task")
+    schemes = choices(args.schemes, SCHEMES, "scheme")
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    for t in tasks:
-        if t not in EPOCHS:
-            raise SystemExit(f"unknown task {t!r}; choose from {','.join(EPOCHS)}")
-    for s in schemes:
-        if s not in SCHEMES:
-            raise SystemExit(f"unknown scheme {s!r}; choose from {','.join(SCHEMES)}")
     out = Path(args.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -62,6 +62,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def choices(text: str, allowed, what: str) -> list:
+    """The comma-separated ``text`` as a list, each item checked against ``allowed``."""
+    items = [x for x in text.split(",") if x]
+    for x in items:
+        if x not in allowed:
+            raise SystemExit(f"unknown {what} {x!r}; choose from {','.join(allowed)}")
+    return items
+
+
 # ------------------------------------------------------------------ namespace
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), check=check, capture_output=True, text=True)
@@ -340,15 +349,9 @@ def report(doc: dict, out: Path, name: str) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
+    models = choices(args.models, ITERATIONS, "model")
     workers = [int(w) for w in args.workers.split(",") if w]
-    schemes = [s for s in args.schemes.split(",") if s]
-    for s in schemes:
-        if s not in SCHEMES:
-            raise SystemExit(f"unknown scheme {s!r}; choose from {','.join(SCHEMES)}")
-    for m in models:
-        if m not in ITERATIONS:
-            raise SystemExit(f"unknown model {m!r}; choose from {','.join(ITERATIONS)}")
+    schemes = choices(args.schemes, SCHEMES, "scheme")
     out = Path(args.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
