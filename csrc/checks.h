@@ -81,8 +81,13 @@ inline std::tuple<int64_t, int64_t> check_chunks(const at::Tensor& dense, const 
                   gathered.device() == dense.device(),
               "scatter_add_chunks: contiguous ", c10::DeviceTypeName(device),
               " dense and 1-D gathered buffer on one device required");
-  TORCH_CHECK(dense.scalar_type() == gathered.scalar_type(), "scatter_add_chunks: dtype mismatch");
+  // Same dtype, or a float32 sum of float16/bfloat16 records (widening decode).
+  TORCH_CHECK(dense.scalar_type() == gathered.scalar_type() ||
+                  (dense.scalar_type() == at::kFloat && gathered.element_size() == 2),
+              "scatter_add_chunks: dense ", dense.scalar_type(), " cannot sum records of ",
+              gathered.scalar_type(), " (same dtype, or float32 for float16/bfloat16)");
   check_value_dtype(dense, "scatter_add_chunks");
+  check_value_dtype(gathered, "scatter_add_chunks");
   TORCH_CHECK(nchunks >= 0 && chunk_len >= 0 && nchunks * chunk_len == gathered.numel(),
               "scatter_add_chunks: gathered has ", gathered.numel(), " elements, not ", nchunks,
               " x ", chunk_len);

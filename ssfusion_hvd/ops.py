@@ -260,8 +260,15 @@ def scatter_add_chunks(dense: torch.Tensor, gathered: torch.Tensor, nchunks: int
                        *, backend: Optional[str] = None) -> torch.Tensor:
     """Decode: adds the record at ``offset`` of each of the ``nchunks`` equal chunks of the
     allgathered buffer ``gathered`` into ``dense``, chunk 0 first (every rank sums in the same
-    order). Indices must be distinct within a chunk (true of every selection op)."""
+    order). Indices must be distinct within a chunk (true of every selection op). ``dense``
+    has the records' dtype, or is float32 for float16/bfloat16 records (each value converted
+    exactly, then added in float32)."""
     _check_values(dense, "scatter_add_chunks")
+    _check_values(gathered, "scatter_add_chunks")
+    if dense.dtype != gathered.dtype and not (dense.dtype == torch.float32
+                                              and gathered.element_size() == 2):
+        raise ValueError(f"scatter_add_chunks: dense {dense.dtype} cannot sum records of "
+                         f"{gathered.dtype} (same dtype, or float32 for float16/bfloat16)")
     if gathered.dim() != 1 or gathered.numel() % max(nchunks, 1):
         raise ValueError(f"scatter_add_chunks: {gathered.numel()} elements do not split into "
                          f"{nchunks} chunks")
@@ -272,7 +279,7 @@ def scatter_add_chunks(dense: torch.Tensor, gathered: torch.Tensor, nchunks: int
         return dense
     for p in range(nchunks):  # loop over ranks, not tensors
         v, i = unpack(gathered, p * chunk_len + offset, k, idx_dtype)
-        scatter_add(dense, v, i, backend="torch")
+        scatter_add(dense, v.to(dense.dtype), i, backend="torch")
     return dense
 
 

@@ -169,6 +169,30 @@ def test_scatter_add_chunks_native_equals_torch(dtype, nchunks):
     assert torch.allclose(a.double(), expected, atol=tol * nchunks, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_widening_decode_sums_16_bit_records_in_float32(dtype):
+    """fp32 accumulation of float16/bfloat16 records: every value converted exactly, then
+    added in float32 in chunk order; native equals torch, bit for bit; float16 sums would
+    round at every add."""
+    n, k, nchunks = 5_000, 400, 4
+    g = torch.Generator().manual_seed(7)
+    chunk_len = ops.record_numel(k, dtype)
+    gathered = torch.zeros(nchunks * chunk_len, dtype=dtype)
+    want = torch.zeros(n, dtype=torch.float32)
+    for p in range(nchunks):
+        v, i = ops.topk(torch.randn(n, generator=g).to(dtype), k)
+        ops.pack(v, i, gathered[p * chunk_len:(p + 1) * chunk_len], 0)
+        want.index_add_(0, i.long(), v.float())  # float32 adds in chunk order
+    a = torch.full((n,), 0.25)
+    b = a.clone()
+    ops.scatter_add_chunks(a, gathered, nchunks, 0, k, backend="native")
+    ops.scatter_add_chunks(b, gathered, nchunks, 0, k, backend="torch")
+    assert torch.equal(a, b) and torch.equal(a, want + 0.25)
+    with pytest.raises((ValueError, RuntimeError), match="cannot sum"):
+        ops.scatter_add_chunks(torch.zeros(n, dtype=torch.float16),
+                               torch.zeros(chunk_len, dtype=torch.float32), 1, 0, 1)
+
+
 def test_scatter_add_duplicates_add_in_order():
     for backend in ("native", "torch"):
         d = torch.zeros(4)

@@ -352,6 +352,24 @@ def test_scatter_add_chunks_cuda_equals_cpu(dtype, idx_dtype, nchunks, off):
     _same_sum(b, a)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_widening_decode_cuda_equals_cpu(dtype, idx_dtype):
+    n, k, nchunks, off = 20_000, 700, 3, 3
+    g = torch.Generator().manual_seed(11)
+    chunk_len = off + ops.record_numel(k, dtype, idx_dtype) + 6
+    gathered = torch.zeros(nchunks * chunk_len, dtype=dtype)
+    for p in range(nchunks):
+        v, i = ops.topk(torch.randn(n, generator=g).to(dtype), k, backend="native")
+        ops.pack(v, i.to(idx_dtype), gathered[p * chunk_len:(p + 1) * chunk_len], off,
+                 backend="native")
+    dense = _data(n, torch.float32, "normal", seed=5)
+    a, b = dense.clone(), dense.to(DEV)
+    ops.scatter_add_chunks(a, gathered, nchunks, off, k, idx_dtype, backend="native")
+    ops.scatter_add_chunks(b, gathered.to(DEV), nchunks, off, k, idx_dtype, backend="native")
+    assert torch.equal(b.cpu(), a)
+
+
 # ------------------------------------------------------------------------------- huge
 
 

@@ -71,36 +71,56 @@ void scatter_add_cpu(at::Tensor& dense, const at::Tensor& values, const at::Tens
   });
 }
 
+namespace {
+
+// Adds each chunk's record (values of val_t) into dense (acc_t): acc_t == val_t, or a
+// float32 sum of float16/bfloat16 values (each add converts the value, then rounds in
+// float32, as the CUDA kernel does).
+template <typename acc_t, typename val_t, typename index_t>
+void add_chunks(acc_t* d, int64_t n, const char* g, int64_t nchunks, int64_t chunk_len,
+                int64_t offset, int64_t k, int64_t vspan) {
+  const int64_t vb = sizeof(val_t);
+  for (int64_t p = 0; p < nchunks; ++p) {  // chunk order fixes the summation order
+    const char* rec = g + (p * chunk_len + offset) * vb;
+    const val_t* pv = reinterpret_cast<const val_t*>(rec);
+    const char* pib = rec + vspan * vb;
+    auto idx_at = [&](int64_t j) {
+      index_t i;
+      std::memcpy(&i, pib + j * sizeof(index_t), sizeof(index_t));
+      return i;
+    };
+    for (int64_t j = 0; j < k; ++j) {
+      const index_t i = idx_at(j);
+      TORCH_CHECK(i >= 0 && i < n, "scatter_add_chunks: index ", int64_t(i),
+                  " out of range in chunk ", p);
+    }
+    // Indices are distinct within a chunk, so its adds can run in parallel.
+    at::parallel_for(0, k, int64_t(1) << 14, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) d[idx_at(j)] += static_cast<acc_t>(pv[j]);
+    });
+  }
+}
+
+}  // namespace
+
 void scatter_add_chunks_cpu(at::Tensor& dense, const at::Tensor& gathered, int64_t nchunks,
                             int64_t chunk_len, int64_t offset, int64_t k,
                             at::ScalarType index_dtype) {
   auto [vspan, ispan] =
       check_chunks(dense, gathered, nchunks, chunk_len, offset, k, index_dtype, at::kCPU);
   (void)ispan;
-  const int64_t n = dense.numel(), vb = gathered.element_size();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dense.scalar_type(), "scatter_add_chunks", [&] {
-    scalar_t* d = dense.data_ptr<scalar_t>();
-    const char* g = static_cast<const char*>(gathered.const_data_ptr());
+  const int64_t n = dense.numel();
+  const char* g = static_cast<const char*>(gathered.const_data_ptr());
+  const bool widen = dense.scalar_type() != gathered.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gathered.scalar_type(), "scatter_add_chunks", [&] {
+    using val_t = scalar_t;
     AT_DISPATCH_INDEX_TYPES(index_dtype, "scatter_add_chunks", [&] {
-      for (int64_t p = 0; p < nchunks; ++p) {  // chunk order fixes the summation order
-        const char* rec = g + (p * chunk_len + offset) * vb;
-        const scalar_t* pv = reinterpret_cast<const scalar_t*>(rec);
-        const char* pib = rec + vspan * vb;
-        auto idx_at = [&](int64_t j) {
-          index_t i;
-          std::memcpy(&i, pib + j * sizeof(index_t), sizeof(index_t));
-          return i;
-        };
-        for (int64_t j = 0; j < k; ++j) {
-          const index_t i = idx_at(j);
-          TORCH_CHECK(i >= 0 && i < n, "scatter_add_chunks: index ", int64_t(i),
-                      " out of range in chunk ", p);
-        }
-        // Indices are distinct within a chunk, so its adds can run in parallel.
-        at::parallel_for(0, k, int64_t(1) << 14, [&](int64_t b, int64_t e) {
-          for (int64_t j = b; j < e; ++j) d[idx_at(j)] += pv[j];
-        });
-      }
+      if (widen)
+        add_chunks<float, val_t, index_t>(dense.data_ptr<float>(), n, g, nchunks, chunk_len,
+                                          offset, k, vspan);
+      else
+        add_chunks<val_t, val_t, index_t>(dense.data_ptr<val_t>(), n, g, nchunks, chunk_len,
+                                          offset, k, vspan);
     });
   });
 }

@@ -82,6 +82,32 @@ __global__ void chunk_add_kernel(U* __restrict__ dense, int64_t n, const U* __re
   }
 }
 
+template <int KIND>
+__device__ __forceinline__ float widen(uint16_t u);
+
+template <>
+__device__ __forceinline__ float widen<int(ValueKind::kFloat16)>(uint16_t u) {
+  return __half2float(__ushort_as_half(u));
+}
+
+template <>
+__device__ __forceinline__ float widen<int(ValueKind::kBFloat16)>(uint16_t u) {
+  return __uint_as_float(uint32_t(u) << 16);
+}
+
+template <typename I, int KIND>
+__global__ void chunk_widen_kernel(float* __restrict__ dense, int64_t n,
+                                   const uint16_t* __restrict__ vals,
+                                   const uint16_t* __restrict__ idx_words, int64_t k) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
+    const I i = load_index<uint16_t, I>(idx_words, j);
+    SSF_KERNEL_ASSERT(i >= 0 && int64_t(i) < n);
+    if (i < 0 || int64_t(i) >= n) continue;
+    dense[i] = __fadd_rn(dense[i], widen<KIND>(vals[j]));
+  }
+}
+
 template <typename P>
 __global__ void iota_kernel(P* __restrict__ out, int64_t n) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -228,6 +254,33 @@ void scatter_add_chunks(U* dense, int64_t n, ValueKind kind, const U* gathered,
   });
 }
 
+template <typename I>
+void scatter_add_chunks_widen(float* dense, int64_t n, ValueKind kind, const uint16_t* gathered,
+                              int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k,
+                              cudaStream_t s) {
+  if (k <= 0 || nchunks <= 0) return;
+  if (kind == ValueKind::kFloat32)
+    throw std::runtime_error("ssfusion_hvd CUDA: widening decode takes float16/bfloat16 records");
+  int64_t vspan, ispan;
+  record_spans_raw(k, sizeof(uint16_t), sizeof(I), &vspan, &ispan);
+  const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
+  for (int64_t p = 0; p < nchunks; ++p) {  // chunk order is the summation order
+    const uint16_t* rec = gathered + p * chunk_len + offset;
+    if (kind == ValueKind::kFloat16)
+      chunk_widen_kernel<I, int(ValueKind::kFloat16)><<<grid, kThreads, 0, s>>>(
+          dense, n, rec, rec + vspan, k);
+    else
+      chunk_widen_kernel<I, int(ValueKind::kBFloat16)><<<grid, kThreads, 0, s>>>(
+          dense, n, rec, rec + vspan, k);
+    SSF_CUDA_CHECK_LAUNCH();
+  }
+}
+
+template void scatter_add_chunks_widen<int32_t>(float*, int64_t, ValueKind, const uint16_t*,
+                                                int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+template void scatter_add_chunks_widen<int64_t>(float*, int64_t, ValueKind, const uint16_t*,
+                                                int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+
 #define SSF_INST_UI(U, I)                                                                   \
   template int64_t pack<U, I>(const U*, const I*, int64_t, U*, int64_t, cudaStream_t);      \
   template void scatter_add<U, I>(U*, int64_t, ValueKind, const U*, const I*, int64_t,      \
@@ -308,6 +361,18 @@ void scatter_add_chunks_cuda(at::Tensor& dense, const at::Tensor& gathered, int6
   if (k == 0 || nchunks == 0) return;
   const c10::cuda::CUDAGuard guard(dense.device());
   const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  if (dense.scalar_type() != gathered.scalar_type()) {  // float32 sum of 16-bit records
+    const auto* g = static_cast<const uint16_t*>(gathered.const_data_ptr());
+    if (index_dtype == at::kInt)
+      cuda::scatter_add_chunks_widen<int32_t>(dense.data_ptr<float>(), dense.numel(),
+                                              kind_of(gathered.scalar_type()), g, nchunks,
+                                              chunk_len, offset, k, s);
+    else
+      cuda::scatter_add_chunks_widen<int64_t>(dense.data_ptr<float>(), dense.numel(),
+                                              kind_of(gathered.scalar_type()), g, nchunks,
+                                              chunk_len, offset, k, s);
+    return;
+  }
   dispatch_bits_index(dense.element_size(), index_dtype, [&](auto u, auto i) {
     using U = decltype(u);
     using I = decltype(i);

@@ -140,6 +140,12 @@ template <typename U, typename I>
 void scatter_add_chunks(U* dense, int64_t n, ValueKind kind, const U* gathered,
                         int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k,
                         cudaStream_t stream);
+// The same into a float32 `dense` from float16/bfloat16 records (`kind`): every value is
+// converted exactly, then added in float32 (round to nearest even), like the CPU.
+template <typename I>
+void scatter_add_chunks_widen(float* dense, int64_t n, ValueKind kind, const uint16_t* gathered,
+                              int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k,
+                              cudaStream_t stream);
 
 // ----------------------------------------------------------------------------- hash
 
