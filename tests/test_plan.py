@@ -19,6 +19,9 @@ from ssfusion_hvd.plan import (
     choose_offload,
     compensate_density,
     default_backward_times,
+    floor_density,
+    wire_budget,
+    wire_time,
     fused_plan,
     model_tensors,
     nominal_k,
@@ -112,48 +115,81 @@ def test_plan_validation():
 
 @settings(max_examples=300, deadline=None)
 @given(
-    tensors=st.lists(st.tuples(st.integers(1, 3_000_000), st.booleans()), min_size=1, max_size=40),
-    density=st.sampled_from([0.001, 0.005, 0.01, 0.05, 0.1, 0.5]),
+    tensors=st.lists(st.tuples(st.integers(1, 3_000_000), st.booleans(), st.booleans()),
+                     min_size=1, max_size=40),
+    density=st.sampled_from([0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5]),
+    betas=st.sampled_from([(1e-9, 1e-9), (2e-9, 1e-8), (1e-9, 6.3e-8), (0.0, 0.0)]),
 )
-def test_compensation_invariants(tensors, density):
-    sizes = [n for n, _ in tensors]
+def test_compensation_invariants(tensors, density, betas):
+    """Link time equalized to every tensor sparsified at d; no sparsified tensor below the
+    floor; only tensors that were dense can change kind, and only to sparsified."""
+    sizes = [n for n, _, _ in tensors]
     n = len(sizes)
-    sparse = [s for _, s in tensors]
-    k = [nominal_k(size, density) if s else size for size, s in tensors]
-    p = Plan("x", [f"t{i}" for i in range(n)], sizes, [Group(0, n)], sparse, k,
-             [ALLGATHER] * n, [False] * n, density)
-    out = compensate_density(p, density)
-    sparse_idx = [i for i in range(n) if sparse[i]]
+    sparse = [s for _, s, _ in tensors]
+    coll = [ALLGATHER if s or ag else ALLREDUCE for _, s, ag in tensors]
+    k = [nominal_k(size, density) if s else size for size, s, _ in tensors]
+    p = Plan("x", [f"t{i}" for i in range(n)], sizes, [Group(0, n)], sparse, k, coll,
+             [False] * n, density)
+    c = cost([0.0] * n, ar=(1e-4, betas[0]), ag=(1e-4, betas[1]))
+    out = compensate_density(p, c)
+    floor = floor_density(density)
+    assert floor >= min(density, MIN_DENSITY) and floor >= density / 2
     for i in range(n):
-        if sparse[i]:
-            assert 1 <= out.k[i] <= sizes[i]
-            assert out.k[i] >= math.ceil(MIN_DENSITY * sizes[i] - 1e-9)   # never below 0.001
+        if out.sparse[i]:
+            assert out.k[i] >= nominal_k(sizes[i], floor) and 1 <= out.k[i] <= sizes[i]
+            assert out.collective[i] == ALLGATHER
         else:
-            assert out.k[i] == sizes[i]
-    target = round(density * sum(sizes))
-    dense_elems = sum(s for s, sp in zip(sizes, sparse) if not sp)
-    sparse_elems = sum(sizes) - dense_elems
-    if not sparse_idx:
-        assert out.k == p.k
-    elif target - dense_elems >= MIN_DENSITY * sparse_elems:
-        # exact up to the raises to k >= max(1, ceil(0.001 n)): at most one element per tensor
-        assert target <= out.sent_elements() <= target + len(sparse_idx)
-    else:
-        assert all(out.k[i] == max(1, math.ceil(MIN_DENSITY * sizes[i] - 1e-9)) for i in sparse_idx)
+            assert not sparse[i] and out.k[i] == sizes[i] and out.collective[i] == coll[i]
+    budget, spent = wire_budget(p, c), wire_time(out, c)
+    b_ag = betas[1] if betas[1] > 0 and betas[0] > 0 else 1.0
+    # never over the budget by more than rounding: one element (4 B value + 4 B index)
+    # per sparsified tensor, from largest-remainder rounding and the floor's ceil()
+    assert spent <= budget + b_ag * 8 * sum(out.sparse) + 1e-9 * budget
 
 
-def test_compensation_lowers_density_of_large_tensors():
-    def compensate(dense_numel):
+def test_compensation_equalizes_link_time_not_elements():
+    """Two 1e6 tensors sparsified at 1 %, one dense: the dense one is paid for in link
+    time (allreduce bytes vs allgather value+index bytes), not in elements."""
+    def compensate(dense_numel, beta_ar):
         sizes = [10**6, 10**6, dense_numel]
         p = Plan("x", ["a", "b", "c"], sizes, [Group(0, 3)], [True, True, False],
-                 [10_000, 10_000, dense_numel], [ALLGATHER] * 3, [False] * 3, 0.01)
-        return compensate_density(p, 0.01)
+                 [10_000, 10_000, dense_numel], [ALLGATHER, ALLGATHER, ALLREDUCE],
+                 [False] * 3, 0.01)
+        return compensate_density(p, cost([0.0] * 3, ar=(0.0, beta_ar), ag=(0.0, 1e-9)))
 
-    out = compensate(5_000)
-    assert out.k == [7_525, 7_525, 5_000]            # (20 050 target - 5 000 dense) / 2
-    assert out.sent_elements() == 20_050
-    out = compensate(20_000)                          # 200 left for 2e6 elements: below 0.001
-    assert out.k == [1_000, 1_000, 20_000]
+    # budget: 20 050 elements x 8 B = 160 400 B of allgather time. Dense 5 000 x 4 B by an
+    # allreduce costing as much per byte: 20 000 B -> 140 400 B / 8 = 17 550 sparse elements
+    out = compensate(5_000, 1e-9)
+    assert out.k == [8_775, 8_775, 5_000] and out.sparse == [True, True, False]
+    # the same dense tensor on an allreduce half as dear per byte costs half
+    out = compensate(5_000, 0.5e-9)
+    assert out.k == [9_400, 9_400, 5_000]
+    # a dense tensor that would push the others below d/2 = 0.005 goes sparsified instead
+    out = compensate(30_000, 1e-9)
+    assert out.sparse == [True, True, True] and out.collective[2] == ALLGATHER
+    assert out.k[2] >= nominal_k(30_000, 0.005) and min(out.k[:2]) >= 5_000
+    # the old element count would have left 'a' and 'b' at the 0.001 floor (k = 1 000)
+    assert floor_density(0.01) == 0.005 and floor_density(0.001) == 0.001
+
+
+def test_compensation_sends_fewer_dense_costliest_first():
+    sizes = [10**6, 4_000, 3_000, 2_000]
+    p = Plan("x", list("abcd"), sizes, [Group(0, 4)], [True, False, False, False],
+             [10_000, 4_000, 3_000, 2_000], [ALLGATHER] + [ALLREDUCE] * 3, [False] * 4, 0.01)
+    out = compensate_density(p, cost([0.0] * 4, ar=(0.0, 1e-9), ag=(0.0, 1e-9)))
+    # budget 10 090 x 8 B = 80 720 B; all dense: 36 000 B leaves 44 720 B = 5 590 elements
+    # for 'a', above the floor 5 000: everything may stay dense
+    assert out.sparse == [True, False, False, False] and out.k[0] == 5_590
+    sizes[0] = 6 * 10**5
+    p = Plan("x", list("abcd"), sizes, [Group(0, 4)], [True, False, False, False],
+             [6_000, 4_000, 3_000, 2_000], [ALLGATHER] + [ALLREDUCE] * 3, [False] * 4, 0.01)
+    out = compensate_density(p, cost([0.0] * 4, ar=(0.0, 1e-9), ag=(0.0, 1e-9)))
+    # budget 6 090 x 8 = 48 720 B: 36 000 dense leaves 1 590 < 3 000: 'b' (the costliest)
+    # goes sparsified, then 20 000 B dense leaves (48 720 - 20 000) / 8 = 3 590 elements
+    # shared by 604 000 at one density (0.0059 >= the floor): 3 566 + 24
+    assert out.sparse == [True, True, False, False]
+    assert out.k[:2] == [3_566, 24]
+    assert min(out.k[0] / 6e5, out.k[1] / 4e3) >= 0.005
 
 
 # -- offloading (SSFusion-O) -------------------------------------------------------------
@@ -208,7 +244,16 @@ def test_every_scheme_on_resnet50(resnet50):
     assert all(g.buffer_k == nominal_k(sum(sizes[g.start:g.end]), 0.01) for g in mt.groups)
     # SSFusion keeps Cupcake's fusion buffers (§IV-B Step-1)
     assert [(g.start, g.end) for g in plans["ssfusion"].groups] == [(g.start, g.end) for g in mt.groups]
-    assert plans["ssfusion"].sent_elements() - round(0.01 * sum(sizes)) <= len(sizes)
+    # density-aware compensation holds link time to every tensor sparsified at 0.01 (up to
+    # one element of rounding per tensor) and keeps every sparsified tensor >= 0.005
+    slack = c.allgather[1] * 8 * len(sizes)
+    for s in ("ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"):
+        assert wire_time(plans[s], c) <= wire_budget(plans[s], c) + slack, s
+        assert all(k >= nominal_k(n, 0.005) for k, n, sp in zip(plans[s].k, sizes, plans[s].sparse)
+                   if sp), s
+    # SSFusion-I splits what §IV-B's selection left dense, never more
+    dense_i = {i for i, sp in enumerate(plans["ssfusion_i"].sparse) if not sp}
+    assert dense_i <= {i for i, sp in enumerate(plans["ssfusion"].sparse) if not sp}
     # offloading only ever helps; interleaved groups send their dense part by allreduce
     assert times["ssfusion_o"] <= times["ssfusion"]
     assert times["ssfusion_oi"] <= times["ssfusion_i"]

@@ -12,6 +12,7 @@ multi-tensor style (Cupcake; SSFusion §III-A): one top-k over the fusion buffer
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -111,6 +112,27 @@ class Plan:
             for i in g.indices():
                 out[i] = gi
         return out
+
+    def at_density(self, density: float) -> "Plan":
+        """The same plan sending ``density / self.density`` times as many elements from
+        every sparsified tensor and multi-tensor buffer (at least as many, at most all):
+        the density warm-up's stages. Groups, dense tensors, collectives and offloading are
+        unchanged, so buffers keep their parts and residuals their shapes."""
+        if density == self.density:
+            return self
+        ratio = float(density) / self.density
+
+        def scaled(k: int, n: int) -> int:
+            return int(min(n, max(k, math.ceil(k * ratio - 1e-9))))
+
+        k = [scaled(ki, n) if s and ki is not None else ki
+             for ki, n, s in zip(self.k, self.sizes, self.sparse)]
+        groups = [g if g.buffer_k is None else
+                  Group(g.start, g.end, scaled(g.buffer_k, sum(self.sizes[g.start:g.end])))
+                  for g in self.groups]
+        return Plan(self.scheme, list(self.names), list(self.sizes), groups, list(self.sparse),
+                    k, list(self.collective), list(self.offload), float(density),
+                    self.sparsifier, dict(self.notes))
 
     def sent_elements(self) -> int:
         """Elements (values) one worker sends per iteration, dense tensors included."""

@@ -73,10 +73,9 @@ def build_plan(
     cupcake = optimal_fusion(sizes, cost, "multi_tensor", density, scheme, names, sparsifier)
     bounds = [(g.start, g.end) for g in cupcake.groups]
     fused = fused_plan(sizes, bounds, "per_tensor", density, scheme, names, sparsifier)
-    if scheme in ("ssfusion", "ssfusion_o"):
-        plan = select_sparsified(fused, cost, scheme="ssfusion")
-    else:
-        plan = split_interleaved(fused, cost, scheme="ssfusion_i")
+    plan = select_sparsified(fused, cost, scheme="ssfusion")
+    if scheme in ("ssfusion_i", "ssfusion_oi"):  # §IV-D builds on §IV-B's selection
+        plan = split_interleaved(plan, cost, scheme="ssfusion_i")
     if scheme in ("ssfusion_o", "ssfusion_oi"):
         plan = choose_offload(plan, cost, scheme=scheme)
     # Selection decides tensor by tensor; on a fast network the sum can still lose to not

@@ -22,8 +22,22 @@ __all__ = [
     "split_objective",
 ]
 
-#: Lower bound on any sparsified tensor's density (SSFusion §IV-B, "to avoid over-sparsification").
+#: The paper's absolute lower bound on a sparsified tensor's density (§IV-B, "to avoid
+#: over-sparsification").
 MIN_DENSITY = 0.001
+#: Compensation never takes a sparsified tensor below this fraction of the user's density
+#: (see :func:`floor_density`).
+FLOOR_FRACTION = 0.5
+
+
+def floor_density(density: float) -> float:
+    """The least density compensation may give a sparsified tensor:
+    ``max(min(d, 0.001), d / 2)``. The paper's 0.001 alone is 10x below the default
+    density: on the digits CNN it left ``fc1`` (87 % of the parameters) at a tenth of its
+    budget and cost 9 points of accuracy (``docs/recipe.md``). Half the user's density
+    bounds what small dense tensors may take from large ones; when that is not enough,
+    fewer tensors stay dense (:func:`compensate_density`)."""
+    return max(min(density, MIN_DENSITY), FLOOR_FRACTION * density)
 
 
 def _replace(plan: Plan, scheme: str, **per_tensor) -> Plan:
@@ -46,7 +60,8 @@ def select_sparsified(plan: Plan, cost: CostModel, scheme: str = "ssfusion") -> 
     that §III-B's 200 KB heuristic stands for ("the actual cutoffs are determined via
     online profiling"); without it a group whose backward alone outlasts the previous
     communication would be sent entirely dense. The densities of the tensors left
-    sparsified are then raised by :func:`compensate_density`.
+    sparsified are then set by :func:`compensate_density`, which may send some of the
+    dense ones sparsified again.
     """
     es = cost.element_size
     _, beta_ag = cost.allgather
@@ -68,44 +83,118 @@ def select_sparsified(plan: Plan, cost: CostModel, scheme: str = "ssfusion") -> 
         prev_comm = cost.allgather_s(sum(
             k[i] * (es + index_size(plan.sizes[i])) if sparse[i] else plan.sizes[i] * es for i in idx))
     selected = _replace(plan, scheme, sparse=sparse, k=k)
-    return compensate_density(selected, plan.density)
+    return compensate_density(selected, cost)
 
 
-def compensate_density(plan: Plan, density: float, min_density: float = MIN_DENSITY) -> Plan:
-    """Density-aware sparsification (SSFusion §IV-B): give the sparsified tensors a
-    common lower density so that the elements sent in total, dense tensors included,
-    equal ``round(density · all elements)``.
+def _betas(cost: CostModel) -> tuple:
+    """(β_allreduce, β_allgather) in seconds per byte a worker contributes; plain bytes
+    when the model has no per-byte cost (then time cannot rank anything)."""
+    b_ar, b_ag = float(cost.allreduce[1]), float(cost.allgather[1])
+    return (b_ar, b_ag) if b_ar > 0 and b_ag > 0 else (1.0, 1.0)
 
-    The common density is ``d' = (target − dense elements) / sparsified elements``,
-    never below ``min_density``; the target count is split over the sparsified tensors
-    by largest remainder, then every tensor is raised to at least
-    ``max(1, ceil(min_density · n))`` so no tensor goes missing and none is
-    over-sparsified. Hence the total overshoots the target only by those raises (at
-    most one element per sparsified tensor) or, when ``d'`` hits the bound, because
-    the dense tensors alone already exceed it.
+
+def wire_time(plan: Plan, cost: CostModel) -> float:
+    """Per-byte link time of ``plan``'s per-tensor decisions (the part density changes;
+    the fixed cost per collective call depends on the groups, not on ``k``): dense by
+    allreduce ``β_ar·n·es``, dense by allgather ``β_ag·n·es``, sparsified
+    ``β_ag·k·(es + index bytes)``."""
+    b_ar, b_ag = _betas(cost)
+    es = cost.element_size
+    t = 0.0
+    for n, sp, k, coll in zip(plan.sizes, plan.sparse, plan.k, plan.collective):
+        if sp:
+            t += b_ag * k * (es + index_size(n))
+        else:
+            t += (b_ar if coll == ALLREDUCE else b_ag) * n * es
+    return t
+
+
+def wire_budget(plan: Plan, cost: CostModel) -> float:
+    """The link time of every tensor sparsified at the user's density: what
+    density-aware compensation holds ``plan`` to."""
+    _, b_ag = _betas(cost)
+    es = cost.element_size
+    return sum(b_ag * int(nominal_k(n, plan.density)) * (es + index_size(n)) for n in plan.sizes)
+
+
+def _common_k(sizes, sparse, cost: CostModel, available: float):
+    """k of the sparsified tensors sharing a common density that spends ``available``
+    link time, largest remainders first; (k array, that density)."""
+    _, b_ag = _betas(cost)
+    es = cost.element_size
+    sizes = np.asarray(sizes, dtype=np.int64)
+    sparse = np.asarray(sparse, dtype=bool)
+    n = sizes[sparse]
+    per = b_ag * np.asarray([es + index_size(int(x)) for x in n], dtype=np.float64)
+    dens = max(available, 0.0) / float((per * n).sum())
+    quota = np.minimum(n * dens, n.astype(np.float64))
+    k = np.floor(quota).astype(np.int64)
+    short = int(round(float(quota.sum()))) - int(k.sum())
+    if short > 0:  # largest remainders first, ties to the earlier tensor
+        order = np.argsort(-(quota - k), kind="stable")[:short]
+        k[order] += 1
+    return np.minimum(k, n), dens
+
+
+def compensate_density(plan: Plan, cost: CostModel) -> Plan:
+    return _compensate(plan, cost)[0]
+
+
+compensate_density.__doc__ = """Density-aware sparsification (SSFusion §IV-B), by link time; see :func:`_compensate`."""
+
+
+def _compensate(plan: Plan, cost: CostModel):
+    """Density-aware sparsification (SSFusion §IV-B), by link time.
+
+    Tensors left dense lengthen the transmission; the paper lowers the density of the
+    large sparsified tensors to compensate. Here the budget is link time, not element
+    count: the plan must not spend more than every tensor sparsified at the user's
+    density (:func:`wire_budget`), with a dense tensor charged what it costs on its
+    collective (an allreduce moves ``2(P−1)/P`` of the bytes a ring allgather of ``P``
+    records does) and a sparsified element its value plus its index. The sparsified
+    tensors share the density that spends what the dense ones leave (higher than the
+    user's when dense tensors are cheap; never above 1), split by largest remainder.
+
+    No sparsified tensor goes below :func:`floor_density`: when it would, the plan
+    sends **fewer tensors dense** (the costliest dense tensor is sparsified again, then
+    the next) instead of overshooting or starving the large tensors. Deterministic for a
+    given plan and cost model. Returns (plan, the common density of its sparsified
+    tensors before the floor and rounding).
     """
-    sizes = np.asarray(plan.sizes, dtype=np.int64)
-    sparse = np.asarray(plan.sparse, dtype=bool)
-    if not sparse.any():
-        return plan
-    target = int(round(density * int(sizes.sum())))
-    sparse_elems = int(sizes[sparse].sum())
-    budget = target - int(sizes[~sparse].sum())
-    if budget >= min_density * sparse_elems:
-        quota = sizes[sparse] * (budget / sparse_elems)
-        k = np.floor(quota).astype(np.int64)
-        short = budget - int(k.sum())
-        if short > 0:  # largest remainders first, ties to the earlier tensor
-            order = np.argsort(-(quota - k), kind="stable")[:short]
-            k[order] += 1
-    else:
-        k = np.zeros(int(sparse.sum()), dtype=np.int64)
-    floor_k = np.maximum(1, np.ceil(sizes[sparse] * min_density - 1e-9)).astype(np.int64)
-    k = np.minimum(np.maximum(k, floor_k), sizes[sparse])
-    new_k = list(plan.k)
-    for i, ki in zip(np.flatnonzero(sparse), k):
-        new_k[int(i)] = int(ki)
-    return dataclasses.replace(plan, k=new_k)
+    sizes = plan.sizes
+    floor = floor_density(plan.density)
+    dens = plan.density
+    b_ar, b_ag = _betas(cost)
+    es = cost.element_size
+    sparse, k, coll = list(plan.sparse), list(plan.k), list(plan.collective)
+    budget = wire_budget(plan, cost)
+    ks = np.zeros(0, dtype=np.int64)
+
+    def dense_cost(i: int) -> float:
+        return (b_ar if coll[i] == ALLREDUCE else b_ag) * sizes[i] * es
+
+    while True:
+        dense_idx = [i for i, sp in enumerate(sparse) if not sp]
+        dense_t = sum(dense_cost(i) for i in dense_idx)
+        if any(sparse):
+            ks, dens = _common_k(sizes, sparse, cost, budget - dense_t)
+            if dens >= floor - 1e-12 or not dense_idx:
+                break
+        elif dense_t <= budget:
+            break
+        # the floor binds: send the costliest dense tensor sparsified instead
+        worst = max(dense_idx, key=lambda i: (dense_cost(i), -i))
+        sparse[worst], coll[worst] = True, ALLGATHER
+        k[worst] = int(nominal_k(sizes[worst], plan.density))
+    new_k = list(k)
+    if any(sparse):
+        floor_k = [int(nominal_k(n, floor)) for n, sp in zip(sizes, sparse) if sp]
+        for i, ki, fk in zip([i for i, sp in enumerate(sparse) if sp], ks, floor_k):
+            new_k[i] = int(min(max(int(ki), fk, 1), sizes[i]))
+    for i, sp in enumerate(sparse):
+        if not sp:
+            new_k[i] = sizes[i]
+    return dataclasses.replace(plan, sparse=sparse, k=new_k, collective=coll), dens
 
 
 def choose_offload(plan: Plan, cost: CostModel, scheme: str = "ssfusion_o") -> Plan:
@@ -122,61 +211,94 @@ def choose_offload(plan: Plan, cost: CostModel, scheme: str = "ssfusion_o") -> P
     return _replace(plan, scheme, offload=offload)
 
 
-def split_objective(plan: Plan, cost: CostModel, group: int) -> np.ndarray:
-    """``T1 + T2`` of group ``group`` for every split ``l = 0..n`` (SSFusion §IV-D Step-2).
+def split_objective(plan: Plan, cost: CostModel, group: int, ks=None, candidates=None) -> np.ndarray:
+    """``T1 + T2`` of group ``group`` for every split ``l = 0..m`` (SSFusion §IV-D Step-2).
 
-    Split ``l`` sends the ``l`` smallest tensors of the group dense by allreduce
-    (``Buffer_AR``) and sparsifies the others (top-``ceil(density · n)``) into the
-    allgather (``Buffer_AG``). ``T1`` is the computation until ``Buffer_AR`` is complete
-    (backward of the group up to its last dense tensor, with the sparsifications in
-    between); ``T2 = max(T_AR, remaining computation) + T_AG``. ``T1 + T2`` is the time
-    the group takes on its own, what :func:`simulate` gives for a one-group plan.
+    ``candidates`` (plan indices; default: the whole group) are the tensors that may go
+    dense, ``m`` of them; split ``l`` sends the ``l`` smallest candidates dense by
+    allreduce (``Buffer_AR``) and sparsifies every other tensor of the group into the
+    allgather (``Buffer_AG``) with ``ks[i]`` elements (default ``ceil(density · n)``).
+    ``T1`` is the computation until ``Buffer_AR`` is complete (backward of the group up to
+    its last dense tensor, with the sparsifications in between); ``T2 = max(T_AR,
+    remaining computation) + T_AG``. ``T1 + T2`` is the time the group takes on its own,
+    what :func:`simulate` gives for a one-group plan.
     """
     g = plan.groups[group]
     es = cost.element_size
+    members = list(g.indices())
     sizes = np.asarray(plan.sizes[g.start:g.end], dtype=np.int64)
     n = len(sizes)
+    if ks is None:
+        kk = nominal_k(sizes, plan.density)
+    else:
+        kk = np.asarray([ks[i] for i in members], dtype=np.int64)
+    cand = set(members if candidates is None else candidates)
     bwd = np.asarray(cost.backward_s[g.start:g.end])
     alpha_h, beta_h = cost.sparsify_fit(plan.sparsifier, "gpu")
     h = alpha_h + beta_h * (sizes * es)
-    rank = np.empty(n, dtype=np.int64)
-    rank[np.argsort(sizes, kind="stable")] = np.arange(n)
-    cuts = np.arange(n + 1)
-    dense = rank[None, :] < cuts[:, None]                      # (n+1, n): split l, tensor j
+    big = n + 1
+    rank = np.full(n, big, dtype=np.int64)
+    order = sorted((j for j, i in enumerate(members) if i in cand), key=lambda j: (sizes[j], j))
+    for r, j in enumerate(order):
+        rank[j] = r
+    cuts = np.arange(len(order) + 1)
+    dense = rank[None, :] < cuts[:, None]                      # (m+1, n): split l, tensor j
     finish = np.cumsum(bwd[None, :] + np.where(dense, 0.0, h[None, :]), axis=1)
     last_dense = np.where(dense, np.arange(n)[None, :], -1).max(axis=1)
     t1 = finish[cuts, np.maximum(last_dense, 0)]
     compute = finish[:, -1]
-    sparse_bytes = nominal_k(sizes, plan.density) * (es + np.where(sizes < 2**31, 4, 8))
+    sparse_bytes = kk * (es + np.where(sizes < 2**31, 4, 8))
     ar_bytes = np.where(dense, sizes * es, 0).sum(axis=1)
     ag_bytes = np.where(dense, 0, sparse_bytes).sum(axis=1)
     t_ar = cost.allreduce[0] + cost.allreduce[1] * ar_bytes
     t_ag = cost.allgather[0] + cost.allgather[1] * ag_bytes
     both = np.maximum(t1 + t_ar, compute) + t_ag
-    return np.where(cuts == 0, compute + t_ag, np.where(cuts == n, compute + t_ar, both))
+    has_ar, has_ag = dense.any(axis=1), (~dense).any(axis=1)
+    return np.where(~has_ar, compute + t_ag, np.where(~has_ag, compute + t_ar, both))
 
 
-def split_interleaved(plan: Plan, cost: CostModel, scheme: str = "ssfusion_i") -> Plan:
-    """SSFusion-I buffer separation (§IV-D Steps 1–3): per group, the split minimizing
-    ``T1 + T2`` (:func:`split_objective`; ties to the fewest dense tensors).
+def _interleaved(plan: Plan, dense: set, ks) -> Plan:
+    sparse = [i not in dense for i in range(len(plan))]
+    k = [plan.sizes[i] if i in dense else int(ks[i]) for i in range(len(plan))]
+    coll = [ALLREDUCE if i in dense else ALLGATHER for i in range(len(plan))]
+    return dataclasses.replace(plan, sparse=sparse, k=k, collective=coll,
+                               offload=[False] * len(plan))
 
-    Dense tensors go to the group's allreduce part, sparsified ones to its allgather
-    part. The split scans the group in ascending size, the order in which §IV-B leaves
-    tensors dense, so Eq. 2's cut is one of the candidates and the split re-decides it
-    with the cheaper allreduce priced in. Densities are then compensated
-    (:func:`compensate_density`).
+
+def split_interleaved(plan: Plan, cost: CostModel, scheme: str = "ssfusion_i",
+                      max_passes: int = 8) -> Plan:
+    """SSFusion-I buffer separation (§IV-D Steps 1–3), built on §IV-B's selection.
+
+    ``plan`` is the output of :func:`select_sparsified`: the tensors Eq. 2 left dense
+    (small ones, by its guard) are the only *candidates* for the allreduce part. Per
+    group the split minimizing ``T1 + T2`` (:func:`split_objective`; ties to the fewest
+    dense tensors) sends the ``l`` smallest candidates dense by allreduce and sparsifies
+    the rest into the allgather, scored with the k that compensation gives (the
+    sparsified tensors' own k, and for a candidate the common compensated density).
+    Then :func:`compensate_density` sets every k by link time (and may sparsify
+    candidates again when the floor binds); the split is repeated on the new k until the
+    dense set stops changing (at most ``max_passes``). Deterministic.
     """
-    sparse, k, coll = list(plan.sparse), list(plan.k), list(plan.collective)
-    for gi, g in enumerate(plan.groups):
+    for g in plan.groups:
         if g.buffer_k is not None:
             raise ValueError("SSFusion-I splits per-tensor sparsified groups, not multi-tensor buffers")
-        cut = int(np.argmin(split_objective(plan, cost, gi)))
-        order = sorted(g.indices(), key=lambda j: (plan.sizes[j], j))
-        for pos, i in enumerate(order):
-            n = plan.sizes[i]
-            if pos < cut:
-                sparse[i], k[i], coll[i] = False, n, ALLREDUCE
-            else:
-                sparse[i], k[i], coll[i] = True, nominal_k(n, plan.density), ALLGATHER
-    split = _replace(plan, scheme, sparse=sparse, k=k, collective=coll, offload=[False] * len(plan))
-    return compensate_density(split, plan.density)
+    candidates = [[i for i in g.indices() if not plan.sparse[i]] for g in plan.groups]
+    floor = floor_density(plan.density)
+    current, dens = _compensate(_interleaved(plan, {i for c in candidates for i in c}, plan.k), cost)
+    for _ in range(max_passes):
+        ks = [current.k[i] if current.sparse[i] else
+              int(min(n, max(int(nominal_k(n, floor)), round(dens * n))))
+              for i, n in enumerate(current.sizes)]
+        dense = set()
+        for gi, g in enumerate(current.groups):
+            if not candidates[gi]:
+                continue
+            cut = int(np.argmin(split_objective(current, cost, gi, ks, candidates[gi])))
+            dense.update(sorted(candidates[gi], key=lambda j: (plan.sizes[j], j))[:cut])
+        nxt, dens = _compensate(_interleaved(current, dense, ks), cost)
+        done = {i for i, sp in enumerate(nxt.sparse) if not sp} == \
+            {i for i, sp in enumerate(current.sparse) if not sp}
+        current = nxt
+        if done:
+            break
+    return _replace(current, scheme)
