@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_e2e import SCHEMES, choices, environment  # noqa: E402
 
 #: task -> epochs
-EPOCHS = {"digits": 10, "lm": 5}
+EPOCHS = {"digits": 10, "lm": 3, "code": 3}
 
 
 def parse_args(argv=None):
@@ -48,7 +48,11 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--sparsifier", default="topk")
-    p.add_argument("--epochs", type=int, default=0, help="0: per-task default (digits 10, lm 5)")
+    p.add_argument("--momentum-correction", default="auto", choices=("auto", "on", "off"),
+                   help="the recipe's local rule (train.py --momentum-correction)")
+    p.add_argument("--density-warmup-steps", type=int, default=None,
+                   help="the recipe's density warm-up (default: the optimizer's; 0: off)")
+    p.add_argument("--epochs", type=int, default=0, help="0: per-task default (digits 10, lm 3, code 3)")
     p.add_argument("--profile", default=str(REPO / "docs" / "results" / "profile_1gbit.json"),
                    help="CostModel JSON the planned schemes plan with ('' : probe the loopback)")
     p.add_argument("--timeout", type=float, default=900)
@@ -68,6 +72,9 @@ def run_one(args, task: str, scheme: str, seed: int, logs: Path) -> dict:
            "--epochs", str(args.epochs or EPOCHS[task]), "--no-progress", "--json", str(out)]
     if args.profile:
         cmd += ["--profile", args.profile]
+    cmd += ["--momentum-correction", args.momentum_correction]
+    if args.density_warmup_steps is not None:
+        cmd += ["--density-warmup-steps", str(args.density_warmup_steps)]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.workers)),
                HOROVOD_CYCLE_TIME="1", PYTHONPATH=str(REPO))
     t0 = time.time()
@@ -101,7 +108,9 @@ def summarize(runs: list) -> dict:
         d["metric"] = r["metric"]
         d["finals"].append(r["history"][-1][r["metric"]])
         d["missing"].append(statistics.mean(h.get("missing_rate", 0.0) for h in r["history"]))
-        d["density"].append(r["stats"].get("density", 1.0))
+        # elements sent / elements over every step of the run, warm-up included
+        d["density"].append(statistics.mean(h.get("density_sent", r["stats"].get("density", 1.0))
+                                             for h in r["history"]))
     return out
 
 
@@ -116,7 +125,7 @@ def table(runs: list, task: str) -> str:
     base = statistics.mean(dense["finals"]) if dense and dense["finals"] else None
     name = "test accuracy %" if acc else "validation perplexity"
     lines = [f"**{task}** ({name}, mean ± std over seeds; last epoch)\n",
-             f"| scheme | {name} | vs dense | tensor missing rate | density sent | seeds |",
+             f"| scheme | {name} | vs dense | tensor missing rate | density sent (whole run) | seeds |",
              "|---|---:|---:|---:|---:|---:|"]
     for s, d in rows:
         if not d["finals"]:
@@ -165,8 +174,10 @@ def plot(runs: list, task: str, path: Path) -> None:
 
 def report(doc: dict, out: Path, name: str) -> str:
     tasks = list(dict.fromkeys(r["task"] for r in doc["runs"]))
+    warm = doc.get("density_warmup_steps")
     parts = [f"{doc['workers']} workers, density {doc['density']}, sparsifier {doc['sparsifier']}, "
-             f"seeds {doc['seeds']}.\n"]
+             f"momentum correction {doc.get('momentum_correction', 'auto')}, density warm-up "
+             f"{'default' if warm is None else warm} steps, seeds {doc['seeds']}.\n"]
     for t in tasks:
         parts.append(table(doc["runs"], t))
         try:
@@ -189,6 +200,8 @@ def main(argv=None) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     doc = {"command": ".venv/bin/python scripts/bench_convergence.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "workers": args.workers, "density": args.density, "sparsifier": args.sparsifier,
+           "momentum_correction": args.momentum_correction,
+           "density_warmup_steps": args.density_warmup_steps,
            "seeds": seeds, "profile": args.profile, "environment": environment(), "runs": []}
     for t in tasks:
         for s in schemes:

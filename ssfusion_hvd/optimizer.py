@@ -19,6 +19,7 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, global_process_set
 
 from .consistency import check_same_model
+from .recipe import DEFAULT_MASKING, DEFAULT_WARMUP_STEPS, resolve_recipe
 from .schemes import SCHEMES, SyncConfig
 from .sparsify import SPARSIFIERS
 
@@ -81,6 +82,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._requires_update = [p for p in config.order if p.requires_grad]
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        config.recipe.bind(self, config.names)
         self._hook_handles = []
         if config.process_set.included():
             for p in self._requires_update:
@@ -95,6 +98,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def plan(self):
         """The :class:`ssfusion_hvd.plan.Plan` in use (None for ``dense`` and during warm-up)."""
         return getattr(self._scheme, "plan", None)
+
+    @property
+    def recipe(self):
+        """The :class:`ssfusion_hvd.recipe.Recipe` in force: local rule, density warm-up,
+        float32 accumulation (``recipe.describe()`` says it in one line)."""
+        return self._config.recipe
 
     @property
     def cost_model(self):
@@ -133,6 +142,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # Another rank may have a gradient for p (dynamic graphs): contribute zeros.
             p.grad = torch.zeros_like(p)
         self._submitted.add(p)
+        recipe = self._config.recipe
+        if recipe.corrects() and self._scheme.sparsifies(p):
+            # the local rule accumulates g + wd·w, where SGD/Adam would have added the decay
+            wd = recipe.coupled_decay(self._group_of[p])
+            if wd:
+                if p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
+                p.grad.add_(p.detach(), alpha=wd)
         self._scheme.submit(p)
 
     # ------------------------------------------------------------------ Horovod API
@@ -174,7 +191,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        # sparsified tensors under momentum correction hold an update, applied here; the
+        # wrapped optimizer steps the others (recipe.py)
+        with self._config.recipe.step_dense_only(self, self._scheme.sparse_params()):
+            return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
         if self._submitted or self._scheme.pending():
@@ -210,7 +230,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=global_process_set, *, scheme="dense", sparsifier="topk",
-                         density=0.01, plan=None, profile=None, warmup_steps=5, log_plan=True):
+                         density=0.01, plan=None, profile=None, warmup_steps=5, log_plan=True,
+                         momentum_correction="auto", density_warmup_steps=DEFAULT_WARMUP_STEPS,
+                         fp32_accumulation=True, momentum_masking=DEFAULT_MASKING):
     """Wraps ``optimizer`` so that ``step()`` applies gradients synchronized across workers.
 
     Horovod arguments (same meaning as in ``hvd.DistributedOptimizer``):
@@ -232,16 +254,34 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             5). The plan is built on rank 0, broadcast, printed once (``log_plan``) and
             exposed as ``opt.plan``.
 
+    The training recipe of every sparse scheme (``ssfusion_hvd/recipe.py``, ``docs/recipe.md``):
+        momentum_correction: ``"auto"`` (default): DGC momentum correction with momentum
+            factor masking for ``torch.optim.SGD`` with momentum, local Adam moments with
+            error feedback on the Adam update for ``Adam``/``AdamW``, plain error feedback
+            otherwise (with a warning when that is because the optimizer is not supported).
+            ``True``: the same, but ``ValueError`` where it cannot apply. ``False``: plain
+            error feedback on gradients.
+        density_warmup_steps: DGC's exponential density warm-up over this many steps
+            (default 50; 0: off): 4 stages from density 0.25 down to ``density``.
+            ``stats()["density_target"]`` is the density in force.
+        fp32_accumulation: float16 gradients are accumulated, selected and decoded in
+            float32; only the sent values are float16 (default True).
+        momentum_masking: DGC's momentum factor masking of the local rule: ``"auto"``
+            (default: SGD while the density in force is below ``1 - momentum``, Adam
+            always), ``True`` or ``False``.
+
     Bad arguments raise ``ValueError`` on every rank before any collective is submitted.
     The wrapped optimizer's state (e.g. momentum) is carried over.
     """
     _check_choice("scheme", scheme, SCHEMES)
     _check_choice("sparsifier", sparsifier, SPARSIFIERS)
     density = _check_density(density)
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-        raise ValueError(f"warmup_steps must be a positive int, got {warmup_steps!r}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    recipe = resolve_recipe(optimizer, scheme, density, momentum_correction,
+                            density_warmup_steps, fp32_accumulation, momentum_masking)
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+        raise ValueError(f"warmup_steps must be a positive int, got {warmup_steps!r}")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
             or backward_passes_per_step <= 0:
         raise ValueError(f"backward_passes_per_step must be a positive int, got "
@@ -287,7 +327,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         compression=compression, op=op, gradient_predivide_factor=float(gradient_predivide_factor),
         groups=groups, sparse_as_dense=sparse_as_dense, process_set=process_set,
         sparsifier=sparsifier, density=density, plan=plan, profile=profile,
-        warmup_steps=warmup_steps, log_plan=bool(log_plan))
+        warmup_steps=warmup_steps, log_plan=bool(log_plan), recipe=recipe)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, config, scheme, backward_passes_per_step)

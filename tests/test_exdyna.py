@@ -120,36 +120,43 @@ def _flat(d, names, like):
 
 
 def reference_step(ranks, density, op="average"):
-    """Expected (synced flat gradient, per-rank selections, per-rank new residuals)."""
+    """Expected (synced flat gradient, per-rank selections, per-rank new residuals).
+
+    The recipe applies: the density in force is the warm-up's (``density_target``; a new
+    density recalibrates the threshold), float16 gradients accumulate in float32 and the
+    values travel as float16, their rounding staying in the residual."""
     nranks = len(ranks)
     names = sorted(ranks[0]["synced"])  # canonical order: sorted by name
     s = ranks[0]["state"]["exdyna"]
     b = _bounds(s)
+    density = ranks[0]["stats"]["density_target"]
+    threshold = s["threshold"] if s["density"] == density else None
     k = max(1, math.ceil(s["numel"] * density - 1e-9))
+    wire = ranks[0]["synced"][names[0]].dtype
     accs, sels = [], []
     for r, rank in enumerate(ranks):
-        acc = _flat(rank["local"], names, rank["synced"])
+        acc = _flat(rank["local"], names, rank["synced"]).float()
         if rank["state"]["residuals"]:
             acc = _flat(rank["state"]["residuals"], names, rank["synced"]) + acc
         a = (s["iteration"] % nranks + r) % nranks
         lo, hi = b[a], b[a + 1]
-        if s["threshold"] is None:  # calibration: exact top-k of the partition
+        if threshold is None:  # calibration: exact top-k of the partition
             kk = min(hi - lo, math.ceil(k * (hi - lo) / s["numel"] - 1e-9))
             _, idx = ops.topk(acc[lo:hi], kk, backend="torch")
         else:
-            mask = (acc[lo:hi].double().abs() >= s["threshold"]) | acc[lo:hi].isnan()
+            mask = (acc[lo:hi].double().abs() >= threshold) | acc[lo:hi].isnan()
             idx = mask.nonzero().flatten()
         accs.append(acc)
         sels.append(idx.long() + lo)
     union = torch.cat(sels)
     total = torch.zeros(s["numel"], dtype=torch.float64)
-    total[union] = sum(acc[union].double() for acc in accs)
+    total[union] = sum(acc[union].to(wire).double() for acc in accs)
     if op == "average":
         total /= nranks
     residuals = []
     for acc in accs:
         kept = acc.clone()
-        kept[union] = 0
+        kept[union] = acc[union] - acc[union].to(wire).float()
         residuals.append(kept)
     return total, sels, residuals
 
@@ -215,6 +222,9 @@ def test_matches_reference(results):
         tol = dict(rtol=2e-3, atol=2e-3) if case == "net_fp16" else {}
         check_run(runs, density, op, **tol)
         assert runs[0]["steps"][0]["stats"]["phase"] == "calibration"
+        if case.startswith("net"):  # the density warm-up ran through its stages
+            targets = [st["stats"]["density_target"] for st in runs[0]["steps"]]
+            assert targets[0] == 0.25 and targets[-1] == 0.05 and targets == sorted(targets)[::-1]
         assert STATS_KEYS <= set(runs[0]["steps"][-1]["stats"])
         assert runs[0]["steps"][-1]["stats"]["phase"] == "sparse"
         for r in runs[1:]:  # every rank ends with bit-identical parameters

@@ -38,7 +38,12 @@ def test_bad_inputs_raise_on_every_rank_without_hang():
     expected = {"scheme": "no-such-scheme", "sparsifier": "no-such-sparsifier",
                 "density0": "0.0", "density_big": "1.5", "density_nan": "nan",
                 "density_str": "'0.1'", "passes": "0", "duplicate": "w", "missing": "not named",
-                "predivide": "gradient_predivide_factor"}
+                "predivide": "gradient_predivide_factor",
+                "warmup_negative": "density_warmup_steps", "warmup_float": "density_warmup_steps",
+                "correction_value": "momentum_correction must be",
+                "correction_no_momentum": "no momentum", "correction_rmsprop": "RMSprop",
+                "correction_amsgrad": "amsgrad", "correction_groups": "different momentum",
+                "fp32": "fp32_accumulation", "masking": "momentum_masking"}
     for r in results:
         assert r["total"] == 2.0
         assert set(r["messages"]) == set(expected)

@@ -18,14 +18,19 @@ pytestmark = pytest.mark.multiworker
 SCHEMES = ["per_tensor", "multi_tensor", "ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"]
 
 
-def reference_step(plan: Plan, ranks, op="average", predivide=1.0):
-    """(expected synced grads, expected new residual per rank) of one planned step."""
+def reference_step(plan: Plan, ranks, op="average", predivide=1.0, sent_out=None):
+    """(expected synced grads, expected new residual per rank) of one planned step;
+    ``sent_out`` (a list), when given, receives per rank {name: indices sent}."""
     nranks = len(ranks)
     grads = [{n: (g if g is not None else torch.zeros_like(r["synced"][n])).reshape(-1)
               for n, g in r["local"].items() if n in plan.names} for r in ranks]
     dtype = next(iter(grads[0].values())).dtype
+    # the recipe's fp32 accumulation: float16 gradients are compensated and selected in
+    # float32; the sent values are rounded to float16 and the rounding stays behind
+    acc_dtype = torch.float32 if dtype == torch.float16 else dtype
     total = {n: torch.zeros(plan.sizes[i], dtype=torch.float64) for i, n in enumerate(plan.names)}
     new_residual = [dict() for _ in ranks]
+    sent_idx = [dict() for _ in ranks]
     for g in plan.groups:
         members = [plan.names[i] for i in g.indices()]
         if g.buffer_k is not None:
@@ -38,22 +43,27 @@ def reference_step(plan: Plan, ranks, op="average", predivide=1.0):
                         total[plan.names[i]] += grads[r][plan.names[i]].double()
         for names, k in units:
             for r, rank in enumerate(ranks):
-                acc = torch.cat([grads[r][n] for n in names])
+                acc = torch.cat([grads[r][n] for n in names]).to(acc_dtype)
                 res = [rank["residual"].get(n) for n in names]
                 if all(x is not None for x in res):
                     acc = acc + torch.cat([x.reshape(-1) for x in res])
                 values, idx = ops.topk(acc, k, backend="torch")
+                wire = values.to(dtype).to(acc_dtype)
                 sent = torch.zeros_like(acc)
-                sent[idx.long()] = values
+                sent[idx.long()] = wire
                 kept = acc.clone()
-                kept[idx.long()] = 0
+                kept[idx.long()] = values - wire
                 lo = 0
                 for n in names:
                     size = grads[r][n].numel()
                     total[n] += sent[lo:lo + size].double()
                     new_residual[r][n] = kept[lo:lo + size]
+                    mine = idx.long()[(idx.long() >= lo) & (idx.long() < lo + size)]
+                    sent_idx[r][n] = mine - lo
                     lo += size
     scale = 1.0 / nranks if op == "average" else 1.0
+    if sent_out is not None:
+        sent_out.extend(sent_idx)
     return {n: (t * scale).to(dtype) for n, t in total.items()}, new_residual
 
 
@@ -73,7 +83,8 @@ def check_run(runs, op="average", predivide=1.0, rtol=1e-5, atol=1e-6):
                 want = sum(x.double() for x in local) / (len(ranks) if op == "average" else 1)
                 torch.testing.assert_close(t.double(), want, rtol=rtol, atol=atol)
             continue
-        plan = Plan.from_json(ranks[0]["plan"])
+        # the plan in force: the density warm-up's stage (stats say which density)
+        plan = Plan.from_json(ranks[0]["plan"]).at_density(ranks[0]["stats"]["density_target"])
         want, new_res = reference_step(plan, ranks, op, predivide)
         for n, t in want.items():
             got = ranks[0]["synced"][n].reshape(-1)

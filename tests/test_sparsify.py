@@ -4,6 +4,7 @@ import torch
 
 from ssfusion_hvd import ops
 from ssfusion_hvd.sparsify import SPARSIFIERS, ResidualMemory, make_sparsifier
+from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule
 
 
 def _inputs(kind, n, seed):
@@ -134,26 +135,136 @@ def test_error_feedback_is_exact(dtype, name):
 
 
 def test_momentum_correction_masks_velocity():
-    mem = ResidualMemory(momentum=0.9)
+    mem = ResidualMemory(MomentumRule(0.9, masking=True))
     g = torch.tensor([1.0, 2.0, 3.0, 4.0])
     acc = mem.compensate("w", g)  # u = g, acc = u
     assert torch.equal(acc, g)
     mem.update("w", acc, torch.tensor([3], dtype=torch.int32))
-    assert mem.velocities["w"].tolist() == [1.0, 2.0, 3.0, 0.0]
+    assert mem.rule.state["w"]["momentum_buffer"].tolist() == [1.0, 2.0, 3.0, 0.0]
     acc = mem.compensate("w", g)  # u = 0.9 u + g; acc = residual + u
     u = torch.tensor([1.9, 3.8, 5.7, 4.0])
-    assert torch.allclose(mem.velocities["w"], u)
+    assert torch.allclose(mem.rule.state["w"]["momentum_buffer"], u)
     assert torch.allclose(acc, torch.tensor([1.0, 2.0, 3.0, 0.0]) + u)
 
 
-def test_memory_state_roundtrip_and_mismatch():
-    mem = ResidualMemory(momentum=0.5)
-    acc = mem.compensate("a", torch.randn(10))
-    mem.update("a", acc, torch.tensor([1, 2]))
-    other = ResidualMemory()
-    other.load_state_dict(mem.state_dict())
-    assert other.momentum == 0.5 and torch.equal(other.residuals["a"], mem.residuals["a"])
+@pytest.mark.parametrize("nesterov,dampening", [(False, 0.0), (True, 0.0), (False, 0.1)])
+def test_momentum_rule_at_full_density_is_sgd_momentum(nesterov, dampening):
+    """Sending everything every step, the corrected update equals torch.optim.SGD's
+    momentum update step for step (masking only matters for what stays behind)."""
+    torch.manual_seed(0)
+    w_ref = torch.randn(50, requires_grad=True)
+    w = w_ref.detach().clone()
+    ref = torch.optim.SGD([w_ref], lr=0.1, momentum=0.9, dampening=dampening, nesterov=nesterov)
+    rule = MomentumRule(0.9, dampening=dampening, nesterov=nesterov)
+    rule.mask = lambda key, idx: None  # full density: factor masking is a no-op by design
+    mem = ResidualMemory(rule)
+    for step in range(6):
+        g = torch.randn(50)
+        w_ref.grad = g.clone()
+        ref.step()
+        acc = mem.compensate("w", g)
+        w -= 0.1 * acc  # everything is sent (update() then takes acc over as the residual)
+        mem.update("w", acc, torch.arange(50))
+        assert not mem.residuals["w"].any()
+        torch.testing.assert_close(w, w_ref.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_adam_rule_at_full_density_is_adam():
+    torch.manual_seed(0)
+    w_ref = torch.randn(40, requires_grad=True)
+    w = w_ref.detach().clone()
+    ref = torch.optim.Adam([w_ref], lr=0.01, betas=(0.8, 0.99), eps=1e-6)
+    rule = AdamRule((0.8, 0.99), 1e-6)
+    rule.mask = lambda key, idx: None
+    mem = ResidualMemory(rule)
+    for step in range(6):
+        g = torch.randn(40)
+        w_ref.grad = g.clone()
+        ref.step()
+        acc = mem.compensate("w", g)
+        w -= 0.01 * acc
+        mem.update("w", acc, torch.arange(40))
+        torch.testing.assert_close(w, w_ref.detach(), rtol=1e-5, atol=1e-6)
+    assert mem.rule.steps["w"] == 6
+
+
+def test_adam_rule_masks_first_moment_only():
+    mem = ResidualMemory(AdamRule(masking=True))
+    acc = mem.compensate("w", torch.tensor([1.0, -2.0, 3.0]))
+    mem.update("w", acc, torch.tensor([1]))
+    st = mem.rule.state["w"]
+    assert st["exp_avg"][1] == 0 and st["exp_avg"][0] != 0
+    assert bool((st["exp_avg_sq"] > 0).all())
+
+
+def test_fp32_accumulation_keeps_the_wire_rounding_in_the_residual():
+    """float16 gradients, float32 memory: the residual holds what float16 could not send
+    and what stayed behind; sent (as float16) + residual == residual + grad in float32."""
+    mem = ResidualMemory(dtype=torch.float32)
+    old = torch.zeros(3000)
+    for step in range(4):
+        g = (torch.randn(3000, generator=torch.Generator().manual_seed(step)) * 1e-4).half()
+        acc = mem.compensate("w", g)
+        assert acc.dtype == torch.float32
+        want = old + g.float()
+        assert torch.equal(acc, want)
+        v, i = make_sparsifier("topk").select(acc, 30)
+        sent = torch.zeros(3000)
+        sent[i.long()] = v.half().float()
+        mem.update("w", acc, i, torch.float16)
+        new = mem.residuals["w"]
+        torch.testing.assert_close(sent + new, want, rtol=0, atol=1e-12)
+        old = new.clone()
+    # a small gradient next to a large residual: lost in a float16 residual, kept in float32
+    for dtype, expect in ((torch.float32, 1.0 + 5 * float(torch.tensor(1e-4).half())),
+                          (None, 1.0)):
+        mem2 = ResidualMemory(dtype=dtype)
+        nothing = torch.tensor([], dtype=torch.int64)
+        mem2.update("x", mem2.compensate("x", torch.ones(4).half()), nothing)
+        for _ in range(5):
+            mem2.update("x", mem2.compensate("x", torch.full((4,), 1e-4).half()), nothing)
+        assert float(mem2.residuals["x"][0]) == pytest.approx(expect, rel=1e-6), dtype
+
+
+def test_auto_masking_follows_the_density_in_force():
+    """"auto": masking only while an element waits longer than the momentum's horizon."""
+    rule = MomentumRule(0.9)
+    mem = ResidualMemory(rule)
+    for density, masked in ((0.25, False), (0.11, False), (0.05, True), (0.01, True)):
+        rule.density = density
+        acc = mem.compensate("w", torch.ones(4))
+        mem.update("w", acc, torch.tensor([0]))
+        assert (rule.state["w"]["momentum_buffer"][0] == 0) == masked, density
+    assert not MomentumRule(0.9, masking=False).masks(0.9)
+    adam = ResidualMemory(AdamRule(masking="auto"))  # Adam: "auto" masks at every density
+    adam.rule.density = 0.25
+    adam.update("w", adam.compensate("w", torch.ones(4)), torch.tensor([0]))
+    assert adam.rule.state["w"]["exp_avg"][0] == 0
+
+
+def test_memory_named_state_roundtrip_and_mismatch():
+    mem = ResidualMemory(MomentumRule(0.5, masking=True))
+    mem.register("g0", ["a", "b"], [(4,), (2, 3)])
+    acc = mem.compensate("g0", torch.randn(10))
+    mem.update("g0", acc, torch.tensor([1, 2]))
+    state = mem.named_state()
+    assert set(state["residuals"]) == {"a", "b"} and state["residuals"]["b"].shape == (2, 3)
+    assert set(state["momentum_buffer"]) == {"a", "b"} and state["steps"] == {"a": 1, "b": 1}
+    other = ResidualMemory(MomentumRule(0.5))
+    other.register("x", ["a"], [(4,)])  # another grouping of the same tensors
+    other.register("y", ["b"], [(6,)])
+    other.load_named_state(state, torch.device("cpu"))
+    assert torch.equal(other.residuals["x"], mem.residuals["g0"][:4])
+    assert torch.equal(other.rule.state["y"]["momentum_buffer"],
+                       mem.rule.state["g0"]["momentum_buffer"][4:])
     with pytest.raises(ValueError, match="residual"):
-        other.compensate("a", torch.randn(11))
+        other.compensate("x", torch.randn(11))
+    partial = {"residuals": {"a": torch.zeros(4)}}
+    third = ResidualMemory()
+    third.register("g0", ["a", "b"], [(4,), (6,)])
+    with pytest.raises(ValueError, match="no residuals for"):
+        third.load_named_state(partial, torch.device("cpu"))
+    with pytest.raises(ValueError, match="accumulates"):
+        ResidualMemory().load_named_state(state, torch.device("cpu"))
     with pytest.raises(ValueError, match="momentum"):
-        ResidualMemory(momentum=1.0)
+        MomentumRule(1.0)

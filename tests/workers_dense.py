@@ -65,12 +65,29 @@ def bad_inputs():
         "duplicate": dict(named_parameters=[("w", p) for p in model.parameters()]),
         "missing": dict(named_parameters=list(model.named_parameters())[:-1]),
         "predivide": dict(op=hvd.Sum, gradient_predivide_factor=2.0),
+        # the sparse schemes' training recipe (ssfusion_hvd/recipe.py)
+        "warmup_negative": dict(scheme="ssfusion_oi", density_warmup_steps=-1),
+        "warmup_float": dict(scheme="ssfusion_oi", density_warmup_steps=2.5),
+        "correction_value": dict(scheme="per_tensor", momentum_correction="yes"),
+        "correction_no_momentum": dict(scheme="per_tensor", momentum_correction=True),
+        "correction_rmsprop": dict(scheme="zen", momentum_correction=True,
+                                   optimizer=torch.optim.RMSprop(model.parameters(), lr=0.1,
+                                                                 momentum=0.9)),
+        "correction_amsgrad": dict(scheme="exdyna", momentum_correction=True,
+                                   optimizer=torch.optim.Adam(model.parameters(), amsgrad=True)),
+        "correction_groups": dict(scheme="spardl", momentum_correction=True, optimizer=torch.optim.SGD(
+            [{"params": list(model.parameters())[:2], "momentum": 0.9},
+             {"params": list(model.parameters())[2:], "momentum": 0.5}],
+            lr=0.1)),
+        "fp32": dict(scheme="ssfusion", fp32_accumulation="yes"),
+        "masking": dict(scheme="per_tensor", momentum_masking="sometimes"),
     }
     messages = {}
     for name, kw in cases.items():
         kw.setdefault("named_parameters", model.named_parameters())
+        opt = kw.pop("optimizer", None) or torch.optim.SGD(model.parameters(), lr=0.1)
         try:
-            ssfusion_hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+            ssfusion_hvd.DistributedOptimizer(opt, **kw)
         except ValueError as exc:
             messages[name] = str(exc)
     # a collective after the errors: would mismatch or hang if any case had submitted one

@@ -22,20 +22,22 @@ def _state(opt):
     return opt.state_dict()["ssfusion"]["state"]
 
 
-def _optimizer(model, teams, op="average", predivide=1.0, density=0.05, lr=0.05, momentum=0.0):
+def _optimizer(model, teams, op="average", predivide=1.0, density=0.05, lr=0.05, momentum=0.0,
+               warmup=100):
     os.environ[TEAMS_ENV] = str(teams)
     try:
         return ssfusion_hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
             named_parameters=model.named_parameters(), scheme="spardl", density=density,
-            op=OPS[op], gradient_predivide_factor=predivide)
+            op=OPS[op], gradient_predivide_factor=predivide, density_warmup_steps=warmup)
     finally:
         del os.environ[TEAMS_ENV]
 
 
 def record(teams, steps=4, op="average", predivide=1.0, dtype="float32", density=0.05):
     model = _model(dtype)
-    opt = _optimizer(model, teams, op, predivide, density)
+    # a short density warm-up: the recorded steps cross its stages (new layouts)
+    opt = _optimizer(model, teams, op, predivide, density, warmup=2)
     names = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     params = dict(model.named_parameters())
     loss_fn = nn.CrossEntropyLoss()

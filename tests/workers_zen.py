@@ -21,11 +21,14 @@ DTYPES.setdefault("bfloat16", torch.bfloat16)
 
 
 def _opt(model, sparsifier="topk", density=0.05, op="average", predivide=1.0, momentum=0.0,
-         lr=0.05):
+         lr=0.05, warmup=None, **kw):
+    # warmup: the recipe's density warm-up (None: the product default)
+    if warmup is not None:
+        kw["density_warmup_steps"] = warmup
     return ssfusion_hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
         named_parameters=model.named_parameters(), scheme="zen", sparsifier=sparsifier,
-        density=density, op=OPS[op], gradient_predivide_factor=predivide)
+        density=density, op=OPS[op], gradient_predivide_factor=predivide, **kw)
 
 
 def _scheme_state(opt):
@@ -36,7 +39,8 @@ def _scheme_state(opt):
 def record(steps=4, op="average", predivide=1.0, dtype="float32", sparsifier="topk",
            density=0.05):
     model = _model(dtype)
-    opt = _opt(model, sparsifier, density, op, predivide)
+    # a short density warm-up: the recorded steps cover its stages and the target
+    opt = _opt(model, sparsifier, density, op, predivide, warmup=2)
     named = sorted(model.named_parameters())  # the scheme's canonical (name-sorted) order
     names, params = [n for n, _ in named], [p for _, p in named]
     loss_fn = nn.CrossEntropyLoss()
@@ -86,10 +90,10 @@ def checkpoint(save_at=3, total=6):
             "had_residuals": bool(saved["opt"]["ssfusion"]["state"]["residuals"])}
 
 
-def train(steps=60, density=0.05):
+def train(steps=60, density=0.05, **recipe):
     """Loss on this rank's fixed data before and after training with scheme='zen'."""
     model = _model("float32")
-    opt = _opt(model, density=density, lr=0.1, momentum=0.9)
+    opt = _opt(model, density=density, lr=0.1, momentum=0.9, **recipe)
     loss_fn = nn.CrossEntropyLoss()
     data = [_batch(b, 0, "float32") for b in range(4)]
 

@@ -52,17 +52,18 @@ class SelectionResult:
 
 
 class DensePart:
-    """Dense tensors carried by the allgather: values only, summed over ranks on decode."""
+    """Dense tensors carried by the allgather: values only, summed over ranks on decode
+    (in ``acc_dtype``, e.g. float32 for float16 gradients)."""
 
     kind = "dense"
 
     def __init__(self, tensors: Sequence[int], shapes: Sequence[torch.Size], offset: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, acc_dtype: torch.dtype | None = None):
         self.tensors = list(tensors)
         self.numels = [math.prod(s) for s in shapes]
         self.offset = offset
         self.length = sum(self.numels)
-        self.out = torch.empty(self.length, dtype=dtype, device=device)
+        self.out = torch.empty(self.length, dtype=acc_dtype or dtype, device=device)
         self.out_views = _views(self.out, shapes)
 
     def encode(self, grads: Sequence[torch.Tensor], send: torch.Tensor, prescale: float) -> None:
@@ -73,18 +74,22 @@ class DensePart:
 
     def decode(self, gathered: torch.Tensor, nranks: int, record_len: int) -> torch.Tensor:
         chunks = gathered.view(nranks, record_len)[:, self.offset:self.offset + self.length]
-        torch.sum(chunks, dim=0, out=self.out)
+        torch.sum(chunks, dim=0, dtype=self.out.dtype, out=self.out)
         return self.out
 
 
 class SparsePart:
-    """Sparsified tensors of one group: staged, error-compensated, selected, packed."""
+    """Sparsified tensors of one group: staged, error-compensated, selected, packed.
+
+    ``dtype`` is the wire (gradient) dtype; ``acc_dtype`` (default: the same) that of the
+    staged input, the selection and the decode sums (float32 for float16 gradients)."""
 
     kind = "sparse"
 
     def __init__(self, key: str, tensors: Sequence[int], shapes: Sequence[torch.Size],
                  ks: Sequence[int], mode: str, sparsifiers: Sequence[Sparsifier], offset: int,
-                 dtype: torch.dtype, device: torch.device, stage_device: torch.device | None = None):
+                 dtype: torch.dtype, device: torch.device, stage_device: torch.device | None = None,
+                 acc_dtype: torch.dtype | None = None):
         if mode not in ("segmented", "per_tensor", "buffer"):
             raise ValueError(f"unknown sparse part mode {mode!r}")
         self.key = key
@@ -105,14 +110,15 @@ class SparsePart:
             self.capacity = sum(s.capacity(k) for s, k in zip(self.sparsifiers, self.ks)) \
                 if mode == "per_tensor" else sum(self.ks)
         self.dtype = dtype
+        self.acc_dtype = acc_dtype or dtype
         self.idx_dtype = ops.index_dtype(self.numel + self.capacity)
         self.offset = offset
         self.length = ops.record_numel(self.capacity, dtype, self.idx_dtype)
         stage_device = device if stage_device is None else stage_device
         pin = stage_device.type == "cpu" and device.type == "cuda" and torch.cuda.is_available()
-        self.stage = torch.empty(self.numel, dtype=dtype, device=stage_device, pin_memory=pin)
+        self.stage = torch.empty(self.numel, dtype=self.acc_dtype, device=stage_device, pin_memory=pin)
         # decode target: the part's tensors plus the sink that padding entries point into
-        self.out = torch.empty(self.numel + self.capacity, dtype=dtype, device=device)
+        self.out = torch.empty(self.numel + self.capacity, dtype=self.acc_dtype, device=device)
         self.out_views = _views(self.out, shapes)
         self._offsets = torch.tensor(self.bounds, dtype=torch.int64)
         self._ks = torch.tensor(self.ks, dtype=torch.int64)
@@ -141,7 +147,7 @@ class SparsePart:
                 idxs.append(i.to(self.idx_dtype) + lo)
                 counts.append(v.numel())
             result = SelectionResult(torch.cat(vals), torch.cat(idxs), counts)
-        memory.update(self.key, acc, result.indices)
+        memory.update(self.key, acc, result.indices, self.dtype)
         return result
 
     def pack(self, result: SelectionResult, send: torch.Tensor, prescale: float) -> None:
@@ -156,7 +162,7 @@ class SparsePart:
             indices = torch.cat([indices, self._sink[count:]])
         if prescale != 1.0:
             values = values * prescale
-        values, indices = values.to(send.device), indices.to(send.device)
+        values, indices = values.to(send.device, send.dtype), indices.to(send.device)
         end = ops.pack(values, indices, send, self.offset)
         assert end == self.offset + self.length
 
@@ -209,7 +215,7 @@ def _views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> List[torch.Tenso
 
 
 def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload_device=None,
-                key_prefix: str = "g") -> GroupBuffers:
+                key_prefix: str = "g", acc_dtype: torch.dtype | None = None) -> GroupBuffers:
     """The buffers of ``plan.groups[index]``.
 
     ``shapes`` are the gradient shapes in plan order; ``new_sparsifier(key, i)`` returns the
@@ -221,7 +227,7 @@ def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload
     if g.buffer_k is not None:  # multi-tensor: one top-k over the whole fusion buffer
         key = f"{key_prefix}{index}"
         part = SparsePart(key, members, [shapes[i] for i in members], [g.buffer_k], "buffer",
-                          [new_sparsifier(key, None)], 0, dtype, device)
+                          [new_sparsifier(key, None)], 0, dtype, device, acc_dtype=acc_dtype)
         send = torch.empty(part.length, dtype=dtype, device=device)
         return GroupBuffers(index, members, [], None, [], [part], send)
     ar = [i for i in members if not plan.sparse[i] and plan.collective[i] == "allreduce"]
@@ -236,7 +242,8 @@ def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload
     parts: List[object] = []
     offset = 0
     if ag_dense:
-        parts.append(DensePart(ag_dense, [shapes[i] for i in ag_dense], offset, dtype, device))
+        parts.append(DensePart(ag_dense, [shapes[i] for i in ag_dense], offset, dtype, device,
+                               acc_dtype))
         offset += parts[-1].length
     offloaded = []
     for tensors, on in ([inline, None], *[([i], offload_device) for i in offl]):
@@ -246,7 +253,7 @@ def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload
         sps = [new_sparsifier(key, i) for i in tensors]
         mode = "segmented" if all(s.name == "topk" for s in sps) else "per_tensor"
         part = SparsePart(key, tensors, [shapes[i] for i in tensors], [plan.k[i] for i in tensors],
-                          mode, sps, offset, dtype, device, stage_device=on)
+                          mode, sps, offset, dtype, device, stage_device=on, acc_dtype=acc_dtype)
         parts.append(part)
         if on is not None:
             offloaded.append(part)

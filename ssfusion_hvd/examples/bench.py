@@ -34,6 +34,10 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=0, help="per worker; 0: the model's default")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (gpt2)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations")
+    p.add_argument("--density-warmup-steps", type=int, default=0,
+                   help="the recipe's density warm-up (default 0 here: the timed window is the "
+                        "steady state at --density; docs/recipe.md prices the warm-up)")
+    p.add_argument("--momentum-correction", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--warmup-steps", type=int, default=2,
                    help="the sparse schemes' dense profiling iterations (part of --warmup)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations")
@@ -73,7 +77,8 @@ def main(argv=None) -> dict:
     opt = ssfusion_hvd.DistributedOptimizer(
         opt, named_parameters=model.named_parameters(), scheme=args.scheme,
         sparsifier=args.sparsifier, density=args.density, warmup_steps=args.warmup_steps,
-        log_plan=False)
+        log_plan=False, density_warmup_steps=args.density_warmup_steps,
+        momentum_correction={"auto": "auto", "on": True, "off": False}[args.momentum_correction])
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
 
@@ -98,7 +103,7 @@ def main(argv=None) -> dict:
             per_iter[-1].update({k: s.get(k, 0) for k in (
                 "phase", "wait_s", "communicate_s", "sparsify_s", "offload_s", "allreduce_bytes",
                 "allgather_bytes", "alltoall_bytes", "tensors_missing", "elements_sent",
-                "elements", "nonfinite")})
+                "elements", "nonfinite", "density_target")})
     _barrier()
     tx = loopback_tx_bytes() - tx0
     everyone = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times")
@@ -110,7 +115,8 @@ def main(argv=None) -> dict:
         "density": args.density, "workers": size, "batch": batch, "tensors": n_tensors,
         "parameters": sum(p.numel() for p in model.parameters()),
         "iteration_s": it, "samples_per_s": size * batch / it, "iteration_s_all": slowest,
-        "phase": per_iter[-1]["phase"],
+        "phase": per_iter[-1]["phase"], "density_target": per_iter[-1]["density_target"],
+        "recipe": opt.recipe.describe() if hasattr(opt, "recipe") else "",
         # rank 0's medians: time step() blocked on communication, time from the first
         # collective to the last result, time selecting
         "wait_s": med("wait_s"), "communicate_s": med("communicate_s"),

@@ -4,9 +4,9 @@
     horovodrun -np 2 --gloo python -m ssfusion_hvd.examples.train --task lm --epochs 4
 
 Tasks: ``digits`` (the default: a small CNN on scikit-learn's handwritten digits, momentum
-SGD, test accuracy; ``bash scripts/demo.sh`` runs it) and ``lm`` (a small GPT-2 on the
-standard library's docstrings, byte level, Adam, validation perplexity; see
-``examples/text.py``). Rank 0 prints one line per epoch: mean training loss over all
+SGD, test accuracy; ``bash scripts/demo.sh`` runs it), ``lm`` (a small GPT-2 on the
+standard library's docstrings, byte level, Adam, validation perplexity) and ``code`` (the
+harder one: a deeper GPT-2 on the standard library's source; see ``examples/text.py``). Rank 0 prints one line per epoch: mean training loss over all
 ranks, the task's metric, and samples/s (all ranks' samples over the epoch's wall time),
 then what the scheme sent in its last iteration (``opt.stats()``). With ``--json`` every
 step's ``opt.stats()`` is read (which resolves device counters: a measuring run) so that
@@ -28,9 +28,9 @@ import torch.nn.functional as F
 import ssfusion_hvd
 from ssfusion_hvd.examples.data import DigitsNet, load_digits_split, shard
 
-TASKS = ("digits", "lm")
+TASKS = ("digits", "lm", "code")
 #: per task: (batch size per worker, learning rate, steps per epoch or 0 for one pass)
-DEFAULTS = {"digits": (32, 0.05, 0), "lm": (16, 2e-3, 100)}
+DEFAULTS = {"digits": (32, 0.05, 0), "lm": (16, 2e-3, 100), "code": (16, 1e-3, 100)}
 
 
 def parse_args(argv=None):
@@ -47,6 +47,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=0,
                    help="steps per epoch (0: digits one pass over the shard, lm 100)")
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum-correction", default="auto", choices=("auto", "on", "off"),
+                   help="the recipe's local rule: DGC momentum correction (SGD) / local Adam "
+                        "moments (Adam); off: plain error feedback (see docs/recipe.md)")
+    p.add_argument("--density-warmup-steps", type=int, default=None,
+                   help="the recipe's density warm-up in steps (default: the optimizer's, 50; 0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None,
                    help="a CostModel JSON for the sparse schemes' planner instead of start-up "
@@ -100,9 +105,13 @@ def digits_task(args, rank: int, size: int) -> Task:
 def lm_task(args, rank: int, size: int) -> Task:
     from ssfusion_hvd.examples import text
 
-    train, valid = text.load_text_split()
-    model = text.lm_model()
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr or DEFAULTS["lm"][1])
+    if args.task == "code":  # the harder task: stdlib source, a deeper model
+        train, valid = text.load_text_split(max_bytes=4_000_000, corpus="source")
+        model = text.lm_model(width=192, layers=4, heads=6)
+    else:
+        train, valid = text.load_text_split()
+        model = text.lm_model()
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr or DEFAULTS[args.task][1])
     gens = {}
 
     def loss(epoch: int, s: int) -> torch.Tensor:
@@ -110,9 +119,11 @@ def lm_task(args, rank: int, size: int) -> Task:
             gens.clear()
             gens[epoch] = torch.Generator().manual_seed((args.seed * 1000 + epoch) * 1000 + rank)
         return text.lm_loss(model, *train.batch(args.batch_size, gens[epoch]))
-    return Task(model, opt, args.steps or DEFAULTS["lm"][2], loss,
+    corpus = "stdlib source" if args.task == "code" else "stdlib docstrings"
+    return Task(model, opt, args.steps or DEFAULTS[args.task][2], loss,
                 lambda: text.perplexity(model, valid), "val_ppl",
-                f"lm: stdlib docstrings, {len(train.data)} train / {len(valid.data)} valid bytes")
+                f"{args.task}: {corpus}, {len(train.data)} train / {len(valid.data)} valid bytes, "
+                f"{sum(p.numel() for p in model.parameters())} parameters")
 
 
 def metric_text(metric: str, value: float) -> str:
@@ -128,9 +139,12 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     task = (digits_task if args.task == "digits" else lm_task)(args, rank, size)
     model, steps = task.model, task.steps
+    recipe = {"momentum_correction": {"auto": "auto", "on": True, "off": False}[args.momentum_correction]}
+    if args.density_warmup_steps is not None:
+        recipe["density_warmup_steps"] = args.density_warmup_steps
     opt = ssfusion_hvd.DistributedOptimizer(task.optimizer, named_parameters=model.named_parameters(),
                                             scheme=args.scheme, sparsifier=args.sparsifier,
-                                            density=args.density, profile=args.profile)
+                                            density=args.density, profile=args.profile, **recipe)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
@@ -140,6 +154,8 @@ def main(argv=None):
         print(f"ssfusion_hvd {ssfusion_hvd.__version__}: scheme={args.scheme} "
               f"sparsifier={args.sparsifier} density={args.density} workers={size} "
               f"{task.describe} steps/epoch={steps}", flush=True)
+        if args.scheme != "dense" and hasattr(opt, "recipe"):
+            print(opt.recipe.describe(), flush=True)
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
@@ -148,7 +164,7 @@ def main(argv=None):
     history = []
     for epoch in range(1, args.epochs + 1):
         loss_sum = torch.zeros(1)
-        missing = 0
+        missing = sent = elements = 0
         start = time.perf_counter()
         for s in range(steps):
             opt.zero_grad()
@@ -157,7 +173,10 @@ def main(argv=None):
             opt.step()
             loss_sum += loss.detach()
             if measure:
-                missing += int(opt.stats().get("tensors_missing", 0))
+                st = opt.stats()
+                missing += int(st.get("tensors_missing", 0))
+                sent += int(st.get("elements_sent", 0))
+                elements += int(st.get("elements", 0))
             if bar is not None:
                 bar.update(1)
         elapsed = time.perf_counter() - start
@@ -168,6 +187,8 @@ def main(argv=None):
                "samples_per_s": size * steps * args.batch_size / elapsed}
         if measure:
             row["missing_rate"] = missing / (steps * n_tensors)
+            # elements sent / elements over every step of the epoch (warm-up included)
+            row["density_sent"] = sent / max(elements, 1)
         history.append(row)
         if rank == 0:
             line = (f"epoch {epoch:3d}/{args.epochs}  loss {mean_loss:.4f}  {metric_text(task.metric, value)}"

@@ -41,10 +41,14 @@ class SyncConfig:
     profile: Any = None  # a CostModel or a path to its JSON: skips the probes
     warmup_steps: int = 5  # dense iterations measured before planning
     log_plan: bool = True  # rank 0 prints the plan table once
+    recipe: Any = None  # ssfusion_hvd.recipe.Recipe: local rule, density warm-up, fp32 accumulation
     index: Dict[torch.Tensor, int] = field(init=False)  # parameter -> position in order
 
     def __post_init__(self):
         self.index = {p: i for i, p in enumerate(self.order)}
+        if self.recipe is None:
+            from ..recipe import Recipe
+            self.recipe = Recipe("none", self.density, 0, True)
 
 
 class Scheme:
@@ -64,6 +68,16 @@ class Scheme:
     def pending(self) -> bool:
         """True while submitted work has not been finished."""
         raise NotImplementedError
+
+    def sparsifies(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s gradient is sparsified in the step being submitted (the recipe
+        folds weight decay into it before the local rule)."""
+        return False
+
+    def sparse_params(self) -> frozenset:
+        """Parameters sparsified in the last finished step: under momentum correction
+        their ``p.grad`` holds a synchronized update, which ``step()`` applies itself."""
+        return frozenset()
 
     def reset(self) -> None:
         """Forget submitted-but-unfinished work (used by ``load_state_dict``)."""
@@ -116,6 +130,43 @@ class WholeGradientScheme(Scheme):
                              "use scheme='dense'")
         self._submitted = 0
         self._t_first = None  # first submission of the step (for stats' communicate_s)
+        self._all = frozenset(self._trainable)
+        self._last_sparse = frozenset()
+        self._memory = config.recipe.make_memory(self._dtype)
+        self._names = [config.names[p] for p in self._trainable]
+        self._sizes = [p.numel() for p in self._trainable]
+        self._memory.register(self._KEY, self._names, [p.shape for p in self._trainable])
+        self._iteration = 0
+
+    _KEY = "flat"  # the memory key of the whole flat gradient
+
+    def sparsifies(self, p: torch.Tensor) -> bool:
+        return True
+
+    def sparse_params(self) -> frozenset:
+        return self._last_sparse
+
+    def _density(self) -> float:
+        """The density in force for the step being synchronized (density warm-up); the
+        local rule is told (its "auto" masking depends on it)."""
+        d = self.config.recipe.density_at(self._iteration)
+        self._memory.rule.density = d
+        return d
+
+    def _acc_dtype(self) -> torch.dtype:
+        return self._memory.acc_dtype(self._dtype)
+
+    def _finished(self) -> None:
+        """Book-keeping at the end of a synchronized step."""
+        self._last_sparse = self._all
+        self._iteration += 1
+
+    def _memory_state(self) -> dict:
+        return self._memory.named_state()
+
+    def _load_memory_state(self, state: dict) -> None:
+        """Restores residuals and the local rule's state (``named_state``'s keys)."""
+        self._memory.load_named_state(state, self._device)
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad.is_sparse:  # sparse gradients travel densely in these schemes

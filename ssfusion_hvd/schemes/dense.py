@@ -120,7 +120,8 @@ class DenseScheme(Scheme):
         self._stats = {
             "phase": "dense", "allreduce_bytes": self._bytes, "allgather_bytes": 0,
             "tensors_dense": self._tensors, "tensors_sparse": 0, "elements": self._elements,
-            "elements_sent": self._elements, "density": 1.0, "tensors_missing": 0,
+            "elements_sent": self._elements, "density": 1.0, "density_target": 1.0,
+            "tensors_missing": 0,
             "sparsify_s": 0.0, "offload_s": 0.0,
             "communicate_s": t_end - (self._t_first or t_wait), "wait_s": t_end - t_wait}
         self.reset()

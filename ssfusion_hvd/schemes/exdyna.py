@@ -90,14 +90,12 @@ import torch
 from horovod.torch.mpi_ops import Average, allgather_async, allreduce_async_, synchronize
 
 from .. import ops
-from ..sparsify import ResidualMemory
 from ..sparsify.threshold import Threshold
 from .base import SyncConfig, WholeGradientScheme
 
 __all__ = ["ExDynaScheme", "ExDynaState"]
 
 _instances = itertools.count()
-_KEY = "flat"  # the residual of the whole flat gradient
 
 
 def _nominal_k(numel: int, density: float) -> int:
@@ -134,6 +132,15 @@ class ExDynaState:
         self.threshold: Optional[float] = None
         self.iteration = 0
         self.partition_blocks()
+
+    def set_density(self, density: float) -> None:
+        """A new target density (density warm-up): k follows, and the next iteration
+        recalibrates the threshold by exact top-k (Algorithm 5 would take many iterations
+        to walk it to a 2-4x lower target)."""
+        if float(density) != self.density:
+            self.density = float(density)
+            self.k = _nominal_k(self.numel, self.density)
+            self.threshold = None
 
     # ------------------------------------------------------------------ Algorithm 2
     def partition_blocks(self) -> None:
@@ -219,7 +226,8 @@ class ExDynaState:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"numel": self.numel, "nranks": self.nranks, "block_size": self.block_size,
+        return {"numel": self.numel, "nranks": self.nranks, "density": self.density,
+                "block_size": self.block_size,
                 "num_blocks": self.num_blocks, "blocks": list(self.blocks),
                 "threshold": self.threshold, "iteration": self.iteration}
 
@@ -229,6 +237,9 @@ class ExDynaState:
                              f"has {self.numel}")
         self.threshold = state["threshold"]
         self.iteration = int(state["iteration"])
+        if "density" in state:  # the density the threshold was tuned to (density warm-up)
+            self.density = float(state["density"])
+            self.k = _nominal_k(self.numel, self.density)
         if int(state["nranks"]) == self.nranks:
             self.block_size, self.num_blocks = int(state["block_size"]), int(state["num_blocks"])
             self.blocks = [int(b) for b in state["blocks"]]
@@ -245,8 +256,6 @@ class ExDynaScheme(WholeGradientScheme):
     def __init__(self, config: SyncConfig, **knobs):
         super().__init__(config)
         self._tag = f"exd{next(_instances)}"  # created in the same order on every rank
-        self._names = [config.names[p] for p in self._trainable]
-        self._sizes = [p.numel() for p in self._trainable]
         self._offsets = [0] + list(itertools.accumulate(self._sizes))
         self._numel = self._offsets[-1]
         self._nranks = config.process_set.size()
@@ -257,10 +266,9 @@ class ExDynaScheme(WholeGradientScheme):
                 config.gradient_predivide_factor
         else:
             self._prescale = self._postscale = 1.0
-        self.state = ExDynaState(self._numel, self._nranks, config.density, **knobs)
-        self._memory = ResidualMemory()
+        self.state = ExDynaState(self._numel, self._nranks, self._density(), **knobs)
         self._flat = torch.empty(self._numel, dtype=self._dtype, device=self._device)
-        self._out = torch.empty_like(self._flat)
+        self._out = torch.empty(self._numel, dtype=self._acc_dtype(), device=self._device)
         self._out_views = [self._out[a:b].view(p.shape) for p, a, b
                            in zip(self._trainable, self._offsets, self._offsets[1:])]
         self._tensor_starts = torch.tensor(self._offsets[1:-1], dtype=torch.int64,
@@ -278,7 +286,8 @@ class ExDynaScheme(WholeGradientScheme):
         st = self.state
         if self._numel:
             torch.cat([self._grad(p).reshape(-1) for p in self._trainable], out=self._flat)
-        acc = self._memory.compensate(_KEY, self._flat)
+        acc = self._memory.compensate(self._KEY, self._flat)
+        st.set_density(self._density())  # density warm-up: the target of this step
         lo, hi = st.partition(self._rank)
         part = acc[lo:hi]
         self._calibrating = st.threshold is None
@@ -313,16 +322,16 @@ class ExDynaScheme(WholeGradientScheme):
                             right=True), minlength=self._nranks).tolist()
         kth = synchronize(self._kth).tolist() if self._calibrating else None
         gidx = gathered.long()
-        values = self._acc.index_select(0, gidx)
+        values = self._acc.index_select(0, gidx).to(self._dtype)  # the wire dtype
         compressed, ctx = cfg.compression.compress(values)
         handle = allreduce_async_(compressed, name=f"{self._tag}.val", op=cfg.op,
                                   prescale_factor=self._prescale, postscale_factor=self._postscale,
                                   process_set=cfg.process_set)
-        reduced = cfg.compression.decompress(synchronize(handle), ctx).to(self._dtype)
+        reduced = cfg.compression.decompress(synchronize(handle), ctx).to(self._out.dtype)
         self._out.zero_()
         ops.scatter_add(self._out, reduced, gathered)
         torch._foreach_copy_([p.grad for p in self._trainable], self._out_views)
-        self._memory.update(_KEY, self._acc, gathered)
+        self._memory.update(self._KEY, self._acc, gathered, self._dtype)
         t_end = time.perf_counter()
         own = self.selected.numel()
         total = gathered.numel()
@@ -335,7 +344,7 @@ class ExDynaScheme(WholeGradientScheme):
             "allgather_bytes": own * self.selected.element_size(),
             "tensors_dense": 0, "tensors_sparse": len(self._trainable),
             "elements": self._numel, "elements_sent": total,
-            "density": total / max(self._numel, 1),
+            "density": total / max(self._numel, 1), "density_target": st.density,
             "tensors_missing": (hit == 0).sum(),  # resolved lazily by stats()
             "nonfinite": torch.isfinite(reduced).logical_not_().sum(),
             "sparsify_s": self._sparsify_s, "offload_s": 0.0,
@@ -348,6 +357,7 @@ class ExDynaScheme(WholeGradientScheme):
             "imbalance": self._nranks * max(counts) / total if total else 1.0,
         }
         st.observe(counts, kth)
+        self._finished()
         self.reset()
 
     def stats(self) -> dict:
@@ -370,25 +380,11 @@ class ExDynaScheme(WholeGradientScheme):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Threshold, partitions, iteration and this rank's residual per parameter name
-        (residuals differ per rank: every rank saves its own)."""
-        r = self._memory.residuals.get(_KEY)
-        residuals = {} if r is None else {
-            n: r[a:b].view(p.shape).clone() for n, p, a, b
-            in zip(self._names, self._trainable, self._offsets, self._offsets[1:])}
-        return {"exdyna": self.state.state_dict(), "residuals": residuals}
+        """Threshold, partitions, iteration and this rank's residual and local rule state
+        per parameter name (they differ per rank: every rank saves its own)."""
+        return {"exdyna": self.state.state_dict(), **self._memory_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.state.load_state_dict(state["exdyna"])
-        residuals = state["residuals"]
-        self._memory = ResidualMemory()
-        if not residuals:
-            return
-        missing = [n for n in self._names if n not in residuals]
-        if missing:
-            raise ValueError(f"checkpoint lacks the residuals of {missing[:5]}")
-        flat = torch.cat([residuals[n].reshape(-1) for n in self._names])
-        if flat.numel() != self._numel:
-            raise ValueError(f"checkpoint residuals hold {flat.numel()} elements, the model "
-                             f"has {self._numel}")
-        self._memory.residuals[_KEY] = flat.to(self._device, self._dtype)
+        self._iteration = self.state.iteration
+        self._load_memory_state(state)

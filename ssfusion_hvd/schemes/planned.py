@@ -38,7 +38,7 @@ from horovod.torch.mpi_ops import Average, allgather_async, allreduce_async_, sy
 from .. import profile as _profile
 from ..comm.buffers import DensePart, GroupBuffers, SparsePart, _views, build_group
 from ..plan import CostModel, Plan, build_plan
-from ..sparsify import ResidualMemory, make_sparsifier
+from ..sparsify import make_sparsifier
 from .base import Scheme, SyncConfig, op_scales
 from .dense import DenseScheme
 
@@ -75,9 +75,13 @@ class PlannedScheme(Scheme):
                              "scheme='zen' (it sends bfloat16 values as raw bytes)")
         self._dense = DenseScheme(config)  # the warm-up phase
         self._timer = _profile.BackwardTimer(device=self._device)
-        self._memory = ResidualMemory()
+        self._memory = None  # residuals and the recipe's local state: created with the plan
         self._iteration = 0
-        self.plan: Optional[Plan] = None
+        self.plan: Optional[Plan] = None  # at the target density
+        self._active: Optional[Plan] = None  # the plan in force (density warm-up stage)
+        self._stage: Optional[int] = None
+        self._sparse_set = self._last_sparse = frozenset()
+        self._sparsifiers: Dict[str, object] = {}
         self.cost: Optional[CostModel] = None
         self._worker: Optional[ThreadPoolExecutor] = None
         self._side_stream = None
@@ -115,24 +119,50 @@ class PlannedScheme(Scheme):
         self._params = params
         self._pos = {p: i for i, p in enumerate(params)}
         self._group_of = plan.group_of()
-        self._sparsifiers: Dict[str, object] = {}
-        offload = any(plan.offload)
-        self._groups = [build_group(gi, plan, [p.shape for p in params], dtype, device,
-                                    self._new_sparsifier,
-                                    offload_device=torch.device("cpu") if offload else None)
-                        for gi in range(len(plan.groups))]
+        self._sparse_set = frozenset(p for p, sp in zip(params, plan.sparse) if sp)
+        self._sparsifiers = {}
+        self._memory = self.config.recipe.make_memory(dtype)
+        self._primed = False
+        self._wire = (dtype, device)
+        self._stage = None
+        self._enter_stage()
+        if self.config.log_plan and self._rank == 0:
+            print(plan.table(), file=sys.stderr, flush=True)
+
+    def _enter_stage(self) -> None:
+        """Buffers for the density in force at the coming step (density warm-up,
+        ``ssfusion_hvd/recipe.py``): allocated once per stage, same parts and keys in
+        every stage, so residuals and the local rule's state carry over."""
+        recipe = self.config.recipe
+        stage = recipe.stage(self._iteration)
+        if stage == self._stage:
+            return
+        self._stage = stage
+        self._active = active = self.plan.at_density(recipe.stage_density(stage))
+        self._memory.rule.density = active.density  # the local rule's "auto" masking reads it
+        dtype, device = self._wire
+        offload = any(active.offload)
+        shapes = [p.shape for p in self._params]
+        self._groups = [build_group(gi, active, shapes, dtype, device, self._new_sparsifier,
+                                    offload_device=torch.device("cpu") if offload else None,
+                                    acc_dtype=self._memory.acc_dtype(dtype))
+                        for gi in range(len(active.groups))]
+        for gb in self._groups:
+            for part in gb.parts:
+                if isinstance(part, SparsePart):
+                    self._memory.register(part.key, [active.names[i] for i in part.tensors],
+                                          [shapes[i] for i in part.tensors], part.stage.device)
         self._offload_part = {part.tensors[0]: part for gb in self._groups for part in gb.offloaded}
         if offload and self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ssf-offload")
         if offload and device.type == "cuda" and self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=device)
-        self._memory = ResidualMemory()
         self.reset()
-        if self.config.log_plan and self._rank == 0:
-            print(plan.table(), file=sys.stderr, flush=True)
 
     def _new_sparsifier(self, part_key: str, i: Optional[int]):
         key = part_key if i is None else self.plan.names[i]
+        if key in self._sparsifiers:  # one instance per tensor or buffer for the whole run
+            return self._sparsifiers[key]
         kwargs = {"seed": zlib.crc32(key.encode())} if self.config.sparsifier == "randomk" else {}
         s = make_sparsifier(self.config.sparsifier, **kwargs)
         self._sparsifiers[key] = s
@@ -159,6 +189,12 @@ class PlannedScheme(Scheme):
         self._adopt(Plan.from_json(text))
 
     # ------------------------------------------------------------------ submit
+    def sparsifies(self, p: torch.Tensor) -> bool:
+        return p in self._sparse_set
+
+    def sparse_params(self) -> frozenset:
+        return self._last_sparse
+
     def _grad(self, i: int) -> torch.Tensor:
         p = self._params[i]
         if p.grad.is_sparse:  # sparse schemes send sparse gradients densely
@@ -172,6 +208,14 @@ class PlannedScheme(Scheme):
             return
         if self._t_first is None:
             self._t_first = time.perf_counter()
+            if not self._primed:
+                # the local rules take over the wrapped optimizer's state here, on this
+                # thread, after its last dense step (not on the offload worker)
+                for gb in self._groups:
+                    for part in gb.parts:
+                        if isinstance(part, SparsePart):
+                            self._memory.prime(part.key, part.stage)
+                self._primed = True
         i = self._pos[p]
         if i in self._offload_part:
             self._start_offload(self._offload_part[i], self._grad(i))
@@ -253,8 +297,9 @@ class PlannedScheme(Scheme):
             self._dense.finish()
             self._timer.end_iteration()
             self._iteration += 1
+            self._last_sparse = frozenset()
             self._stats = self._dense.stats()
-            self._stats.update(phase="warmup", iteration=self._iteration)
+            self._stats.update(phase="warmup", iteration=self._iteration, density_target=1.0)
             if self._iteration >= self.config.warmup_steps:
                 self._make_plan()
             return
@@ -283,8 +328,10 @@ class PlannedScheme(Scheme):
                     nonfinite.append(out)
         t_end = time.perf_counter()
         self._iteration += 1
+        self._last_sparse = self._sparse_set
         self._record_stats(nonfinite, t_wait, t_end)
         self.reset()
+        self._enter_stage()
 
     def _record_stats(self, outputs, t_wait: float, t_end: float) -> None:
         plan = self.plan
@@ -303,6 +350,7 @@ class PlannedScheme(Scheme):
             "tensors_dense": sum(1 for s in plan.sparse if not s),
             "tensors_sparse": sum(1 for s in plan.sparse if s),
             "elements": elements, "elements_sent": sent, "density": sent / max(elements, 1),
+            "density_target": self._active.density,
             "tensors_missing": missing,  # resolved lazily by stats()
             # counted by stats(), not here: a full pass over every output is too costly per
             # step, and the outputs are this plan's buffers, unchanged until the next finish()
@@ -341,40 +389,28 @@ class PlannedScheme(Scheme):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """The plan, the iteration count, residuals per parameter name and sparsifier
-        state. Residuals differ per rank: every rank saves its own."""
-        residuals = {}
-        if self.plan is not None:
-            for gb in self._groups:
-                for part in gb.parts:
-                    r = self._memory.residuals.get(getattr(part, "key", None))
-                    if r is None:
-                        continue
-                    for i, lo, hi in zip(part.tensors, part.bounds, part.bounds[1:]):
-                        residuals[self.plan.names[i]] = r[lo:hi].clone()
-        return {
-            "iteration": self._iteration,
-            "plan": None if self.plan is None else self.plan.to_json(),
-            "residuals": residuals,
-            "sparsifiers": {k: s.state_dict() for k, s in getattr(self, "_sparsifiers", {}).items()
-                            if s.state_dict()},
-        }
+        """The plan, the iteration count, residuals and the recipe's local state per
+        parameter name, and sparsifier state. Residuals differ per rank: every rank saves
+        its own."""
+        state = {"iteration": self._iteration,
+                 "plan": None if self.plan is None else self.plan.to_json(),
+                 "sparsifiers": {k: s.state_dict() for k, s in self._sparsifiers.items()
+                                 if s.state_dict()}}
+        if self._memory is not None:
+            state.update(self._memory.named_state())
+        else:
+            state["residuals"] = {}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._iteration = int(state["iteration"])
         if state["plan"] is None:
-            self.plan = None
+            self.plan = self._active = None
+            self._memory = None
+            self._sparse_set = self._last_sparse = frozenset()
             self._timer = _profile.BackwardTimer(device=self._device)
             return
         self._adopt(Plan.from_json(state["plan"]))
-        residuals = state["residuals"]
-        for gb in self._groups:
-            for part in gb.parts:
-                if not isinstance(part, SparsePart):
-                    continue
-                names = [self.plan.names[i] for i in part.tensors]
-                if all(n in residuals for n in names):
-                    self._memory.residuals[part.key] = torch.cat(
-                        [residuals[n].reshape(-1) for n in names]).to(part.stage.device, part.dtype)
+        self._memory.load_named_state(state, self._device)
         for key, s in state["sparsifiers"].items():
             self._sparsifiers[key].load_state_dict(s)

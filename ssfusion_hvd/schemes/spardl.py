@@ -536,8 +536,6 @@ class SparDLScheme(WholeGradientScheme):
     def __init__(self, config: SyncConfig):
         super().__init__(config)
         self._tag = f"spardl{next(_instances)}"  # created in the same order on every rank
-        self._names = [config.names[p] for p in self._trainable]
-        self._sizes = [p.numel() for p in self._trainable]
         self._shapes = [p.shape for p in self._trainable]
         if config.sparsifier != "topk":
             warnings.warn(f"scheme 'spardl' selects by exact top-k (the paper's operator); "
@@ -549,28 +547,33 @@ class SparDLScheme(WholeGradientScheme):
                          process_set=config.process_set)
         if len(set(seen.tolist())) != 1:
             raise ValueError(f"{TEAMS_ENV} differs between ranks: {seen.tolist()}")
-        self.layout = Layout(sum(self._sizes), self._nranks, teams, config.density, self._dtype)
+        self._teams = teams
+        self.layout = None
+        self._set_layout()
         self._scale = output_scale(config.op == Average, self._nranks)
-        pos = self.layout.pos_of(self._rank)
-        self._bsag = BSAGState.initial(self.layout, pos) if self.layout.sag == "bsag" else None
         ends = torch.tensor(list(itertools.accumulate(self._sizes)), dtype=torch.int64)
         self._tensor_ends = ends
-        self._residual: Optional[torch.Tensor] = None
-        self._iteration = 0
         self._stats: dict = {}
         self.reset()
+
+    def _set_layout(self) -> None:
+        """The layout of the density in force (density warm-up changes it per stage).
+        Values travel in the accumulation dtype: relays add partial sums, which float16
+        would round at every hop."""
+        density = self._density()
+        if self.layout is not None and self.layout.density == density:
+            return
+        self.layout = Layout(sum(self._sizes), self._nranks, self._teams, density,
+                             self._acc_dtype())
+        pos = self.layout.pos_of(self._rank)
+        self._bsag = BSAGState.initial(self.layout, pos) if self.layout.sag == "bsag" else None
 
     # ------------------------------------------------------------------ submit
 
     def _launch(self) -> None:
-        grads = []
-        for p in self._trainable:
-            if p.grad.is_sparse:  # sparse schemes send sparse gradients densely
-                p.grad = p.grad.to_dense()
-            grads.append(p.grad.reshape(-1))
-        acc = torch.cat(grads)
-        if self._residual is not None:
-            acc.add_(self._residual)
+        self._set_layout()
+        flat = torch.cat([self._grad(p).reshape(-1) for p in self._trainable])
+        acc = self._memory.compensate(self._KEY, flat)
         self._gen = run_rank(self.layout, self._rank, acc, self._bsag)
         self._advance(None)
 
@@ -619,9 +622,9 @@ class SparDLScheme(WholeGradientScheme):
         views = torch.split(flat, self._sizes)
         torch._foreach_copy_([p.grad for p in self._trainable],
                              [v.view(s) for v, s in zip(views, self._shapes)])
-        self._residual = result.residual
+        self._memory.set_residual(self._KEY, result.residual, result.final)
         t_end = time.perf_counter()
-        self._iteration += 1
+        self._finished()
         self._record_stats(result, flat, t_wait, t_end)
         self.reset()
 
@@ -633,7 +636,7 @@ class SparDLScheme(WholeGradientScheme):
             "allreduce_bytes": 0, "allgather_bytes": sum(result.bytes.values()),
             "tensors_dense": 0, "tensors_sparse": len(self._trainable),
             "elements": n, "elements_sent": result.elements_sent,
-            "density": result.elements_sent / max(n, 1),
+            "density": result.elements_sent / max(n, 1), "density_target": lay.density,
             "tensors_missing": (result.final, self._tensor_ends),  # resolved lazily by stats()
             # only the delivered entries can be non-finite (the rest is 0): count those
             "nonfinite": torch.isfinite(flat.index_select(0, result.final.long())).logical_not_().sum(),
@@ -675,29 +678,18 @@ class SparDLScheme(WholeGradientScheme):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Residuals per parameter name (they differ per rank: every rank saves its own),
-        the iteration count, the team count and Algorithm 2's state (B-SAG)."""
-        residuals = {}
-        if self._residual is not None:
-            for name, v, s in zip(self._names, torch.split(self._residual, self._sizes),
-                                  self._shapes):
-                residuals[name] = v.view(s).clone()
+        """Residuals and local rule state per parameter name (they differ per rank: every
+        rank saves its own), the iteration count, the team count and Algorithm 2's state
+        (B-SAG)."""
         return {"iteration": self._iteration, "teams": self.layout.teams,
-                "residuals": residuals,
+                **self._memory_state(),
                 "bsag": None if self._bsag is None else self._bsag.as_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.reset()
         self._iteration = int(state["iteration"])
-        residuals = state["residuals"]
-        if residuals:
-            missing = [n for n in self._names if n not in residuals]
-            if missing:
-                raise ValueError(f"spardl checkpoint has no residual for {missing[:5]}")
-            self._residual = torch.cat([residuals[n].reshape(-1) for n in self._names]).to(
-                self._device, self._dtype)
-        else:
-            self._residual = None
+        self._load_memory_state(state)
+        self._set_layout()
         if self._bsag is not None:
             if state.get("bsag") is not None and int(state.get("teams", 0)) == self.layout.teams:
                 self._bsag = BSAGState(**state["bsag"])

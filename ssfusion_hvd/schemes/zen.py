@@ -63,7 +63,6 @@ Known limits:
 from __future__ import annotations
 
 import itertools
-import math
 import time
 import zlib
 from typing import Optional
@@ -72,13 +71,13 @@ import torch
 from horovod.torch.mpi_ops import allgather_async, alltoall_async, synchronize
 
 from .. import ops
-from ..sparsify import ResidualMemory, make_sparsifier
+from ..plan.cost import nominal_k
+from ..sparsify import make_sparsifier
 from .base import SyncConfig, WholeGradientScheme, op_scales
 
 __all__ = ["ZenScheme", "imbalance_ratio", "pack_bitmap", "unpack_bitmap"]
 
 _instances = itertools.count()
-_KEY = "zen"  # the residual of the flat gradient
 _BIT_WEIGHTS = {}
 
 
@@ -130,20 +129,15 @@ class ZenScheme(WholeGradientScheme):
     def __init__(self, config: SyncConfig):
         super().__init__(config)
         self._tag = f"zen{next(_instances)}"  # created in the same order on every rank
-        self._names = [config.names[p] for p in self._trainable]
-        self._sizes = [p.numel() for p in self._trainable]
         self._bounds = [0] + list(itertools.accumulate(self._sizes))
         self._n = self._bounds[-1]
-        self._k = max(1, math.ceil(config.density * self._n)) if self._n else 0
         self._nranks = config.process_set.size()
         self._rank = config.process_set.rank()
         self._prescale, self._postscale = op_scales(config)
         self._idx_dtype = ops.index_dtype(self._n)
         kwargs = {"seed": zlib.crc32(b"zen")} if config.sparsifier == "randomk" else {}
         self._sparsifier = make_sparsifier(config.sparsifier, **kwargs)
-        self._memory = ResidualMemory()
         self._sets = None  # built on first use: _build_sets()
-        self._iteration = 0
         self._stats: dict = {}
         self.reset()
 
@@ -172,7 +166,7 @@ class ZenScheme(WholeGradientScheme):
                                      dtype=torch.int64, device=dev),
         }
         del owner, members
-        self._agg = torch.zeros(n, dtype=self._dtype, device=dev)
+        self._agg = torch.zeros(n, dtype=self._acc_dtype(), device=dev)  # owner sums
         self._touched = torch.zeros(n, dtype=torch.bool, device=dev)
         self._out = torch.zeros(n, dtype=self._dtype, device=dev)
 
@@ -185,9 +179,11 @@ class ZenScheme(WholeGradientScheme):
             self._build_sets()
         t0 = time.perf_counter()
         flat = torch.cat([self._grad(p).reshape(-1) for p in self._trainable])
-        acc = self._memory.compensate(_KEY, flat)
-        values, indices = self._sparsifier.select(acc, self._k)
-        self._memory.update(_KEY, acc, indices)
+        acc = self._memory.compensate(self._KEY, flat)
+        k = int(nominal_k(self._n, self._density())) if self._n else 0
+        values, indices = self._sparsifier.select(acc, k)
+        values = values.to(self._dtype)  # the wire dtype; the rounding stays in the residual
+        self._memory.update(self._KEY, acc, indices, self._dtype)
         order, counts, overflow = ops.hash_partition(indices, self._nranks, self.seed,
                                                      table_size=self.table_size,
                                                      rounds=self.rounds)
@@ -219,11 +215,11 @@ class ZenScheme(WholeGradientScheme):
         rvals = received[:, :vb].contiguous().view(self._dtype).reshape(-1)
         ridx = received[:, vb:].contiguous().view(self._idx_dtype).reshape(-1)
         # incremental aggregation: rows arrive in source-rank order, the sum follows it
-        ops.scatter_add(self._agg, rvals, ridx)
+        ops.scatter_add(self._agg, rvals.to(self._agg.dtype), ridx)
         self._touched[ridx] = True
         bits = self._touched[S["own"]]
         touched = S["own"][bits]
-        own_values = self._agg[touched]
+        own_values = self._agg[touched].to(self._dtype)
         self._agg[ridx] = 0  # ready for the next step, at the touched positions only
         self._touched[ridx] = False
         bitmap = pack_bitmap(bits)
@@ -240,7 +236,7 @@ class ZenScheme(WholeGradientScheme):
         views = [v.view(p.shape) for v, p in zip(out.split(self._sizes), self._trainable)]
         torch._foreach_copy_([p.grad for p in self._trainable], views)
         t_end = time.perf_counter()
-        self._iteration += 1
+        self._finished()
         self._record_stats(pos, gathered, bitmap.numel() + own_values.numel() * vb,
                            received.shape[0], t_wait, t_end)
         self.reset()
@@ -257,6 +253,7 @@ class ZenScheme(WholeGradientScheme):
             "allreduce_bytes": 0, "allgather_bytes": pull_bytes,
             "tensors_dense": 0, "tensors_sparse": len(self._trainable),
             "elements": self._n, "elements_sent": m, "density": m / max(self._n, 1),
+            "density_target": self.config.recipe.density_at(self._iteration - 1),
             "tensors_missing": (per_tensor.diff() == 0).sum(),
             "nonfinite": torch.isfinite(pulled).logical_not_().sum(),  # the rest is 0
             "sparsify_s": self._sparsify_s, "offload_s": 0.0,
@@ -296,26 +293,13 @@ class ZenScheme(WholeGradientScheme):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Iteration count, this rank's residual per parameter name, sparsifier state.
-        Residuals differ per rank: every rank saves its own."""
-        residuals = {}
-        r = self._memory.residuals.get(_KEY)
-        if r is not None:
-            for name, p, lo, hi in zip(self._names, self._trainable, self._bounds,
-                                       self._bounds[1:]):
-                residuals[name] = r[lo:hi].view(p.shape).clone()
-        return {"iteration": self._iteration, "residuals": residuals,
+        """Iteration count, this rank's residual and local rule state per parameter name,
+        sparsifier state. Residuals differ per rank: every rank saves its own."""
+        return {"iteration": self._iteration, **self._memory_state(),
                 "sparsifier": self._sparsifier.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.reset()
         self._iteration = int(state["iteration"])
-        residuals = state["residuals"]
-        self._memory = ResidualMemory()
-        if residuals:
-            missing = [n for n in self._names if n not in residuals]
-            if missing:
-                raise ValueError(f"scheme 'zen': checkpoint has no residual for {missing[:5]}")
-            self._memory.residuals[_KEY] = torch.cat(
-                [residuals[n].reshape(-1) for n in self._names]).to(self._device, self._dtype)
+        self._load_memory_state(state)
         self._sparsifier.load_state_dict(state["sparsifier"])

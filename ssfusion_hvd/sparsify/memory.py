@@ -1,68 +1,325 @@
-"""Error feedback: what a rank does not send stays in its residual and is added to the next
-gradient (Seide et al. 2014; Stich et al. 2018; GRACE's Memory). Nothing is lost:
+"""Error feedback and the local rules it accumulates (the recipe's per-rank state).
 
-    acc      = grad + residual                     (one rounding, done here)
-    sent     = acc at the selected indices
-    residual = acc with the selected indices zeroed
-    => dense(sent) + residual == acc, bit for bit
+A rank that sends only part of a tensor keeps the rest in its *residual* and adds it to
+the next step's contribution (Seide et al. 2014; Stich et al. 2018; GRACE's Memory).
+What it accumulates is given by a :class:`LocalRule`:
 
-With ``momentum > 0`` it is DGC's momentum correction (Lin et al., ICLR'18, §3.2): the
-velocity u = m*u + grad is accumulated instead of the raw gradient (acc = residual + u),
-and both u and the residual are cleared where elements were sent (momentum factor
-masking). Use it with a wrapped optimizer that has no momentum of its own.
+* :class:`GradientRule`: the raw gradient (plain error feedback; the wrapped optimizer
+  then treats the synchronized sparse sum as a gradient);
+* :class:`MomentumRule`: DGC's momentum correction (Lin et al., ICLR'18, §3.2): the local
+  velocity ``u = m·u + (1 − dampening)·g`` (Nesterov: ``g + m·u``) is accumulated, so
+  the synchronized sum is already a momentum update and the wrapped optimizer must not
+  apply momentum again; *momentum factor masking* clears ``u`` where elements were sent
+  (``masking="auto"``: only while the density in force is below ``1 − m``);
+* :class:`AdamRule`: the same idea for Adam: each rank keeps Adam's moment estimates of
+  its own gradient and accumulates its bias-corrected update ``m̂ / (√v̂ + ε)``; the first
+  moment is masked where elements were sent (``"auto"``: always).
 
-Residuals are keyed by a name (a tensor or a fusion buffer) and operate on flat tensors:
-one fused op per buffer, never a Python loop over the tensors inside it. They are
-optimizer state: ``state_dict()`` / ``load_state_dict()``.
+``docs/recipe.md`` has the measurements behind each choice.
+
+Bookkeeping is exact (one rounding, here)::
+
+    acc      = residual + rule(grad)
+    sent     = acc at the selected indices, rounded to the wire dtype
+    residual = acc − sent                     (zero where sent, when the wire is exact)
+
+so nothing a rank computed is lost. With ``dtype=torch.float32`` and float16 gradients,
+accumulation, selection input and residuals are float32 and only the sent values are
+rounded to float16; the rounding error stays in the residual.
+
+State is keyed by a name (a tensor, a fusion buffer, the whole flat gradient) and lives
+on flat tensors: one fused op per buffer, never a Python loop over the tensors inside it.
+:meth:`ResidualMemory.register` records which parameters a key covers, so that
+:meth:`~ResidualMemory.named_state` / :meth:`~ResidualMemory.load_named_state` save and
+restore every buffer per parameter name, independent of how a plan groups tensors.
 """
 from __future__ import annotations
 
-from typing import Dict
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+__all__ = ["LocalRule", "GradientRule", "MomentumRule", "AdamRule", "ResidualMemory", "RULES"]
+
+
+class LocalRule:
+    """What one rank error-compensates each step, with its per-key state buffers.
+
+    ``apply(key, g)`` returns the flat local update for flat gradient ``g`` (float, the
+    accumulation dtype); it may return ``g`` itself. ``mask(key, idx)`` is told which
+    elements were sent. ``buffers`` names the per-key state tensors (flat, like ``g``);
+    ``steps`` counts applications per key (Adam's bias correction).
+    """
+
+    name = "gradient"
+    buffers: Tuple[str, ...] = ()
+
+    def __init__(self):
+        self.state: Dict[str, Dict[str, torch.Tensor]] = {}
+        self.steps: Dict[str, int] = {}
+        #: ``seed(key, buffers)``: the state a key starts from, or None (set by ResidualMemory)
+        self.seed: Optional[Callable] = None
+        #: the density in force (set by the scheme every step; "auto" masking reads it)
+        self.density = 1.0
+        self.masking = False
+
+    def masks(self, momentum: float) -> bool:
+        """Whether sent elements clear the rule's momentum this step. ``"auto"``: when
+        the density in force is below ``1 − momentum``, i.e. an element waits longer for
+        its next send than the momentum's horizon ``1 / (1 − momentum)``; then its
+        accumulated velocity is stale (DGC's case for masking). At higher densities (the
+        warm-up's first stages) elements are sent every few steps and masking would
+        discard most of the momentum (``docs/recipe.md``)."""
+        if self.masking == "auto":
+            return self.density < 1.0 - momentum
+        return bool(self.masking)
+
+    def apply(self, key: str, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+    def mask(self, key: str, idx: torch.Tensor) -> None:
+        pass
+
+    def hparams(self) -> dict:
+        return {}
+
+    def _buffers(self, key: str, g: torch.Tensor) -> Dict[str, torch.Tensor]:
+        st = self.state.get(key)
+        if st is None:
+            seeded = self.seed(key, self.buffers) if self.seed is not None else None
+            st = {}
+            if seeded is not None:
+                bufs, step = seeded
+                st = {b: t.to(g.device, g.dtype).reshape(-1).clone() for b, t in bufs.items()}
+                self.steps[key] = int(step)
+            self.state[key] = st
+        return st
+
+
+class GradientRule(LocalRule):
+    """Plain error feedback: the local gradient itself."""
+
+
+class MomentumRule(LocalRule):
+    """DGC momentum correction with momentum factor masking (see the module docstring).
+
+    Matches ``torch.optim.SGD``'s buffer: the first step's velocity is the gradient
+    itself (no dampening), then ``u = m·u + (1 − dampening)·g``; Nesterov accumulates
+    ``g + m·u``. Weight decay is folded into ``g`` by the caller (coupled, as SGD does).
+    """
+
+    name = "momentum"
+    buffers = ("momentum_buffer",)
+
+    def __init__(self, momentum: float, dampening: float = 0.0, nesterov: bool = False,
+                 masking="auto"):
+        super().__init__()
+        if not 0.0 < momentum < 1.0:
+            raise ValueError(f"momentum correction needs momentum in (0, 1), got {momentum!r}")
+        self.momentum, self.dampening, self.nesterov = float(momentum), float(dampening), bool(nesterov)
+        self.masking = masking if masking == "auto" else bool(masking)
+
+    def apply(self, key, g):
+        st = self._buffers(key, g)
+        u = st.get("momentum_buffer")
+        if u is None:
+            u = st["momentum_buffer"] = g.clone()
+        else:
+            u.mul_(self.momentum).add_(g, alpha=1.0 - self.dampening)
+        self.steps[key] = self.steps.get(key, 0) + 1
+        return g.add(u, alpha=self.momentum) if self.nesterov else u
+
+    def mask(self, key, idx):
+        u = self.state.get(key, {}).get("momentum_buffer")
+        if u is not None and self.masks(self.momentum):
+            u.index_fill_(0, idx, 0)
+
+    def hparams(self):
+        return {"momentum": self.momentum, "dampening": self.dampening, "nesterov": self.nesterov,
+                "masking": self.masking}
+
+
+class AdamRule(LocalRule):
+    """Adam's moments of the rank's own gradient; accumulates the bias-corrected update
+    ``m̂ / (√v̂ + ε)``; masks the first moment where elements were sent. Coupled (L2)
+    weight decay is folded into ``g`` by the caller, as ``torch.optim.Adam`` does."""
+
+    name = "adam"
+    buffers = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 masking="auto"):
+        super().__init__()
+        self.masking = masking if masking == "auto" else bool(masking)
+        b1, b2 = (float(b) for b in betas)
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0 and eps >= 0.0):
+            raise ValueError(f"Adam correction needs betas in [0, 1) and eps >= 0, got {betas}, {eps}")
+        self.beta1, self.beta2, self.eps = b1, b2, float(eps)
+
+    def apply(self, key, g):
+        st = self._buffers(key, g)
+        if "exp_avg" not in st:
+            st["exp_avg"] = torch.zeros_like(g)
+            st["exp_avg_sq"] = torch.zeros_like(g)
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        t = self.steps.get(key, 0) + 1
+        self.steps[key] = t
+        m.mul_(self.beta1).add_(g, alpha=1.0 - self.beta1)
+        v.mul_(self.beta2).addcmul_(g, g, value=1.0 - self.beta2)
+        bc1 = 1.0 - self.beta1 ** t
+        bc2 = 1.0 - self.beta2 ** t
+        denom = v.sqrt().div_(math.sqrt(bc2)).add_(self.eps)
+        return torch.div(m, denom).div_(bc1)
+
+    def mask(self, key, idx):
+        m = self.state.get(key, {}).get("exp_avg")
+        # "auto" masks always here: on the LM task masking Adam's first moment through the
+        # warm-up's dense stages measured far better than the density rule (docs/recipe.md)
+        if m is not None and (self.masking == "auto" or self.masks(self.beta1)):
+            m.index_fill_(0, idx, 0)
+
+    def hparams(self):
+        return {"betas": (self.beta1, self.beta2), "eps": self.eps, "masking": self.masking}
+
+
+RULES = {cls.name: cls for cls in (GradientRule, MomentumRule, AdamRule)}
+
 
 class ResidualMemory:
-    def __init__(self, momentum: float = 0.0):
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        self.momentum = float(momentum)
+    """Residuals plus the local rule's state, keyed by name (see the module docstring).
+
+    ``dtype``: the accumulation dtype (None: the gradient's). ``rule``: a
+    :class:`LocalRule` (default: plain error feedback).
+    """
+
+    def __init__(self, rule: Optional[LocalRule] = None, dtype: Optional[torch.dtype] = None):
+        self.rule = rule if rule is not None else GradientRule()
+        self.rule.seed = self._seed_key
+        self.dtype = dtype
         self.residuals: Dict[str, torch.Tensor] = {}
-        self.velocities: Dict[str, torch.Tensor] = {}
+        self._layout: Dict[str, List[Tuple[str, int, int, torch.Size]]] = {}
+        self._device: Dict[str, Optional[torch.device]] = {}
+        #: ``seed_from(names, buffers) -> ({buffer: flat tensor}, step) or None``: where a
+        #: registered key's rule state starts (the recipe hands over the wrapped
+        #: optimizer's state of tensors that were synchronized densely until now)
+        self.seed_from: Optional[Callable] = None
 
+    def _seed_key(self, key: str, buffers: Tuple[str, ...]):
+        layout = self._layout.get(key)
+        if self.seed_from is None or layout is None or not buffers:
+            return None
+        return self.seed_from([n for n, *_ in layout], buffers)
+
+    # ------------------------------------------------------------------ layout
+    def register(self, key: str, names: Sequence[str], shapes: Sequence[torch.Size],
+                 device: Optional[torch.device] = None) -> None:
+        """Key ``key`` holds the tensors ``names`` (of ``shapes``) back to back, on
+        ``device`` (where :meth:`load_named_state` puts its state; default: its argument)."""
+        layout, lo = [], 0
+        for n, s in zip(names, shapes):
+            size = math.prod(s)
+            layout.append((n, lo, lo + size, torch.Size(s)))
+            lo += size
+        self._layout[key] = layout
+        self._device[key] = device
+
+    def prime(self, key: str, like: torch.Tensor) -> None:
+        """Seeds the rule's state of ``key`` now (where it would otherwise be seeded at its
+        first :meth:`compensate`, possibly on another thread)."""
+        if self.rule.buffers and key not in self.rule.state:
+            self.rule._buffers(key, like)
+
+    def acc_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        return self.dtype if self.dtype is not None else grad_dtype
+
+    # ------------------------------------------------------------------ step
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
-        """The error-compensated tensor to select from (a new flat tensor)."""
+        """``residual + rule(grad)``: the tensor to select from (a new flat tensor, in the
+        accumulation dtype; the residual's storage is reused)."""
         flat = grad.reshape(-1)
-        for name, store in (("residual", self.residuals), ("velocity", self.velocities)):
-            have = store.get(key)
-            if have is not None and (have.shape != flat.shape or have.dtype != flat.dtype):
-                raise ValueError(f"{name} {key!r} is {tuple(have.shape)} {have.dtype}, gradient "
-                                 f"is {tuple(flat.shape)} {flat.dtype}")
-        if self.momentum:
-            u = self.velocities.get(key)
-            u = flat.clone() if u is None else u.mul_(self.momentum).add_(flat)
-            self.velocities[key] = u
-            flat = u
+        want = self.acc_dtype(flat.dtype)
+        if flat.dtype != want:
+            flat = flat.to(want)
         r = self.residuals.get(key)
-        if r is None:
-            return flat.clone()
-        return r.add_(flat)  # reuse the residual's storage: it is replaced in update()
+        if r is not None and (r.shape != flat.shape or r.dtype != flat.dtype):
+            raise ValueError(f"residual {key!r} is {tuple(r.shape)} {r.dtype}, gradient "
+                             f"is {tuple(flat.shape)} {flat.dtype}")
+        x = self.rule.apply(key, flat)
+        if r is None:  # a new tensor: update() takes it over as the residual
+            return x.clone()
+        return r.add_(x)  # reuse the residual's storage: it is replaced in update()
 
-    def update(self, key: str, acc: torch.Tensor, indices: torch.Tensor) -> None:
-        """After sending ``acc[indices]``: the residual is ``acc`` with those entries zeroed
-        (``acc`` is taken over, not copied)."""
+    def update(self, key: str, acc: torch.Tensor, indices: torch.Tensor,
+               wire_dtype: Optional[torch.dtype] = None) -> None:
+        """After sending ``acc[indices]`` rounded to ``wire_dtype``: the residual is ``acc``
+        minus what was sent (``acc`` is taken over, not copied)."""
         idx = indices.long()
-        acc.index_fill_(0, idx, 0)
+        if wire_dtype is not None and wire_dtype != acc.dtype:
+            sel = acc.index_select(0, idx)
+            acc.index_copy_(0, idx, sel - sel.to(wire_dtype).to(acc.dtype))
+        else:
+            acc.index_fill_(0, idx, 0)
         self.residuals[key] = acc
-        if self.momentum:
-            self.velocities[key].index_fill_(0, idx, 0)
+        self.rule.mask(key, idx)
 
-    def state_dict(self) -> dict:
-        return {"momentum": self.momentum,
-                "residuals": {k: v.clone() for k, v in self.residuals.items()},
-                "velocities": {k: v.clone() for k, v in self.velocities.items()}}
+    def set_residual(self, key: str, residual: torch.Tensor, sent: torch.Tensor) -> None:
+        """For schemes that compute the residual themselves (SparDL's global residual
+        collection): store it and mask the rule's state at ``sent``."""
+        self.residuals[key] = residual
+        self.rule.mask(key, sent.long())
 
-    def load_state_dict(self, state: dict) -> None:
-        self.momentum = float(state["momentum"])
-        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
-        self.velocities = {k: v.clone() for k, v in state["velocities"].items()}
+    # ------------------------------------------------------------------ state
+    def named_state(self) -> dict:
+        """Residuals and rule buffers split per parameter name (clones), plus the rule's
+        step count per name; only keys given to :meth:`register` are saved."""
+        out = {"rule": self.rule.name, "residuals": {}, "steps": {}}
+        for b in self.rule.buffers:
+            out[b] = {}
+        for key, layout in self._layout.items():
+            stores = [("residuals", self.residuals.get(key))]
+            stores += [(b, self.rule.state.get(key, {}).get(b)) for b in self.rule.buffers]
+            for store, flat in stores:
+                if flat is None:
+                    continue
+                for name, lo, hi, shape in layout:
+                    out[store][name] = flat[lo:hi].view(shape).clone()
+            if key in self.rule.steps:
+                for name, *_ in layout:
+                    out["steps"][name] = self.rule.steps[key]
+        return out
+
+    def load_named_state(self, state: dict, device: torch.device) -> None:
+        """Inverse of :meth:`named_state` for the registered keys. A key none of whose
+        tensors is in ``state`` starts empty (zero residual, fresh rule state); one with
+        only some of them is an error (state would be lost)."""
+        if state.get("rule", self.rule.name) != self.rule.name:
+            raise ValueError(f"checkpoint accumulates {state.get('rule')!r} locally, this "
+                             f"optimizer {self.rule.name!r} (see momentum_correction)")
+        self.residuals = {}
+        self.rule.state, self.rule.steps = {}, {}
+        for key, layout in self._layout.items():
+            names = [n for n, *_ in layout]
+            dev = self._device.get(key) or device
+
+            def joined(store):
+                have = state.get(store) or {}
+                present = [n for n in names if n in have]
+                if not present:
+                    return None
+                if len(present) != len(names):
+                    missing = [n for n in names if n not in have]
+                    raise ValueError(f"checkpoint has no {store} for {missing[:5]} (but has "
+                                     f"them for {present[:3]}): it does not match this model")
+                return torch.cat([have[n].reshape(-1) for n in names])
+
+            r = joined("residuals")
+            if r is not None:
+                self.residuals[key] = r.to(dev, self.acc_dtype(r.dtype))
+            bufs = {b: joined(b) for b in self.rule.buffers}
+            if self.rule.buffers and all(v is not None for v in bufs.values()):
+                self.rule.state[key] = {b: v.to(dev, self.acc_dtype(v.dtype))
+                                        for b, v in bufs.items()}
+                steps = state.get("steps", {})
+                if names[0] in steps:
+                    self.rule.steps[key] = int(steps[names[0]])

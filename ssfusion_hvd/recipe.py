@@ -1,0 +1,261 @@
+"""The training recipe every sparse scheme shares (``docs/recipe.md``).
+
+Sparsifying 99 % of every gradient away is only free when the optimizer is told. Three
+parts, each a keyword of :func:`ssfusion_hvd.DistributedOptimizer`, on by default, the
+same for every sparse scheme:
+
+* **Momentum correction** (``momentum_correction="auto"``). For ``torch.optim.SGD`` with
+  momentum: DGC's correction (Lin et al., ICLR'18): each rank accumulates its local
+  velocity and error-compensates *that*, with momentum factor masking
+  (:class:`~ssfusion_hvd.sparsify.memory.MomentumRule`). For ``torch.optim.Adam`` /
+  ``AdamW``: each rank keeps Adam's moments of its own gradient and error-compensates the
+  bias-corrected Adam update, masking the first moment where it sent
+  (:class:`~ssfusion_hvd.sparsify.memory.AdamRule`). Momentum factor masking
+  (``momentum_masking="auto"``): SGD masks only while the density in force is below
+  ``1 − momentum`` (in the warm-up's dense stages an element is sent every few steps and
+  masking would throw its momentum away), Adam masks always. Either way the synchronized sum of a
+  sparsified tensor is already the update direction, so ``step()`` applies it as
+  ``w -= lr · update`` (AdamW's decoupled decay first) and the wrapped optimizer steps
+  only the tensors that travelled densely, with its own state, exactly as it would
+  without us. Coupled weight decay is folded into the local gradient before the rule,
+  where the wrapped optimizer would have put it. Optimizers without momentum (plain SGD)
+  need nothing: error feedback on gradients is already exact for them. Any other
+  optimizer gets plain error feedback under ``"auto"`` and a ``ValueError`` under
+  ``True``.
+* **Density warm-up** (``density_warmup_steps=50``): DGC's exponential schedule counted
+  in synchronized steps. Step ``t < W`` sends density
+  ``max(d, 0.25 · (d / 0.25) ** (s / 4))`` for stage ``s = ⌊4 t / W⌋``; four stages
+  (0.25, 0.11, 0.05, 0.022 at d = 0.01), then the target. Piecewise constant so a
+  planned scheme allocates its buffers once per stage. The planned schemes' dense
+  profiling steps count as steps. ``0`` switches it off.
+* **float32 accumulation** (``fp32_accumulation=True``): with float16 gradients,
+  residuals, the rule's state, the selection input and the decode sums are float32; only
+  the sent values are rounded to float16, and the rounding error stays in the residual.
+
+Every decision here is a function of the step count and of hyper-parameters that are
+identical on every rank, so all ranks agree without communicating.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from contextlib import contextmanager
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from .sparsify.memory import AdamRule, GradientRule, LocalRule, MomentumRule, ResidualMemory
+
+__all__ = ["Recipe", "resolve_recipe", "DEFAULT_WARMUP_STEPS", "DEFAULT_MASKING", "WARMUP_START", "WARMUP_STAGES"]
+
+#: default ``density_warmup_steps``
+DEFAULT_WARMUP_STEPS = 50
+#: default ``momentum_masking``: "auto" masks only while the density in force is below
+#: ``1 - momentum`` (sparse enough for a sent velocity to be stale; docs/recipe.md)
+DEFAULT_MASKING = "auto"
+#: density of the first warm-up stage (DGC: 75 % sparsity) and the number of stages
+WARMUP_START = 0.25
+WARMUP_STAGES = 4
+
+_KINDS = ("none", "momentum", "adam")
+
+
+class Recipe:
+    """The resolved recipe of one optimizer (see the module docstring).
+
+    ``kind``: ``"none"`` (plain error feedback on gradients), ``"momentum"`` or ``"adam"``.
+    """
+
+    def __init__(self, kind: str, density: float, warmup_steps: int, fp32: bool,
+                 hparams: Optional[dict] = None):
+        if kind not in _KINDS:
+            raise ValueError(f"unknown recipe kind {kind!r}")
+        self.kind = kind
+        self.density = float(density)
+        self.warmup_steps = int(warmup_steps)
+        self.fp32 = bool(fp32)
+        self.hparams = dict(hparams or {})
+        self._optimizer = None
+        self._names: Dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ schedule
+    def stage(self, step: int) -> int:
+        """Warm-up stage in force at (0-based) step ``step``; ``WARMUP_STAGES`` after it."""
+        if self.warmup_steps <= 0 or step >= self.warmup_steps or self.density >= WARMUP_START:
+            return WARMUP_STAGES
+        return max(0, step) * WARMUP_STAGES // self.warmup_steps
+
+    def stage_density(self, stage: int) -> float:
+        if stage >= WARMUP_STAGES:
+            return self.density
+        d = WARMUP_START * (self.density / WARMUP_START) ** (stage / WARMUP_STAGES)
+        return max(self.density, min(1.0, d))
+
+    def density_at(self, step: int) -> float:
+        """The density in force at (0-based) step ``step``."""
+        return self.stage_density(self.stage(step))
+
+    # ------------------------------------------------------------------ local state
+    def accumulation_dtype(self, grad_dtype: torch.dtype) -> Optional[torch.dtype]:
+        return torch.float32 if self.fp32 and grad_dtype in (torch.float16, torch.bfloat16) else None
+
+    def make_rule(self) -> LocalRule:
+        if self.kind == "momentum":
+            return MomentumRule(**self.hparams)
+        if self.kind == "adam":
+            return AdamRule(**self.hparams)
+        return GradientRule()
+
+    def make_memory(self, grad_dtype: torch.dtype) -> ResidualMemory:
+        """A :class:`ResidualMemory` with this recipe's rule and dtype; a key's rule state
+        starts from the wrapped optimizer's state of its tensors (handed over, see
+        :meth:`take_state`)."""
+        mem = ResidualMemory(self.make_rule(), self.accumulation_dtype(grad_dtype))
+        mem.seed_from = self.take_state
+        return mem
+
+    def bind(self, optimizer, names: Dict[torch.Tensor, str]) -> None:
+        """The wrapped optimizer whose state seeds the local rules (and the parameter names)."""
+        self._optimizer = optimizer
+        self._names = {n: p for p, n in names.items()}
+
+    def take_state(self, names: Sequence[str], buffers: Sequence[str]):
+        """The optimizer's ``buffers`` of parameters ``names``, flattened and joined, plus
+        its step count; removed from the optimizer (the rule owns them from now on, and a
+        stale copy must not be used by a later dense step). None if the optimizer holds
+        none of them: the rule starts fresh."""
+        opt = self._optimizer
+        if opt is None:
+            return None
+        params = [self._names[n] for n in names]
+        states = [opt.state.get(p, {}) for p in params]
+        if not any(all(b in s and s[b] is not None for b in buffers) for s in states):
+            return None
+        out = {b: torch.cat([(s[b] if s.get(b) is not None else torch.zeros_like(p)).reshape(-1)
+                             for p, s in zip(params, states)]) for b in buffers}
+        steps = [float(s["step"]) for s in states if "step" in s]
+        for p, s in zip(params, states):
+            for b in buffers:
+                s.pop(b, None)
+            s.pop("step", None)
+            if not s:
+                opt.state.pop(p, None)
+        return out, int(max(steps)) if steps else 0
+
+    # ------------------------------------------------------------------ step
+    def corrects(self) -> bool:
+        """True when sparsified tensors carry an update, not a gradient."""
+        return self.kind != "none"
+
+    def coupled_decay(self, group: dict) -> float:
+        """Weight decay to fold into a sparsified tensor's local gradient (SGD, Adam);
+        0 for AdamW's decoupled decay and for plain error feedback."""
+        if not self.corrects() or group.get("decoupled_weight_decay", False):
+            return 0.0
+        return float(group.get("weight_decay", 0.0))
+
+    @contextmanager
+    def step_dense_only(self, optimizer, sparse: Iterable[torch.Tensor]):
+        """Applies ``w -= lr · update`` to the sparsified tensors (AdamW: decoupled decay
+        first), then runs the body with the wrapped optimizer seeing only the other
+        tensors: its ``step()`` steps them with its own state and hyper-parameters."""
+        sparse = set(sparse) if not isinstance(sparse, (set, frozenset)) else sparse
+        if not self.corrects() or not sparse:
+            yield
+            return
+        groups = optimizer.param_groups
+        reduced = []
+        with torch.no_grad():
+            for g in groups:
+                mine = [p for p in g["params"] if p in sparse and p.grad is not None]
+                rest = [p for p in g["params"] if p not in sparse]
+                if mine:
+                    lr = float(g["lr"])
+                    if g.get("decoupled_weight_decay", False) and g.get("weight_decay", 0.0):
+                        torch._foreach_mul_(mine, 1.0 - lr * float(g["weight_decay"]))
+                    torch._foreach_add_(mine, [p.grad for p in mine], alpha=-lr)
+                if rest:
+                    reduced.append(dict(g, params=rest))
+        optimizer.param_groups = reduced
+        try:
+            yield
+        finally:
+            optimizer.param_groups = groups
+
+    def describe(self) -> str:
+        hp = ", ".join(f"{k}={v}" for k, v in self.hparams.items())
+        return (f"recipe: correction={self.kind}{f' ({hp})' if hp else ''}, "
+                f"density warm-up {self.warmup_steps} steps, "
+                f"fp32 accumulation {'on' if self.fp32 else 'off'}")
+
+
+# ---------------------------------------------------------------------- resolution
+
+
+def _uniform(groups, keys) -> Optional[dict]:
+    vals = {tuple((k, _hashable(g.get(k))) for k in keys) for g in groups}
+    return dict(next(iter(vals))) if len(vals) == 1 else None
+
+
+def _hashable(v):
+    if isinstance(v, torch.Tensor):
+        return float(v)
+    if isinstance(v, list):
+        return tuple(v)
+    return v
+
+
+def _momentum_kind(optimizer) -> tuple:
+    """(kind, hparams, why not) for the wrapped optimizer."""
+    groups = optimizer.param_groups
+    if any(g.get("maximize", False) for g in groups):
+        return "none", {}, "maximize=True is not supported by momentum correction"
+    if isinstance(optimizer, torch.optim.SGD):
+        hp = _uniform(groups, ("momentum", "dampening", "nesterov"))
+        if hp is None:
+            return "none", {}, "param groups use different momentum/dampening/nesterov"
+        if not hp["momentum"]:
+            return "none", {}, "the optimizer has no momentum (nothing to correct)"
+        return "momentum", {"momentum": float(hp["momentum"]), "dampening": float(hp["dampening"]),
+                            "nesterov": bool(hp["nesterov"])}, ""
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW too
+        if any(g.get("amsgrad", False) for g in groups):
+            return "none", {}, "amsgrad=True is not supported"
+        hp = _uniform(groups, ("betas", "eps"))
+        if hp is None:
+            return "none", {}, "param groups use different betas/eps"
+        return "adam", {"betas": tuple(float(b) for b in hp["betas"]), "eps": float(hp["eps"])}, ""
+    return "none", {}, (f"{type(optimizer).__name__} is not supported (torch.optim.SGD with "
+                        "momentum, Adam and AdamW are)")
+
+
+def resolve_recipe(optimizer, scheme: str, density: float, momentum_correction="auto",
+                   density_warmup_steps: int = DEFAULT_WARMUP_STEPS,
+                   fp32_accumulation: bool = True,
+                   momentum_masking: bool = DEFAULT_MASKING) -> Recipe:
+    """Validates the recipe keywords and resolves them for ``optimizer``; raises
+    ``ValueError`` (identically on every rank: nothing here is rank-dependent)."""
+    if momentum_correction not in ("auto", True, False) or isinstance(momentum_correction, numbers.Number) \
+            and not isinstance(momentum_correction, bool):
+        raise ValueError(f"momentum_correction must be 'auto', True or False, got {momentum_correction!r}")
+    if isinstance(density_warmup_steps, bool) or not isinstance(density_warmup_steps, int) \
+            or density_warmup_steps < 0:
+        raise ValueError(f"density_warmup_steps must be an int >= 0, got {density_warmup_steps!r}")
+    if not isinstance(fp32_accumulation, bool):
+        raise ValueError(f"fp32_accumulation must be True or False, got {fp32_accumulation!r}")
+    if momentum_masking != "auto" and not isinstance(momentum_masking, bool):
+        raise ValueError(f"momentum_masking must be 'auto', True or False, got {momentum_masking!r}")
+    kind, hp, why = _momentum_kind(optimizer)
+    if momentum_correction is True and kind == "none":
+        raise ValueError(f"momentum_correction=True cannot be applied: {why}; pass "
+                         "momentum_correction=False (plain error feedback) or 'auto'")
+    if momentum_correction is False or scheme == "dense":
+        kind, hp = "none", {}
+    if kind != "none":
+        hp["masking"] = momentum_masking
+    elif momentum_correction == "auto" and kind == "none" and why and "no momentum" not in why:
+        warnings.warn(f"momentum_correction='auto': {why}; sparse gradients get plain error "
+                      "feedback, which converges worse at low density")
+    return Recipe(kind, density, density_warmup_steps if scheme != "dense" else 0,
+                  fp32_accumulation, hp)
