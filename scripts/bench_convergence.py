@@ -55,9 +55,14 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=0, help="0: per-task default (digits 10, lm 3, code 3)")
     p.add_argument("--profile", default=str(REPO / "docs" / "results" / "profile_1gbit.json"),
                    help="CostModel JSON the planned schemes plan with ('' : probe the loopback)")
+    p.add_argument("--plan", default="",
+                   help="a Plan JSON every planned scheme runs instead of planning (train.py --plan)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=str(REPO / "docs" / "results"))
     p.add_argument("--name", default="convergence")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the runs of <name>.json whose (task, scheme) this invocation does "
+                        "not rerun (each run records its own command line)")
     return p.parse_args(argv)
 
 
@@ -70,7 +75,9 @@ def run_one(args, task: str, scheme: str, seed: int, logs: Path) -> dict:
            sys.executable, "-m", "ssfusion_hvd.examples.train", "--task", task, "--scheme", scheme,
            "--sparsifier", args.sparsifier, "--density", str(args.density), "--seed", str(seed),
            "--epochs", str(args.epochs or EPOCHS[task]), "--no-progress", "--json", str(out)]
-    if args.profile:
+    if args.plan:
+        cmd += ["--plan", args.plan]
+    elif args.profile:
         cmd += ["--profile", args.profile]
     cmd += ["--momentum-correction", args.momentum_correction]
     if args.density_warmup_steps is not None:
@@ -202,15 +209,21 @@ def main(argv=None) -> None:
            "workers": args.workers, "density": args.density, "sparsifier": args.sparsifier,
            "momentum_correction": args.momentum_correction,
            "density_warmup_steps": args.density_warmup_steps,
-           "seeds": seeds, "profile": args.profile, "environment": environment(), "runs": []}
+           "seeds": seeds, "profile": args.profile, "plan": args.plan, "environment": environment(), "runs": []}
+    path = out / f"{args.name}.json"
+    if args.merge and path.exists():
+        rerun = {(t, s) for t in tasks for s in schemes}
+        doc["runs"] = [r for r in json.loads(path.read_text())["runs"]
+                       if (r["task"], r["scheme"]) not in rerun]
     for t in tasks:
         for s in schemes:
             for seed in seeds:
                 r = run_one(args, t, s, seed, logs)
+                r["command"] = doc["command"]
                 doc["runs"].append(r)
                 status = r.get("error") or f"{r['metric']} {r['history'][-1][r['metric']]:.4f}"
                 print(f"[convergence] {t} {s} seed {seed}: {status} ({r['run_s']:.0f} s)", flush=True)
-                (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
+                path.write_text(json.dumps(doc, indent=1))
     print(report(doc, out, args.name))
 
 

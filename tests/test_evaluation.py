@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_convergence  # noqa: E402
 import bench_e2e  # noqa: E402
+import recipe_ablation  # noqa: E402
 import whatif  # noqa: E402
 
 CAN_NETNS = (os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
@@ -203,7 +204,24 @@ def test_convergence_driver_records_curves_and_missing_rate(tmp_path):
     assert all(h["missing_rate"] == 0.0 for h in dense["history"])
     # multi-tensor top-k over a fused buffer: the demo model's small tensors lose out
     assert all(h["missing_rate"] > 0.0 for h in multi["history"])
+    # the density actually sent over each epoch, dense profiling steps included
+    assert all(h["density_sent"] == 1.0 for h in dense["history"])
+    assert 0.01 < multi["history"][0]["density_sent"] < 1.0
+    assert multi["history"][1]["density_sent"] == pytest.approx(0.01, rel=0.01)
     assert "**digits**" in (tmp_path / "convergence.md").read_text()
+
+
+def test_recipe_ablation_replays_the_ranks(tmp_path, capsys):
+    """One epoch of digits in the one-process replica: dense learns; the recipe's variant
+    sends the warm-up's densities (more than the target, less than dense)."""
+    out = tmp_path / "ablation.json"
+    recipe_ablation.main(["--tasks", "digits", "--seeds", "0", "--variants", "dense,auto",
+                          "--epochs", "1", "--json", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["variant"] for r in runs] == ["dense", "auto"]
+    assert runs[0]["metric"] > 30 and runs[0]["density_sent"] == 1.0
+    assert 0.01 < runs[1]["density_sent"] < 0.3 and runs[1]["metric"] > 10
+    assert "| auto |" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ what-if

@@ -53,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--density-warmup-steps", type=int, default=None,
                    help="the recipe's density warm-up in steps (default: the optimizer's, 50; 0: off)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plan", default=None,
+                   help="a Plan JSON (opt.plan.save) the sparse scheme runs from the first step "
+                        "instead of profiling and planning")
     p.add_argument("--profile", default=None,
                    help="a CostModel JSON for the sparse schemes' planner instead of start-up "
                         "probes (e.g. one measured on the slow network you deploy on)")
@@ -144,7 +147,8 @@ def main(argv=None):
         recipe["density_warmup_steps"] = args.density_warmup_steps
     opt = ssfusion_hvd.DistributedOptimizer(task.optimizer, named_parameters=model.named_parameters(),
                                             scheme=args.scheme, sparsifier=args.sparsifier,
-                                            density=args.density, profile=args.profile, **recipe)
+                                            density=args.density, profile=args.profile,
+                                            plan=args.plan, **recipe)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)

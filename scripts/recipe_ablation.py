@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""Ablation of the training recipe in one process (no Horovod): which part buys what.
+
+    .venv/bin/python scripts/recipe_ablation.py                        # digits, 8 seeds; lm, 1 seed
+    .venv/bin/python scripts/recipe_ablation.py --tasks digits --seeds 0,1 --variants dense,auto
+
+P ranks are replayed in one process on one model (their parameters are identical in
+data-parallel training): each rank computes its gradient on its own shard (the same
+batches as ``examples/train.py``), then every tensor is sparsified on its own (per-tensor
+top-k, ``ssfusion_hvd.ops.topk``) through the package's own error feedback and local
+rules (``ssfusion_hvd.sparsify.memory``), the selections are averaged, and the update is
+applied as ``step()`` applies it. Like the real job, every run starts with the zero-gradient
+step of ``hvd.broadcast_optimizer_state`` and, for the sparse variants, the planned
+schemes' dense profiling steps (``--profiling``), after which the rules take over the
+optimizer's state. A replica, not the distributed engine: it isolates the
+recipe from planning and transport, and runs the many seeds a decision needs on two cores.
+
+Variants (``--variants``):
+
+* ``dense``: the average gradient through the task's optimizer (SGD momentum / Adam);
+* ``ef``: plain error feedback on gradients, the optimizer applied to the sparse average
+  (the package before the recipe), no density warm-up;
+* ``ef_warm``: the same with the density warm-up;
+* ``auto`` / ``mask`` / ``nomask``: the recipe's local rule (momentum correction for
+  SGD, local Adam moments for Adam) with ``momentum_masking`` "auto", True, False, and
+  the density warm-up of ``--warmup`` steps (default: the package's).
+
+Output: one line per run and a mean ± std table per task (``--json`` keeps the runs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from ssfusion_hvd import ops  # noqa: E402
+from ssfusion_hvd.examples.data import DigitsNet, load_digits_split, shard  # noqa: E402
+from ssfusion_hvd.plan.cost import nominal_k  # noqa: E402
+from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe  # noqa: E402
+from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule, ResidualMemory  # noqa: E402
+
+VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default="digits,lm")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--seeds", default="", help="default: digits 0-7, lm 0")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP_STEPS)
+    p.add_argument("--epochs", type=int, default=0, help="0: digits 10, lm 3 (of 100 steps)")
+    p.add_argument("--no-seed", action="store_true",
+                   help="local rules start fresh instead of from the optimizer's state")
+    p.add_argument("--profiling", type=int, default=5,
+                   help="dense steps before sparsifying, the zero step included (a planned "
+                        "scheme's warmup_steps)")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def make_task(task: str, seed: int, ranks: int):
+    """(model, per-rank loss(epoch, step), evaluate(), steps per epoch, optimizer kind, lr)."""
+    torch.manual_seed(seed)
+    if task == "digits":
+        train, test = load_digits_split(seed=seed)
+        shards = [shard(train, r, ranks) for r in range(ranks)]
+        model, bs = DigitsNet(), 32
+        orders = {}
+
+        def loss(r, epoch, s):
+            key = (epoch, r)
+            if key not in orders:
+                g = torch.Generator().manual_seed(seed * 1000 + epoch * 10 + r)
+                orders[key] = torch.randperm(len(shards[r].y), generator=g)
+            idx = orders[key][(s * bs) % len(shards[r].y):][:bs]
+            return F.cross_entropy(model(shards[r].x[idx]), shards[r].y[idx])
+
+        def evaluate():
+            with torch.no_grad():
+                return float((model(test.x).argmax(1) == test.y).float().mean()) * 100
+        return model, loss, evaluate, len(shards[0].y) // bs, "sgd", 0.05 * ranks
+    from ssfusion_hvd.examples import text
+
+    tr, va = text.load_text_split()
+    model = text.lm_model()
+    gens = {}
+
+    def loss(r, epoch, s):
+        key = (epoch, r)
+        if key not in gens:
+            gens[key] = torch.Generator().manual_seed((seed * 1000 + epoch) * 1000 + r)
+        return text.lm_loss(model, *tr.batch(16, gens[key]))
+    return model, loss, lambda: text.perplexity(model, va), 100, "adam", 2e-3
+
+
+def run(task: str, variant: str, seed: int, args) -> dict:
+    ranks = args.ranks
+    model, loss, evaluate, steps, kind, lr = make_task(task, seed, ranks)
+    params = list(model.parameters())
+    epochs = args.epochs or (10 if task == "digits" else 3)
+    warm = 0 if variant == "ef" else args.warmup
+    schedule = Recipe("none", args.density, warm, True)
+    opt = (torch.optim.SGD(params, lr=lr, momentum=0.9) if kind == "sgd"
+           else torch.optim.Adam(params, lr=lr))
+    masking = {"auto": "auto", "mask": True, "nomask": False}.get(variant)
+    by_name = {str(i): p for i, p in enumerate(params)}
+
+    def from_optimizer(names, buffers):  # what Recipe.take_state hands over
+        if args.no_seed:
+            return None
+        st = opt.state.get(by_name[names[0]], {})
+        if not all(b in st for b in buffers):
+            return None
+        return {b: st[b].reshape(-1) for b in buffers}, int(float(st.get("step", 0)))
+
+    mems = []
+    for _ in range(ranks):
+        rule = None
+        if masking is not None:
+            rule = MomentumRule(0.9, masking=masking) if kind == "sgd" else AdamRule(masking=masking)
+        mem = ResidualMemory(rule)
+        for i, p in enumerate(params):
+            mem.register(str(i), [str(i)], [p.shape])
+        mem.seed_from = from_optimizer
+        mems.append(mem)
+    # as in examples/train.py: hvd.broadcast_optimizer_state steps once with zero gradients,
+    # and a planned scheme's first --profiling steps (that one included) are dense
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    sent = total = 0
+    t = 1
+    for epoch in range(1, epochs + 1):
+        for s in range(steps):
+            grads = []
+            for r in range(ranks):
+                model.zero_grad()
+                loss(r, epoch, s).backward()
+                grads.append([p.grad.detach().clone() for p in params])
+            density = schedule.density_at(t)
+            t += 1
+            if variant == "dense" or t <= args.profiling:
+                for i, p in enumerate(params):
+                    p.grad = sum(g[i] for g in grads) / ranks
+                    sent += ranks * p.numel()
+                    total += ranks * p.numel()
+                opt.step()
+                continue
+            avg = []
+            for i, p in enumerate(params):
+                k = int(nominal_k(p.numel(), density))
+                acc_sum = torch.zeros(p.numel())
+                for r in range(ranks):
+                    mems[r].rule.density = density
+                    acc = mems[r].compensate(str(i), grads[r][i])
+                    values, idx = ops.topk(acc, k)
+                    acc_sum.index_add_(0, idx.long(), values)
+                    mems[r].update(str(i), acc, idx)
+                    sent += k
+                    total += p.numel()
+                avg.append((acc_sum / ranks).view_as(p))
+            if masking is None:  # the optimizer on the sparse average (plain error feedback)
+                for p, a in zip(params, avg):
+                    p.grad = a
+                opt.step()
+            else:  # the recipe: the synchronized update applied as is
+                with torch.no_grad():
+                    torch._foreach_add_(params, avg, alpha=-lr)
+    return {"task": task, "variant": variant, "seed": seed, "metric": evaluate(),
+            "density_sent": sent / total if total else 1.0}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = []
+    for task in [t for t in args.tasks.split(",") if t]:
+        seeds = [int(s) for s in args.seeds.split(",") if s] or (list(range(8)) if task == "digits" else [0])
+        for variant in [v for v in args.variants.split(",") if v]:
+            if variant not in VARIANTS:
+                raise SystemExit(f"unknown variant {variant!r}; choose from {VARIANTS}")
+            for seed in seeds:
+                r = run(task, variant, seed, args)
+                out.append(r)
+                print(f"[ablation] {task} {variant} seed {seed}: {r['metric']:.3f} "
+                      f"(density sent {r['density_sent']:.4f})", flush=True)
+    for task in dict.fromkeys(r["task"] for r in out):
+        name = "test accuracy %" if task == "digits" else "validation perplexity"
+        print(f"\n**{task}** ({name}; {args.ranks} replicated ranks, density {args.density}, "
+              f"warm-up {args.warmup} steps)\n\n| variant | mean | std | min | max | seeds |\n"
+              "|---|---:|---:|---:|---:|---:|")
+        for variant in dict.fromkeys(r["variant"] for r in out if r["task"] == task):
+            xs = [r["metric"] for r in out if r["task"] == task and r["variant"] == variant]
+            sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+            print(f"| {variant} | {statistics.mean(xs):.2f} | {sd:.2f} | {min(xs):.2f} | "
+                  f"{max(xs):.2f} | {len(xs)} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
