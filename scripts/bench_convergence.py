@@ -61,8 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(REPO / "docs" / "results"))
     p.add_argument("--name", default="convergence")
     p.add_argument("--merge", action="store_true",
-                   help="keep the runs of <name>.json whose (task, scheme) this invocation does "
-                        "not rerun (each run records its own command line)")
+                   help="keep the runs of <name>.json whose (task, scheme, seed) this invocation "
+                        "does not rerun (each run records its own command line)")
     return p.parse_args(argv)
 
 
@@ -212,9 +212,9 @@ def main(argv=None) -> None:
            "seeds": seeds, "profile": args.profile, "plan": args.plan, "environment": environment(), "runs": []}
     path = out / f"{args.name}.json"
     if args.merge and path.exists():
-        rerun = {(t, s) for t in tasks for s in schemes}
+        rerun = {(t, s, seed) for t in tasks for s in schemes for seed in seeds}
         doc["runs"] = [r for r in json.loads(path.read_text())["runs"]
-                       if (r["task"], r["scheme"]) not in rerun]
+                       if (r["task"], r["scheme"], r["seed"]) not in rerun]
     for t in tasks:
         for s in schemes:
             for seed in seeds:

@@ -17,14 +17,17 @@ def test_horovod_build_has_pytorch_and_gloo():
 
 
 def test_default_training_job_learns():
-    rc, out = launch([sys.executable, "-m", "ssfusion_hvd.examples.train", "--epochs", "4",
-                      "--no-progress"], np=2, timeout=240)
+    rc, out = launch([sys.executable, "-m", "ssfusion_hvd.examples.train", "--epochs", "8",
+                      "--no-progress"], np=2, timeout=300)
     assert rc == 0, out[-4000:]
-    rows = re.findall(r"epoch\s+(\d+)/4\s+loss ([\d.]+)\s+test_acc\s+([\d.]+)%\s+samples/s\s+([\d.]+)", out)
-    assert [int(r[0]) for r in rows] == [1, 2, 3, 4], out[-4000:]  # rank 0 only, once per epoch
+    rows = re.findall(r"epoch\s+(\d+)/8\s+loss ([\d.]+)\s+test_acc\s+([\d.]+)%\s+samples/s\s+([\d.]+)", out)
+    assert [int(r[0]) for r in rows] == list(range(1, 9)), out[-4000:]  # rank 0 only, once per epoch
     losses = [float(r[1]) for r in rows]
     assert losses[-1] < losses[0]
-    assert float(rows[-1][2]) >= 85.0  # digits: a few epochs reach >90 % (measured ~95-97 %)
+    # digits at density 0.01: the recipe's warm-up ends in epoch 3 and the sparse run dips
+    # below dense there (epoch 4: 83.3 % vs 96.4 %), then catches up; epoch 8 measured
+    # 97.5 / 97.5 / 97.8 % for seeds 0 / 1 / 2 (dense: 98.6 %)
+    assert float(rows[-1][2]) >= 95.0
     assert all(float(r[3]) > 0 for r in rows)
     # the default scheme is ssfusion_oi: planned after the warm-up, plan table printed once
     assert out.count("plan: scheme=ssfusion_oi") == 1, out[-4000:]

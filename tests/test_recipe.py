@@ -24,8 +24,8 @@ from test_schemes import reference_step
 pytestmark = pytest.mark.multiworker
 
 CASES = {
-    # live plans after 2 dense profiling steps: SGD's rule continues the optimizer's
-    # momentum, Adam's starts fresh; the optimizer keeps no state for them either way
+    # live plans after 2 dense profiling steps: the rules continue the optimizer's state
+    # (momentum buffer; Adam's moments and step), which the optimizer then no longer holds
     "per_tensor_sgd": dict(scheme="per_tensor", optimizer="sgd", steps=7),
     "per_tensor_adam": dict(scheme="per_tensor", optimizer="adam", steps=7),
     # every part kind from step 0 (dense AR, dense AG, segmented, offloaded, buffer)
@@ -54,8 +54,7 @@ def _local_update(kind, group, masking, n, g, w, state, own):
     def buf(b):
         if state.get(b, {}).get(n) is not None:
             return state[b][n].float()
-        # SGD's velocity continues the wrapped optimizer's buffer; Adam's moments start fresh
-        if kind == "momentum" and own.get(n, {}).get(b) is not None:
+        if own.get(n, {}).get(b) is not None:  # continues the wrapped optimizer's state
             return own[n][b].float()
         return None
 
@@ -69,7 +68,10 @@ def _local_update(kind, group, masking, n, g, w, state, own):
     m, v = buf("exp_avg"), buf("exp_avg_sq")
     m = torch.zeros_like(g) if m is None else m
     v = torch.zeros_like(g) if v is None else v
-    t = state.get("steps", {}).get(n, 0) + 1
+    t = state.get("steps", {}).get(n)
+    if t is None:
+        t = int(float(own.get(n, {}).get("step", 0)))
+    t += 1
     m = m.mul(b1).add(g, alpha=1 - b1)
     v = v.mul(b2).addcmul(g, g, value=1 - b2)
     # the same operations as AdamRule: Adam's first step makes every |update| ~1, so the

@@ -54,8 +54,6 @@ class LocalRule:
 
     name = "gradient"
     buffers: Tuple[str, ...] = ()
-    #: whether a key's state starts from the wrapped optimizer's (see ``seed``)
-    continues_optimizer = True
 
     def __init__(self):
         self.state: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -149,10 +147,6 @@ class AdamRule(LocalRule):
 
     name = "adam"
     buffers = ("exp_avg", "exp_avg_sq")
-    #: the moments start fresh when a tensor starts being sparsified: the optimizer's
-    #: describe the averaged gradient (P times less noisy) and another step count, and
-    #: continuing from them measured worse on the LM task (docs/recipe.md)
-    continues_optimizer = False
 
     def __init__(self, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  masking="auto"):
@@ -215,8 +209,7 @@ class ResidualMemory:
         layout = self._layout.get(key)
         if self.seed_from is None or layout is None or not buffers:
             return None
-        seeded = self.seed_from([n for n, *_ in layout], buffers)  # taken over either way
-        return seeded if self.rule.continues_optimizer else None
+        return self.seed_from([n for n, *_ in layout], buffers)
 
     # ------------------------------------------------------------------ layout
     def register(self, key: str, names: Sequence[str], shapes: Sequence[torch.Size],
