@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import warnings
 from contextlib import contextmanager
 
 import horovod.torch as hvd
+import horovod.torch.functions as _hvd_functions
 import torch
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, global_process_set
@@ -26,6 +28,35 @@ from .sparsify import SPARSIFIERS
 __all__ = ["DistributedOptimizer", "SCHEMES"]
 
 _STATE_KEY = "ssfusion"
+#: the param-group option through which ``hvd.broadcast_optimizer_state`` carries the
+#: root's shared scheme state to every rank (see ``_DistributedOptimizer.state_dict``)
+_SHARED_KEY = "ssfusion_shared"
+
+
+def _horovod_broadcast_frame():
+    """The frame of Horovod's ``broadcast_optimizer_state`` when it is what called the
+    method calling this (directly or through torch's step wrappers), else None."""
+    code = _hvd_functions.broadcast_optimizer_state.__code__
+    f = sys._getframe(2)
+    for _ in range(6):
+        if f is None:
+            return None
+        if f.f_code is code:
+            return f
+        f = f.f_back
+    return None
+
+
+def _same(a, b) -> bool:
+    """Deep equality of plain values and tensors (shared scheme states)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _named_parameters(named_parameters, param_groups):
@@ -138,6 +169,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._submit(p)
 
     def _submit(self, p: torch.Tensor) -> None:
+        self._adopt_broadcast()
         if p.grad is None:
             # Another rank may have a gradient for p (dynamic graphs): contribute zeros.
             p.grad = torch.zeros_like(p)
@@ -160,6 +192,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Waits for every gradient's collective; synchronized gradients land in ``p.grad``."""
+        self._adopt_broadcast()
         if not self._config.process_set.included():
             self._synchronized = True
             return
@@ -182,6 +215,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if not self._submitted and not self._synchronized and _horovod_broadcast_frame():
+            # hvd.broadcast_optimizer_state initializes an empty state with a step on zero
+            # gradients, on the ranks whose state is empty only (in the resume pattern: all
+            # but the root). Horovod's own optimizer takes its base class's step there; so
+            # do we: no collective may run on a subset of ranks. The parameters are put
+            # back: the step is there to create state (weight decay on a zero gradient
+            # would move them after hvd.broadcast_parameters made them equal).
+            params = [p for g in self.param_groups for p in g["params"]]
+            with torch.no_grad():
+                kept = [p.detach().clone() for p in params]
+                out = super(self.__class__, self).step(closure)
+                torch._foreach_copy_(params, kept)
+            return out
+        self._adopt_broadcast()
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -205,12 +252,61 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self):
+        """The wrapped optimizer's state dict plus ``"ssfusion"``: this rank's scheme state
+        (plan, iteration, residuals, the local rule's buffers). Residuals differ per rank:
+        every rank that should resume exactly saves its own (README, "Checkpoint and resume")."""
         state = super(self.__class__, self).state_dict()
+        for g in state["param_groups"]:
+            g.pop(_SHARED_KEY, None)
+        if state["param_groups"] and _horovod_broadcast_frame() is not None:
+            # hvd.broadcast_optimizer_state broadcasts every param-group option from the
+            # root and assigns it on every rank: the root's shared scheme state travels
+            # with it and is adopted before the next collective (_adopt_broadcast)
+            state["param_groups"][0][_SHARED_KEY] = self._shared_state()
         state[_STATE_KEY] = {"scheme": self._scheme_name, "state": self._scheme.state_dict()}
         return state
 
+    def _shared_state(self) -> dict:
+        recipe = self._config.recipe
+        return {"scheme": self._scheme_name, "recipe": (recipe.kind, recipe.hparams),
+                "state": self._scheme.shared_state()}
+
+    def _adopt_broadcast(self) -> None:
+        """After ``hvd.broadcast_optimizer_state``: continue from the root's shared state
+        (plan, iteration, ...) and re-resolve the recipe from the broadcast
+        hyper-parameters. Every rank of the process set gets here at its next
+        ``synchronize()`` (or first backward hook), so the one collective below, which
+        tells every rank whether all of them keep their own state, runs on all of them."""
+        shared = None
+        for g in self.param_groups:
+            shared = g.pop(_SHARED_KEY, shared)
+        if shared is None or not self._config.process_set.included():
+            return
+        if shared["scheme"] != self._scheme_name:
+            raise ValueError(f"hvd.broadcast_optimizer_state: the root runs scheme "
+                             f"{shared['scheme']!r}, this rank {self._scheme_name!r}")
+        old = self._config.recipe
+        recipe = resolve_recipe(self, **old.options) if old.options is not None else old
+        if (recipe.kind, recipe.hparams) != (old.kind, old.hparams):
+            # the broadcast replaced this rank's hyper-parameters with the root's: the
+            # local rules continue with them (their buffers too, if of the same kind)
+            recipe.bind(self, self._config.names)
+            self._config.recipe = recipe
+            for mem in self._scheme.memories():
+                mem.replace_rule(recipe.make_rule())
+                mem.seed_from = recipe.take_state
+        keep = recipe.kind == old.kind and _same(self._shared_state(), shared)
+        ps = self._config.process_set
+        flag = torch.tensor([int(keep)], dtype=torch.int32)
+        all_keep = bool(int(hvd.allreduce(flag, op=hvd.Min, name="ssfusion.adopt",
+                                          process_set=ps)))
+        self._scheme.adopt_shared(shared["state"], keep, all_keep)
+
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
+        if any(_SHARED_KEY in g for g in state_dict.get("param_groups", ())):
+            state_dict["param_groups"] = [{k: v for k, v in g.items() if k != _SHARED_KEY}
+                                          for g in state_dict["param_groups"]]
         ours = state_dict.pop(_STATE_KEY, None)
         if ours is not None and ours["scheme"] != self._scheme_name:
             raise ValueError(f"checkpoint was written by scheme {ours['scheme']!r}, "

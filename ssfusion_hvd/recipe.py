@@ -58,6 +58,16 @@ DEFAULT_MASKING = "auto"
 WARMUP_START = 0.25
 WARMUP_STAGES = 4
 
+def _zero_step(old, p: torch.Tensor, group: dict) -> torch.Tensor:
+    """A step count of 0 in the form ``torch.optim.Adam`` keeps it (a scalar tensor; on the
+    parameter's device for ``capturable``/``fused``)."""
+    if isinstance(old, torch.Tensor):
+        return torch.zeros_like(old)
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    on_device = group.get("capturable", False) or group.get("fused", False)
+    return torch.zeros((), dtype=dtype, device=p.device) if on_device else torch.tensor(0.0, dtype=dtype)
+
+
 _KINDS = ("none", "momentum", "adam")
 
 
@@ -76,6 +86,7 @@ class Recipe:
         self.warmup_steps = int(warmup_steps)
         self.fp32 = bool(fp32)
         self.hparams = dict(hparams or {})
+        self.options: Optional[dict] = None  # resolve_recipe's arguments (set by it)
         self._optimizer = None
         self._names: Dict[str, torch.Tensor] = {}
 
@@ -122,26 +133,41 @@ class Recipe:
 
     def take_state(self, names: Sequence[str], buffers: Sequence[str]):
         """The optimizer's ``buffers`` of parameters ``names``, flattened and joined, plus
-        its step count; removed from the optimizer (the rule owns them from now on, and a
-        stale copy must not be used by a later dense step). None if the optimizer holds
-        none of them: the rule starts fresh."""
+        its step count; None if the optimizer holds none of them (the rule starts fresh).
+
+        The rule owns that state from now on. The optimizer keeps *placeholders* in its
+        place: zeros, and a step count of 0 for Adam, exactly the entries a fresh
+        optimizer's first step on a zero gradient creates. So no stale copy is ever used
+        by a later dense step, and the optimizer's state has the same structure on every
+        rank whatever each rank sparsifies: ``hvd.broadcast_optimizer_state`` matches its
+        broadcasts by (state key, occurrence), and a rank-0 checkpoint must line up with a
+        fresh optimizer on the other ranks (README, "Checkpoint and resume")."""
         opt = self._optimizer
         if opt is None:
             return None
         params = [self._names[n] for n in names]
         states = [opt.state.get(p, {}) for p in params]
-        if not any(all(b in s and s[b] is not None for b in buffers) for s in states):
-            return None
-        out = {b: torch.cat([(s[b] if s.get(b) is not None else torch.zeros_like(p)).reshape(-1)
-                             for p, s in zip(params, states)]) for b in buffers}
-        steps = [float(s["step"]) for s in states if "step" in s]
-        for p, s in zip(params, states):
-            for b in buffers:
-                s.pop(b, None)
-            s.pop("step", None)
-            if not s:
-                opt.state.pop(p, None)
-        return out, int(max(steps)) if steps else 0
+        found = any(all(b in s and s[b] is not None for b in buffers) for s in states)
+        out = None
+        if found:
+            out = {b: torch.cat([(s[b] if s.get(b) is not None else torch.zeros_like(p)).reshape(-1)
+                                 for p, s in zip(params, states)]).clone() for b in buffers}
+            steps = [float(s["step"]) for s in states if "step" in s]
+            out = (out, int(max(steps)) if steps else 0)
+        with torch.no_grad():
+            for p in params:
+                s = opt.state[p]  # a defaultdict: creates the entry where there was none
+                for b in buffers:
+                    if isinstance(s.get(b), torch.Tensor):
+                        s[b].zero_()
+                    else:
+                        s[b] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if self.kind == "adam":
+                    s["step"] = _zero_step(s.get("step"), p, self._group_of(p))
+        return out
+
+    def _group_of(self, p: torch.Tensor) -> dict:
+        return next(g for g in self._optimizer.param_groups if any(q is p for q in g["params"]))
 
     # ------------------------------------------------------------------ step
     def corrects(self) -> bool:
@@ -257,5 +283,10 @@ def resolve_recipe(optimizer, scheme: str, density: float, momentum_correction="
     elif momentum_correction == "auto" and kind == "none" and why and "no momentum" not in why:
         warnings.warn(f"momentum_correction='auto': {why}; sparse gradients get plain error "
                       "feedback, which converges worse at low density")
-    return Recipe(kind, density, density_warmup_steps if scheme != "dense" else 0,
-                  fp32_accumulation, hp)
+    recipe = Recipe(kind, density, density_warmup_steps if scheme != "dense" else 0,
+                    fp32_accumulation, hp)
+    # what re-resolves it after hvd.broadcast_optimizer_state changed the hyper-parameters
+    recipe.options = dict(scheme=scheme, density=density, momentum_correction=momentum_correction,
+                          density_warmup_steps=density_warmup_steps,
+                          fp32_accumulation=fp32_accumulation, momentum_masking=momentum_masking)
+    return recipe

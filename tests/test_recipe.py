@@ -166,8 +166,12 @@ def _check_case(name, case, runs):
                                                    msg=lambda m: f"{name} step {s} {n} {b}: {m}")
                         if masked and b in ("momentum_buffer", "exp_avg"):
                             assert not nxt[b][n].reshape(-1)[sent[r][n]].any()
-                    # the rule owns the state of sparsified tensors: none left in the optimizer
-                    assert n not in run["steps"][s + 1]["own"], (name, s, n)
+                    # the rule owns the state of sparsified tensors: the optimizer keeps
+                    # zero placeholders (same structure on every rank, nothing stale)
+                    placeholder = run["steps"][s + 1]["own"][n]
+                    assert set(placeholder) == ({"momentum_buffer"} if kind == "momentum"
+                                                else {"step", "exp_avg", "exp_avg_sq"}), placeholder
+                    assert not any(v.any() for v in placeholder.values()), (name, s, n)
         lr = group["lr"]
         for n in names:
             w, synced = st0["before"][n], st0["synced"][n]

@@ -93,6 +93,25 @@ class Scheme:
         if state:
             raise ValueError(f"scheme {self.name!r} has no state, got keys {sorted(state)}")
 
+    def memories(self) -> list:
+        """The :class:`~ssfusion_hvd.sparsify.memory.ResidualMemory` objects in use."""
+        mem = getattr(self, "_memory", None)
+        return [] if mem is None else [mem]
+
+    def shared_state(self) -> dict:
+        """The part of the state that must be the same on every rank for the next
+        collectives to match (iteration count, plan, calibrated thresholds, sparsifier
+        state), as plain picklable values. The rest (residuals, the local rule's buffers)
+        is this rank's own."""
+        return {}
+
+    def adopt_shared(self, shared: dict, keep_local: bool, all_keep: bool) -> None:
+        """Continue from ``shared`` (the root's :meth:`shared_state`, delivered by
+        ``hvd.broadcast_optimizer_state``). ``keep_local``: this rank's own state belongs
+        to the same point of training (its ``shared_state()`` equals ``shared``, e.g. it
+        loaded its own checkpoint of the same step) and is kept; otherwise it starts from
+        zero, never from another rank's. ``all_keep``: every rank keeps its own."""
+
 
 def op_scales(config: SyncConfig) -> tuple:
     """``(sender prescale, receiver postscale)`` of a sum over the ranks, as Horovod scales
@@ -167,6 +186,17 @@ class WholeGradientScheme(Scheme):
     def _load_memory_state(self, state: dict) -> None:
         """Restores residuals and the local rule's state (``named_state``'s keys)."""
         self._memory.load_named_state(state, self._device)
+
+    def shared_state(self) -> dict:
+        return {"iteration": self._iteration}
+
+    def adopt_shared(self, shared: dict, keep_local: bool, all_keep: bool) -> None:
+        if keep_local:
+            return
+        self.reset()
+        self._iteration = int(shared["iteration"])
+        self._memory = self.config.recipe.make_memory(self._dtype)  # residuals from zero
+        self._memory.register(self._KEY, self._names, [p.shape for p in self._trainable])
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad.is_sparse:  # sparse gradients travel densely in these schemes

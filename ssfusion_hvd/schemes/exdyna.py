@@ -379,6 +379,14 @@ class ExDynaScheme(WholeGradientScheme):
         self._sparsify_s = 0.0
 
     # ------------------------------------------------------------------ state
+    def shared_state(self) -> dict:
+        return {"iteration": self._iteration, "exdyna": self.state.state_dict()}
+
+    def adopt_shared(self, shared: dict, keep_local: bool, all_keep: bool) -> None:
+        super().adopt_shared(shared, keep_local, all_keep)
+        if not keep_local:  # threshold and partitions are agreed on by all ranks
+            self.state.load_state_dict(shared["exdyna"])
+
     def state_dict(self) -> dict:
         """Threshold, partitions, iteration and this rank's residual and local rule state
         per parameter name (they differ per rank: every rank saves its own)."""

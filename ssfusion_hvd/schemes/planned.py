@@ -402,6 +402,17 @@ class PlannedScheme(Scheme):
             state["residuals"] = {}
         return state
 
+    def shared_state(self) -> dict:
+        return {"iteration": self._iteration,
+                "plan": None if self.plan is None else self.plan.to_json(),
+                "sparsifiers": {k: s.state_dict() for k, s in self._sparsifiers.items()
+                                if s.state_dict()}}
+
+    def adopt_shared(self, shared: dict, keep_local: bool, all_keep: bool) -> None:
+        if not keep_local:  # the root's plan and step; residuals and rule state from zero
+            self.reset()
+            self.load_state_dict(dict(shared, residuals={}))
+
     def load_state_dict(self, state: dict) -> None:
         self._iteration = int(state["iteration"])
         if state["plan"] is None:

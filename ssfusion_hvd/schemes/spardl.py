@@ -677,6 +677,17 @@ class SparDLScheme(WholeGradientScheme):
         self._collectives = 0
 
     # ------------------------------------------------------------------ state
+    def shared_state(self) -> dict:
+        return {"iteration": self._iteration, "teams": self.layout.teams}
+
+    def adopt_shared(self, shared: dict, keep_local: bool, all_keep: bool) -> None:
+        super().adopt_shared(shared, keep_local, all_keep)
+        self._set_layout()
+        if not all_keep and self._bsag is not None:
+            # Algorithm 2's state is shared by a position group; a rank that starts from
+            # zero would leave its group: every rank restarts it
+            self._bsag = BSAGState.initial(self.layout, self.layout.pos_of(self._rank))
+
     def state_dict(self) -> dict:
         """Residuals and local rule state per parameter name (they differ per rank: every
         rank saves its own), the iteration count, the team count and Algorithm 2's state

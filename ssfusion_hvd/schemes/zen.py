@@ -292,6 +292,15 @@ class ZenScheme(WholeGradientScheme):
         self._sparsify_s = 0.0
 
     # ------------------------------------------------------------------ state
+    def shared_state(self) -> dict:
+        # the sparsifier is seeded alike on every rank (randomk) and evolves alike
+        return {"iteration": self._iteration, "sparsifier": self._sparsifier.state_dict()}
+
+    def adopt_shared(self, shared: dict, keep_local: bool, all_keep: bool) -> None:
+        super().adopt_shared(shared, keep_local, all_keep)
+        if not keep_local:
+            self._sparsifier.load_state_dict(shared["sparsifier"])
+
     def state_dict(self) -> dict:
         """Iteration count, this rank's residual and local rule state per parameter name,
         sparsifier state. Residuals differ per rank: every rank saves its own."""

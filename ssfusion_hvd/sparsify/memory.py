@@ -230,6 +230,15 @@ class ResidualMemory:
         if self.rule.buffers and key not in self.rule.state:
             self.rule._buffers(key, like)
 
+    def replace_rule(self, rule: LocalRule) -> None:
+        """Continue with ``rule`` (new hyper-parameters of the same kind of rule: its
+        buffers and step counts carry over; another kind: its state starts empty)."""
+        if rule.name == self.rule.name:
+            rule.state, rule.steps = self.rule.state, self.rule.steps
+        rule.density = self.rule.density
+        rule.seed = self._seed_key
+        self.rule = rule
+
     def acc_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None else grad_dtype
 

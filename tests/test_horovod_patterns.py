@@ -1,0 +1,118 @@
+"""Horovod's everyday patterns with every scheme, on real Horovod workers: resume from a
+rank-0 checkpoint with ``hvd.broadcast_optimizer_state``, the fresh-start broadcast for
+every torch optimizer, process sets. A hang fails the test (the workers are killed at
+the timeout)."""
+import pytest
+import torch
+
+from hvdrun import run_workers
+
+pytestmark = pytest.mark.multiworker
+
+SCHEMES = ["dense", "per_tensor", "multi_tensor", "ssfusion_oi", "zen", "exdyna", "spardl"]
+
+
+def _equal_dicts(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if torch.is_tensor(a[k]):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Every scheme x (SGD, Adam) x (rank 0 loads / every rank loads its own state)."""
+    out = {}
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    for scheme in SCHEMES:
+        for opt in ("sgd", "adam"):
+            for own in (False, True):
+                out[scheme, opt, own] = run_workers("workers_horovod:resume", np=2, timeout=240,
+                                                    scheme=scheme, optimizer=opt, own=own,
+                                                    ckpt_dir=str(ckpt))
+    return out
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["rank0_loads", "every_rank_loads"])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_resume_the_horovod_way(resumed, scheme, opt, own):
+    """Rank 0 loads the checkpoint (or every rank its own), then broadcast_parameters and
+    broadcast_optimizer_state: no hang; every rank bit-identical in parameters, the
+    optimizer's state and hyper-parameters (rank 0's, although they differed per rank
+    before the broadcast) and plan; rank 0's plan and step are adopted."""
+    r0, r1 = resumed[scheme, opt, own]
+    _equal_dicts(r0["resumed"], r1["resumed"])
+    _equal_dicts(r0["after_broadcast"][0], r1["after_broadcast"][0])
+    assert r0["after_broadcast"][1] == r1["after_broadcast"][1]
+    assert r0["recipe"] == r1["recipe"]
+    assert r0["plan"] == r1["plan"] == r0["straight_plan"]
+    if scheme != "dense":  # the local rule follows rank 0's (broadcast) hyper-parameters
+        want = {"momentum": 0.9} if opt == "sgd" else {"betas": (0.9, 0.999)}
+        assert {k: r1["recipe"][1][k] for k in want} == want
+    if own or scheme == "dense":
+        # every rank restored its own residuals and local state (or there is none): the
+        # resumed run is the uninterrupted one, bit for bit
+        _equal_dicts(r0["resumed"], r0["straight"])
+    else:
+        # rank 1 had no checkpoint: its residuals started from zero, not from rank 0's
+        # (which continue on rank 0); the run differs from the uninterrupted one
+        assert any(not torch.equal(r0["resumed"][n], r0["straight"][n]) for n in r0["resumed"])
+        saved0 = r0["saved_own"]["residuals"]
+        assert saved0 and all(not torch.equal(r1["own_after_adopt"]["residuals"][n], saved0[n])
+                              for n in saved0 if saved0[n].any())
+
+
+def test_resume_rank0_equals_explicit_fresh_local_state(tmp_path):
+    """Rank 1 without a checkpoint after the broadcast behaves exactly like rank 1
+    loading rank 0's checkpoint with every per-rank store removed (residuals, velocity):
+    "start from zero" is what happens, for ssfusion_oi with SGD."""
+    a = run_workers("workers_horovod:resume", np=2, timeout=240, scheme="ssfusion_oi",
+                    optimizer="sgd", own=False, ckpt_dir=str(tmp_path))
+    b = run_workers("workers_horovod:resume", np=2, timeout=240, scheme="ssfusion_oi",
+                    optimizer="sgd", own=False, ckpt_dir=str(tmp_path), strip_rank1=True)
+    for r in range(2):
+        _equal_dicts(a[r]["resumed"], b[r]["resumed"])
+
+
+OPTIMIZERS = ["sgd", "adam", "adamw", "Adadelta", "Adagrad", "Adamax", "ASGD", "NAdam",
+              "RAdam", "RMSprop", "Rprop"]
+
+
+@pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "zen"])
+def test_fresh_broadcast_for_every_optimizer(scheme):
+    """The fresh-start pattern (per-rank initial weights and hyper-parameters, then
+    broadcast_parameters + broadcast_optimizer_state) for every torch optimizer Horovod's
+    tests use: no hang, identical state and hyper-parameters after the broadcast, and
+    identical parameters and state after training."""
+    ranks = run_workers("workers_horovod:fresh_broadcast", np=2, timeout=400, scheme=scheme,
+                        optimizers=OPTIMIZERS)
+    for kind in OPTIMIZERS:
+        a, b = ranks[0][kind], ranks[1][kind]
+        _equal_dicts(a["state"], b["state"])
+        assert a["groups"] == b["groups"], kind
+        _equal_dicts(a["params"], b["params"])
+        _equal_dicts(a["final_state"], b["final_state"])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("np_,layout", [(2, [[0], [1]]), (3, [[0, 1], [2]])],
+                         ids=["two_singles", "pair_and_single"])
+def test_process_sets(scheme, np_, layout):
+    """Disjoint process sets used at once: each optimizer synchronizes within its set
+    (the pair's ranks end identical, planned in the sparse schemes) and no rank waits on
+    a rank outside its set."""
+    ranks = run_workers("workers_horovod:process_sets", np=np_, timeout=180,
+                        env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, scheme=scheme, layout=layout)
+    for ranks_of_set in layout:
+        first = ranks[ranks_of_set[0]]
+        for r in ranks_of_set[1:]:
+            _equal_dicts(first["params"], ranks[r]["params"])
+            assert first["plan"] == ranks[r]["plan"]
+        if scheme != "dense":
+            assert first["stats"]["phase"] in ("planned", "sparse"), first["stats"]
+    if np_ == 3:  # the pair averaged its gradients, the single rank did not
+        assert any(not torch.equal(ranks[0]["params"][n], ranks[2]["params"][n])
+                   for n in ranks[0]["params"])
