@@ -8,6 +8,7 @@ and hands each finished gradient to the scheme (``ssfusion_hvd/schemes/``).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import sys
@@ -31,6 +32,7 @@ _STATE_KEY = "ssfusion"
 #: the param-group option through which ``hvd.broadcast_optimizer_state`` carries the
 #: root's shared scheme state to every rank (see ``_DistributedOptimizer.state_dict``)
 _SHARED_KEY = "ssfusion_shared"
+_instances = itertools.count()  # optimizers are created in the same order on every rank
 
 
 def _horovod_broadcast_frame():
@@ -115,6 +117,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update = [p for p in config.order if p.requires_grad]
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         config.recipe.bind(self, config.names)
+        self._check_name = f"ssfusion.check.{next(_instances)}"
+        self._check = None  # this step's agreement allreduce (see _submit)
         self._hook_handles = []
         if config.process_set.included():
             for p in self._requires_update:
@@ -170,6 +174,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _submit(self, p: torch.Tensor) -> None:
         self._adopt_broadcast()
+        if self._check is None:
+            self._start_check()
         if p.grad is None:
             # Another rank may have a gradient for p (dynamic graphs): contribute zeros.
             p.grad = torch.zeros_like(p)
@@ -199,11 +205,46 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._requires_update:  # canonical order: every rank submits alike
             if p not in self._submitted:
                 self._submit(p)
+        self._finish_check()
         self._scheme.finish()
         self._submitted.clear()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
         self._synchronized = True
+
+    def _start_check(self) -> None:
+        """Submits, with this step's first gradient, an allreduce of the scheme's
+        :meth:`~ssfusion_hvd.schemes.base.Scheme.signature` (iteration, plan checksum).
+        Its name is the same on every rank whatever state each is in, so it completes even
+        when the step's other collectives cannot match (a rank that loaded a checkpoint
+        alone, a rank a step ahead); ``synchronize()`` reads it before waiting on any of
+        them and raises the same error on every rank instead of hanging. Costs one small
+        allreduce per step, overlapped with the gradients' collectives."""
+        sig = self._scheme.signature()
+        if sig is None:
+            self._check = False
+            return
+        vals = [int(v) for v in sig]
+        t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64)
+        self._check = (hvd.allreduce_async(t, name=self._check_name, op=hvd.Max,
+                                           process_set=self._config.process_set), vals)
+
+    def _finish_check(self) -> None:
+        check, self._check = self._check, None
+        if not check:
+            return
+        handle, mine = check
+        out = hvd.synchronize(handle).tolist()
+        n = len(mine)
+        hi, lo = out[:n], [-v for v in out[n:]]
+        if hi != lo:
+            raise RuntimeError(
+                f"ssfusion_hvd: the ranks of the process set are at different points of "
+                f"scheme {self._scheme_name!r} (iteration from {lo[0]} to {hi[0]}"
+                f"{', different plans' if lo[1] != hi[1] else ''}): their collectives cannot "
+                f"match. A checkpoint loaded on some ranks only must be followed by "
+                f"hvd.broadcast_optimizer_state(optimizer, root_rank) on every rank (README, "
+                f"\"Checkpoint and resume\"), and every rank must call step() equally often.")
 
     @contextmanager
     def skip_synchronize(self):
@@ -312,6 +353,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"checkpoint was written by scheme {ours['scheme']!r}, "
                              f"this optimizer runs {self._scheme_name!r}")
         self._scheme.reset()
+        self._check = None
         self._submitted.clear()
         self._synchronized = False
         self._should_synchronize = True

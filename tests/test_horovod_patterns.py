@@ -116,3 +116,40 @@ def test_process_sets(scheme, np_, layout):
     if np_ == 3:  # the pair averaged its gradients, the single rank did not
         assert any(not torch.equal(ranks[0]["params"][n], ranks[2]["params"][n])
                    for n in ranks[0]["params"])
+
+
+@pytest.fixture(scope="module")
+def behaviours():
+    return {scheme: run_workers("workers_horovod:behaviours", np=2, timeout=300, scheme=scheme)
+            for scheme in ("dense", "ssfusion_oi", "per_tensor", "zen", "exdyna", "spardl")}
+
+
+BEHAVIOURS = ["clip", "no_skip", "different_outputs", "gan", "unnamed",
+              "sparse_embedding_sparse", "sparse_embedding_as_dense"]
+
+
+@pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "per_tensor", "zen", "exdyna", "spardl"])
+def test_horovod_optimizer_behaviours(behaviours, scheme):
+    """What Horovod's own DistributedOptimizer tests exercise, with our optimizer: every
+    behaviour runs to the end on both ranks (no hang) with bit-identical parameters;
+    synchronize() + clipping + skip_synchronize() warns nothing, step() after
+    synchronize() warns as Horovod does; bad names raise ValueError on every rank."""
+    r0, r1 = behaviours[scheme]
+    for b in BEHAVIOURS:
+        _equal_dicts(r0[b]["params"], r1[b]["params"])
+    for r in (r0, r1):
+        assert r["clip"]["warnings"] == []
+        assert len(r["no_skip"]["warnings"]) == 7
+        assert "must be unique" in r["names"]["duplicate"]
+        assert "were not named" in r["names"]["missing"]
+
+
+@pytest.mark.parametrize("scheme", ["ssfusion_oi", "zen"])
+def test_checkpoint_on_one_rank_without_broadcast_fails_clearly(scheme, tmp_path):
+    """The mistake the resume pattern avoids: rank 0 loads a checkpoint (planned, step 6)
+    and the job trains on without hvd.broadcast_optimizer_state. The step's agreement
+    check fails on every rank with the same message instead of a hang."""
+    errors = run_workers("workers_horovod:load_on_rank0_only", np=2, timeout=120,
+                         scheme=scheme, ckpt_dir=str(tmp_path))
+    assert errors[0] is not None and errors[0] == errors[1]
+    assert "different points" in errors[0] and "broadcast_optimizer_state" in errors[0]

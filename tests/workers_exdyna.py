@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import ssfusion_hvd
-from workers_schemes import DTYPES, OPS, Net, _batch
+from workers_schemes import DTYPES, OPS, Net, _batch, _train_steps
 
 SHAPES = {"w0": (30, 40), "w1": (40,), "w2": (25, 36), "w3": (17,), "w4": (8, 8)}  # 2221 elements
 
@@ -121,15 +121,6 @@ def train(op="average", steps=40, density=0.1, lr=0.5, scheme="exdyna"):
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _steps(model, opt, steps):
-    loss_fn = nn.CrossEntropyLoss()
-    for step in steps:
-        opt.zero_grad()
-        x, y = _batch(step, 0, "float32")
-        loss_fn(model(x), y).backward()
-        opt.step()
-
-
 def checkpoint(save_at=5, total=10):
     """Saves (model, optimizer) at ``save_at``, runs on; a new model and optimizer (other
     initial weights) load the checkpoint and run the same steps: bit-identical parameters,
@@ -137,11 +128,11 @@ def checkpoint(save_at=5, total=10):
     torch.manual_seed(1234)
     model = Net()
     opt = _optimizer(model, 0.05, lr=0.05, momentum=0.9)
-    _steps(model, opt, range(save_at))
+    _train_steps(model, opt, range(save_at))
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     saved = _scheme_state(opt)
-    _steps(model, opt, range(save_at, total))
+    _train_steps(model, opt, range(save_at, total))
     torch.manual_seed(99)
     model2 = Net()
     opt2 = _optimizer(model2, 0.05, lr=0.05, momentum=0.9)
@@ -150,7 +141,7 @@ def checkpoint(save_at=5, total=10):
     model2.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
     restored = _scheme_state(opt2)
-    _steps(model2, opt2, range(save_at, total))
+    _train_steps(model2, opt2, range(save_at, total))
     return {"saved": saved, "restored": restored,
             "uninterrupted": {n: p.detach().clone() for n, p in model.named_parameters()},
             "resumed": {n: p.detach().clone() for n, p in model2.named_parameters()}}

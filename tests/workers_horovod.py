@@ -9,10 +9,9 @@ import os
 
 import horovod.torch as hvd
 import torch
-import torch.nn as nn
 
 import ssfusion_hvd
-from workers_schemes import Net, _batch, profile
+from workers_schemes import Net, _train_steps, profile
 
 SPARSE_KW = dict(density=0.05, warmup_steps=2, density_warmup_steps=3, log_plan=False)
 
@@ -36,15 +35,6 @@ def _wrap(model, kind, scheme, rank_variant=False):
     return ssfusion_hvd.DistributedOptimizer(
         _optimizer(kind, model.parameters(), rank_variant),
         named_parameters=model.named_parameters(), scheme=scheme, **kw)
-
-
-def _steps(model, opt, steps):
-    loss_fn = nn.CrossEntropyLoss()
-    for step in steps:
-        opt.zero_grad()
-        x, y = _batch(step, 0, "float32")
-        loss_fn(model(x), y).backward()
-        opt.step()
 
 
 def _torch_state(opt):
@@ -76,11 +66,11 @@ def resume(scheme, optimizer, ckpt_dir, own=False, save_at=6, total=10, strip_ra
     torch.manual_seed(1234)
     model = Net()
     opt = _wrap(model, optimizer, scheme)
-    _steps(model, opt, range(save_at))
+    _train_steps(model, opt, range(save_at))
     path = os.path.join(ckpt_dir, f"{scheme}-{optimizer}-rank{hvd.rank()}.pt")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
     saved_own = _own_state(opt)
-    _steps(model, opt, range(save_at, total))
+    _train_steps(model, opt, range(save_at, total))
     straight = _params(model)
     straight_plan = None if opt.plan is None else opt.plan.to_json()
     hvd.barrier()
@@ -101,9 +91,9 @@ def resume(scheme, optimizer, ckpt_dir, own=False, save_at=6, total=10, strip_ra
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     after_broadcast = _torch_state(opt)
-    _steps(model, opt, range(save_at, save_at + 1))
+    _train_steps(model, opt, range(save_at, save_at + 1))
     own_after_adopt = _own_state(opt)
-    _steps(model, opt, range(save_at + 1, total))
+    _train_steps(model, opt, range(save_at + 1, total))
     return {"straight": straight, "resumed": _params(model), "after_broadcast": after_broadcast,
             "plan": None if opt.plan is None else opt.plan.to_json(), "straight_plan": straight_plan,
             "saved_own": saved_own, "own_after_adopt": own_after_adopt,
@@ -121,7 +111,7 @@ def fresh_broadcast(scheme, optimizers, steps=5):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
         state, groups = _torch_state(opt)
-        _steps(model, opt, range(steps))
+        _train_steps(model, opt, range(steps))
         out[kind] = {"state": state, "groups": groups, "params": _params(model),
                      "final_state": _torch_state(opt)[0]}
     return out
@@ -139,10 +129,187 @@ def process_sets(scheme, layout, steps=8, probe=False):
     opt = ssfusion_hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         named_parameters=model.named_parameters(), scheme=scheme, process_set=mine, **kw)
-    _steps(model, opt, range(steps))
+    _train_steps(model, opt, range(steps))
     out = {"params": _params(model), "stats": opt.stats(),
            "plan": None if opt.plan is None else opt.plan.to_json()}
     hvd.barrier()
     for ps in sets:
         hvd.remove_process_set(ps)
     return out
+
+
+def _opt(model, scheme, torch_opt=None, **extra):
+    kw = {} if scheme == "dense" else dict(SPARSE_KW, profile=profile("topk"))
+    kw.update(extra)
+    named = kw.pop("named", model.named_parameters())
+    return ssfusion_hvd.DistributedOptimizer(
+        torch_opt or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=named, scheme=scheme, **kw)
+
+
+class TwoHeads(torch.nn.Module):
+    """Rank 0 uses head ``a``, the others head ``b``: a parameter without a gradient on
+    some ranks (Horovod's "different outputs" case)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(12, 16)
+        self.a = torch.nn.Linear(16, 3)
+        self.b = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.a(h) if hvd.rank() == 0 else self.b(h)
+
+
+class Bag(torch.nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8, sparse=sparse)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, idx):
+        return self.out(self.emb(idx).mean(1))
+
+
+def behaviours(scheme, steps=7):
+    """Horovod's optimizer behaviours, each on its own model; returns per behaviour the
+    final parameters (identical on every rank when synchronization worked) and what was
+    observed."""
+    import warnings
+
+    loss_fn = torch.nn.CrossEntropyLoss()
+    out = {}
+
+    def batch(step):
+        g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
+        return torch.randn(16, 12, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+    # synchronize(), clip, step() inside skip_synchronize(): no warning
+    torch.manual_seed(1)
+    model = Net()
+    opt = _opt(model, scheme)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(steps):
+            opt.zero_grad()
+            x, y = batch(s)
+            loss_fn(model(x), y).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            with opt.skip_synchronize():
+                opt.step()
+    out["clip"] = {"params": _params(model), "warnings": [str(w.message) for w in caught
+                                                           if "skip_synchronize" in str(w.message)]}
+
+    # step() after synchronize() without skip_synchronize(): Horovod's warning, no hang
+    torch.manual_seed(1)
+    model = Net()
+    opt = _opt(model, scheme)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(steps):
+            opt.zero_grad()
+            x, y = batch(s)
+            loss_fn(model(x), y).backward()
+            opt.synchronize()
+            opt.step()
+    out["no_skip"] = {"params": _params(model), "warnings": [str(w.message) for w in caught
+                                                              if "skip_synchronize" in str(w.message)]}
+
+    # a parameter without gradient on some ranks
+    torch.manual_seed(2)
+    model = TwoHeads()
+    opt = _opt(model, scheme)
+    for s in range(steps):
+        opt.zero_grad()
+        x, y = batch(s)
+        loss_fn(model(x), y).backward()
+        opt.step()
+    out["different_outputs"] = {"params": _params(model)}
+
+    # requires_grad switched per step: two optimizers, GAN style
+    torch.manual_seed(3)
+    gen, disc = torch.nn.Linear(4, 12), torch.nn.Linear(12, 1)
+    opt_g = _opt(gen, scheme, torch.optim.SGD(gen.parameters(), lr=0.05, momentum=0.9),
+                 named=[("g." + n, p) for n, p in gen.named_parameters()])
+    opt_d = _opt(disc, scheme, torch.optim.SGD(disc.parameters(), lr=0.05, momentum=0.9),
+                 named=[("d." + n, p) for n, p in disc.named_parameters()])
+    bce = torch.nn.BCEWithLogitsLoss()
+    for s in range(steps):
+        g = torch.Generator().manual_seed(1000 * hvd.rank() + s)
+        z, real = torch.randn(8, 4, generator=g), torch.randn(8, 12, generator=g)
+        for p in gen.parameters():
+            p.requires_grad_(False)
+        opt_d.zero_grad()
+        (bce(disc(real), torch.ones(8, 1)) + bce(disc(gen(z)), torch.zeros(8, 1))).backward()
+        opt_d.step()
+        for p in gen.parameters():
+            p.requires_grad_(True)
+        for p in disc.parameters():
+            p.requires_grad_(False)
+        opt_g.zero_grad()
+        bce(disc(gen(z)), torch.ones(8, 1)).backward()
+        opt_g.step()
+        for p in disc.parameters():
+            p.requires_grad_(True)
+    out["gan"] = {"params": {**{"g." + n: p.detach().clone() for n, p in gen.named_parameters()},
+                             **{"d." + n: p.detach().clone() for n, p in disc.named_parameters()}}}
+
+    # no named_parameters
+    torch.manual_seed(4)
+    model = Net()
+    opt = _opt(model, scheme, named=None)
+    _train_steps(model, opt, range(steps))
+    out["unnamed"] = {"params": _params(model)}
+
+    # duplicate and missing names: ValueError on every rank, before any collective
+    errors = {}
+    for case in ("duplicate", "missing"):
+        model = Net()
+        named = list(model.named_parameters())
+        named = named[:1] + named[:-1] if case == "duplicate" else named[1:]
+        try:
+            _opt(model, scheme, named=named)
+            errors[case] = None
+        except ValueError as exc:
+            errors[case] = str(exc)
+    out["names"] = errors
+
+    # sparse embeddings, with and without sparse_as_dense
+    for sad in (False, True):
+        torch.manual_seed(5)
+        model = Bag(sparse=True)
+        opt = _opt(model, scheme, torch.optim.SGD(model.parameters(), lr=0.1), sparse_as_dense=sad)
+        for s in range(steps):
+            g = torch.Generator().manual_seed(1000 * hvd.rank() + s)
+            idx, y = torch.randint(0, 50, (8, 5), generator=g), torch.randint(0, 3, (8,), generator=g)
+            opt.zero_grad()
+            loss_fn(model(idx), y).backward()
+            opt.step()
+        out[f"sparse_embedding_{'as_dense' if sad else 'sparse'}"] = {"params": _params(model)}
+    hvd.barrier()
+    return out
+
+
+def load_on_rank0_only(scheme, ckpt_dir, save_at=6):
+    """Rank 0 loads a checkpoint and nobody calls hvd.broadcast_optimizer_state: the ranks
+    are at different points of the scheme. Returns the error each rank raised (or None)."""
+    torch.manual_seed(1234)
+    model = Net()
+    opt = _wrap(model, "sgd", scheme)
+    _train_steps(model, opt, range(save_at))
+    path = os.path.join(ckpt_dir, f"alone-{scheme}.pt")
+    if hvd.rank() == 0:
+        torch.save(opt.state_dict(), path)
+    hvd.barrier()
+    torch.manual_seed(1234)
+    model = Net()
+    opt = _wrap(model, "sgd", scheme)
+    if hvd.rank() == 0:
+        opt.load_state_dict(torch.load(path, weights_only=False))
+    try:
+        _train_steps(model, opt, range(save_at, save_at + 3))
+    except RuntimeError as exc:
+        return str(exc)
+    return None

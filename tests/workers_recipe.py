@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import ssfusion_hvd
-from workers_schemes import _batch, _model, mixed_plan, profile
+from workers_schemes import _batch, _model, _train_steps, mixed_plan, profile
 
 OPTIMIZERS = {
     "sgd": lambda ps, wd, nesterov: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=wd,
@@ -87,25 +87,17 @@ def checkpoint(scheme, optimizer, ckpt, save_at=4, total=8):
             warmup_steps=2, profile=profile("topk"), log_plan=False, density_warmup_steps=6)
         return model, opt
 
-    def run(model, opt, steps):
-        loss_fn = nn.CrossEntropyLoss()
-        for step in steps:
-            opt.zero_grad()
-            x, y = _batch(step, 0, "float32")
-            loss_fn(model(x), y).backward()
-            opt.step()
-
     model, opt = build(None)
-    run(model, opt, range(save_at))
+    _train_steps(model, opt, range(save_at))
     path = os.path.join(ckpt, f"{scheme}-{optimizer}-rank{hvd.rank()}.pt")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
-    run(model, opt, range(save_at, total))
+    _train_steps(model, opt, range(save_at, total))
     first = {n: p.detach().clone() for n, p in model.named_parameters()}
     model2, opt2 = build(99 + hvd.rank())  # other weights: everything must come from the file
     state = torch.load(path, weights_only=False)
     model2.load_state_dict(state["model"])
     opt2.load_state_dict(state["opt"])
-    run(model2, opt2, range(save_at, total))
+    _train_steps(model2, opt2, range(save_at, total))
     second = {n: p.detach().clone() for n, p in model2.named_parameters()}
     saved = state["opt"]["ssfusion"]["state"]
     return {"first": first, "second": second, "rule": saved.get("rule"),

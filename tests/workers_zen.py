@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import ssfusion_hvd
-from workers_schemes import DTYPES, OPS, _batch, _model
+from workers_schemes import DTYPES, OPS, _batch, _model, _train_steps
 
 # this worker process also runs bfloat16 (Horovod's allgather has no bfloat16: ZEN sends bytes)
 DTYPES.setdefault("bfloat16", torch.bfloat16)
@@ -62,29 +62,20 @@ def record(steps=4, op="average", predivide=1.0, dtype="float32", sparsifier="to
             "names": names}
 
 
-def _train(model, opt, steps):
-    loss_fn = nn.CrossEntropyLoss()
-    for step in steps:
-        opt.zero_grad()
-        x, y = _batch(step, 0, "float32")
-        loss_fn(model(x), y).backward()
-        opt.step()
-
-
 def checkpoint(save_at=3, total=6):
     """Uninterrupted run vs. a new model+optimizer restored at ``save_at`` (same launch)."""
     model = _model("float32")
     opt = _opt(model, momentum=0.9)
-    _train(model, opt, range(save_at))
+    _train_steps(model, opt, range(save_at))
     saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
              "opt": copy.deepcopy(opt.state_dict())}  # momentum buffers are live tensors
-    _train(model, opt, range(save_at, total))
+    _train_steps(model, opt, range(save_at, total))
     torch.manual_seed(99)
     other = type(model)()  # different weights: everything must come from the checkpoint
     opt2 = _opt(other, momentum=0.9)
     other.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
-    _train(other, opt2, range(save_at, total))
+    _train_steps(other, opt2, range(save_at, total))
     return {"straight": {n: p.detach().clone() for n, p in model.named_parameters()},
             "resumed": {n: p.detach().clone() for n, p in other.named_parameters()},
             "had_residuals": bool(saved["opt"]["ssfusion"]["state"]["residuals"])}

@@ -93,6 +93,12 @@ class Scheme:
         if state:
             raise ValueError(f"scheme {self.name!r} has no state, got keys {sorted(state)}")
 
+    def signature(self):
+        """``(iteration, plan checksum)``: what every rank must agree on before its
+        collectives of a step can match (None: nothing to check, ``dense``). The
+        optimizer compares it across ranks every step (``_DistributedOptimizer``)."""
+        return None
+
     def memories(self) -> list:
         """The :class:`~ssfusion_hvd.sparsify.memory.ResidualMemory` objects in use."""
         mem = getattr(self, "_memory", None)
@@ -189,6 +195,9 @@ class WholeGradientScheme(Scheme):
 
     def shared_state(self) -> dict:
         return {"iteration": self._iteration}
+
+    def signature(self):
+        return (self._iteration, 0)
 
     def adopt_shared(self, shared: dict, keep_local: bool, all_keep: bool) -> None:
         if keep_local:

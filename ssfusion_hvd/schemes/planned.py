@@ -116,6 +116,7 @@ class PlannedScheme(Scheme):
             raise ValueError(f"scheme {self.name!r} supports float32 and float16 "
                              f"gradients, got {dtype}; use scheme='dense'")
         self.plan = plan
+        self._plan_crc = zlib.crc32(plan.to_json().encode())
         self._params = params
         self._pos = {p: i for i, p in enumerate(params)}
         self._group_of = plan.group_of()
@@ -401,6 +402,9 @@ class PlannedScheme(Scheme):
         else:
             state["residuals"] = {}
         return state
+
+    def signature(self):
+        return (self._iteration, 0 if self.plan is None else self._plan_crc)
 
     def shared_state(self) -> dict:
         return {"iteration": self._iteration,
