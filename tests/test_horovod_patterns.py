@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hvdrun import run_workers
+from ssfusion_hvd.plan import Plan
 
 pytestmark = pytest.mark.multiworker
 
@@ -26,12 +27,11 @@ def resumed(tmp_path_factory):
     """Every scheme x (SGD, Adam) x (rank 0 loads / every rank loads its own state)."""
     out = {}
     ckpt = tmp_path_factory.mktemp("ckpt")
-    for scheme in SCHEMES:
-        for opt in ("sgd", "adam"):
-            for own in (False, True):
-                out[scheme, opt, own] = run_workers("workers_horovod:resume", np=2, timeout=240,
-                                                    scheme=scheme, optimizer=opt, own=own,
-                                                    ckpt_dir=str(ckpt))
+    for scheme in SCHEMES:  # one job per scheme
+        ranks = run_workers("workers_horovod:resume_cases", np=2, timeout=400, scheme=scheme,
+                            optimizers=["sgd", "adam"], owns=[False, True], ckpt_dir=str(ckpt))
+        for key in ranks[0]:
+            out[(scheme,) + key] = [r[key] for r in ranks]
     return out
 
 
@@ -49,6 +49,8 @@ def test_resume_the_horovod_way(resumed, scheme, opt, own):
     assert r0["after_broadcast"][1] == r1["after_broadcast"][1]
     assert r0["recipe"] == r1["recipe"]
     assert r0["plan"] == r1["plan"] == r0["straight_plan"]
+    if r0["plan"] is not None:  # the scheme under test: something sparsified
+        assert any(Plan.from_json(r0["plan"]).sparse)
     if scheme != "dense":  # the local rule follows rank 0's (broadcast) hyper-parameters
         want = {"momentum": 0.9} if opt == "sgd" else {"betas": (0.9, 0.999)}
         assert {k: r1["recipe"][1][k] for k in want} == want
@@ -79,6 +81,21 @@ def test_resume_rank0_equals_explicit_fresh_local_state(tmp_path):
 
 OPTIMIZERS = ["sgd", "adam", "adamw", "Adadelta", "Adagrad", "Adamax", "ASGD", "NAdam",
               "RAdam", "RMSprop", "Rprop"]
+
+
+@pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi"])
+def test_rank0_resume_for_every_optimizer(scheme, tmp_path):
+    """The rank-0 resume pattern with every torch optimizer Horovod's tests use (per-rank
+    hyper-parameters before the broadcast): no hang, every rank bit-identical in
+    parameters, optimizer state and hyper-parameters."""
+    ranks = run_workers("workers_horovod:resume_cases", np=2, timeout=400,
+                        scheme=scheme, optimizers=OPTIMIZERS, ckpt_dir=str(tmp_path))
+    for kind in OPTIMIZERS:
+        a, b = ranks[0][kind, False], ranks[1][kind, False]
+        _equal_dicts(a["resumed"], b["resumed"])
+        _equal_dicts(a["after_broadcast"][0], b["after_broadcast"][0])
+        assert a["after_broadcast"][1] == b["after_broadcast"][1], kind
+        assert a["plan"] == b["plan"] == a["straight_plan"], kind
 
 
 @pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "zen"])
@@ -153,3 +170,14 @@ def test_checkpoint_on_one_rank_without_broadcast_fails_clearly(scheme, tmp_path
                          scheme=scheme, ckpt_dir=str(tmp_path))
     assert errors[0] is not None and errors[0] == errors[1]
     assert "different points" in errors[0] and "broadcast_optimizer_state" in errors[0]
+
+
+def test_process_sets_with_live_probes():
+    """The start-up probes, the cost model's and the plan's broadcasts run on each
+    scheme's own process set (no profile given): a pair and a single rank plan at once."""
+    ranks = run_workers("workers_horovod:process_sets", np=3, timeout=240,
+                        env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, scheme="ssfusion_oi",
+                        layout=[[0, 1], [2]], probe=True)
+    _equal_dicts(ranks[0]["params"], ranks[1]["params"])
+    assert ranks[0]["plan"] == ranks[1]["plan"] is not None and ranks[2]["plan"] is not None
+    assert all(r["stats"]["phase"] == "planned" for r in ranks)

@@ -16,6 +16,14 @@ from workers_schemes import Net, _train_steps, profile
 SPARSE_KW = dict(density=0.05, warmup_steps=2, density_warmup_steps=3, log_plan=False)
 
 
+def _profile():
+    """The tests' fixed cost model with backward times for Net's 8 tensors too, so the plan
+    does not depend on how fast this run's backward pass happened to be."""
+    model = profile("topk")
+    model.backward_s = (1e-4,) * 8
+    return model
+
+
 def _optimizer(kind, params, rank_variant=False):
     """The torch optimizer ``kind``; with ``rank_variant`` the hyper-parameters differ per
     rank (a broadcast must replace them with rank 0's)."""
@@ -31,7 +39,7 @@ def _optimizer(kind, params, rank_variant=False):
 
 
 def _wrap(model, kind, scheme, rank_variant=False):
-    kw = {} if scheme == "dense" else dict(SPARSE_KW, profile=profile("topk"))
+    kw = {} if scheme == "dense" else dict(SPARSE_KW, profile=_profile())
     return ssfusion_hvd.DistributedOptimizer(
         _optimizer(kind, model.parameters(), rank_variant),
         named_parameters=model.named_parameters(), scheme=scheme, **kw)
@@ -125,7 +133,7 @@ def process_sets(scheme, layout, steps=8, probe=False):
     mine = next(ps for ps, ranks in zip(sets, layout) if hvd.rank() in ranks)
     torch.manual_seed(1234)
     model = Net()
-    kw = {} if scheme == "dense" else dict(SPARSE_KW, profile=None if probe else profile("topk"))
+    kw = {} if scheme == "dense" else dict(SPARSE_KW, profile=None if probe else _profile())
     opt = ssfusion_hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         named_parameters=model.named_parameters(), scheme=scheme, process_set=mine, **kw)
@@ -139,7 +147,7 @@ def process_sets(scheme, layout, steps=8, probe=False):
 
 
 def _opt(model, scheme, torch_opt=None, **extra):
-    kw = {} if scheme == "dense" else dict(SPARSE_KW, profile=profile("topk"))
+    kw = {} if scheme == "dense" else dict(SPARSE_KW, profile=_profile())
     kw.update(extra)
     named = kw.pop("named", model.named_parameters())
     return ssfusion_hvd.DistributedOptimizer(
@@ -313,3 +321,9 @@ def load_on_rank0_only(scheme, ckpt_dir, save_at=6):
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def resume_cases(scheme, optimizers, ckpt_dir, owns=(False,)):
+    """:func:`resume` for each torch optimizer and each ``own``, in one job."""
+    return {(kind, own): resume(scheme, kind, ckpt_dir, own=own)
+            for kind in optimizers for own in owns}
