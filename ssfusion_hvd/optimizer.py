@@ -224,18 +224,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if sig is None:
             self._check = False
             return
-        vals = [int(v) for v in sig]
+        vals = [int(v) for v in sig]  # max of v and of -v: every rank learns min and max
         t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64)
-        self._check = (hvd.allreduce_async(t, name=self._check_name, op=hvd.Max,
-                                           process_set=self._config.process_set), vals)
+        self._check = hvd.allreduce_async(t, name=self._check_name, op=hvd.Max,
+                                          process_set=self._config.process_set)
 
     def _finish_check(self) -> None:
-        check, self._check = self._check, None
-        if not check:
+        handle, self._check = self._check, None
+        if not handle:
             return
-        handle, mine = check
         out = hvd.synchronize(handle).tolist()
-        n = len(mine)
+        n = len(out) // 2
         hi, lo = out[:n], [-v for v in out[n:]]
         if hi != lo:
             raise RuntimeError(
@@ -323,9 +322,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             shared = g.pop(_SHARED_KEY, shared)
         if shared is None or not self._config.process_set.included():
             return
-        if shared["scheme"] != self._scheme_name:
+        same_scheme = shared["scheme"] == self._scheme_name
+        if not same_scheme:  # nothing below applies; the error is raised after the collective
+            keep = False
+        else:
+            keep = self._adopt_recipe() and _same(self._shared_state(), shared)
+        # every rank of the set runs this one collective, then all decide alike
+        flags = torch.tensor([int(keep), int(same_scheme)], dtype=torch.int32)
+        all_keep, all_same = (bool(v) for v in hvd.allreduce(
+            flags, op=hvd.Min, name=f"{self._check_name}.adopt",
+            process_set=self._config.process_set).tolist())
+        if not all_same:
             raise ValueError(f"hvd.broadcast_optimizer_state: the root runs scheme "
-                             f"{shared['scheme']!r}, this rank {self._scheme_name!r}")
+                             f"{shared['scheme']!r}, and not every rank does (this one: "
+                             f"{self._scheme_name!r}); every rank must use the same scheme")
+        self._scheme.adopt_shared(shared["state"], keep, all_keep)
+
+    def _adopt_recipe(self) -> bool:
+        """Re-resolves the recipe from the (broadcast) hyper-parameters; the local rules
+        continue with them. False when the kind of local rule changed (its state is then
+        not this rank's to keep)."""
         old = self._config.recipe
         recipe = resolve_recipe(self, **old.options) if old.options is not None else old
         if (recipe.kind, recipe.hparams) != (old.kind, old.hparams):
@@ -336,12 +352,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for mem in self._scheme.memories():
                 mem.replace_rule(recipe.make_rule())
                 mem.seed_from = recipe.take_state
-        keep = recipe.kind == old.kind and _same(self._shared_state(), shared)
-        ps = self._config.process_set
-        flag = torch.tensor([int(keep)], dtype=torch.int32)
-        all_keep = bool(int(hvd.allreduce(flag, op=hvd.Min, name="ssfusion.adopt",
-                                          process_set=ps)))
-        self._scheme.adopt_shared(shared["state"], keep, all_keep)
+        return recipe.kind == old.kind
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)

@@ -58,6 +58,7 @@ DEFAULT_MASKING = "auto"
 WARMUP_START = 0.25
 WARMUP_STAGES = 4
 
+
 def _zero_step(old, p: torch.Tensor, group: dict) -> torch.Tensor:
     """A step count of 0 in the form ``torch.optim.Adam`` keeps it (a scalar tensor; on the
     parameter's device for ``capturable``/``fused``)."""
@@ -151,7 +152,7 @@ class Recipe:
         out = None
         if found:
             out = {b: torch.cat([(s[b] if s.get(b) is not None else torch.zeros_like(p)).reshape(-1)
-                                 for p, s in zip(params, states)]).clone() for b in buffers}
+                                 for p, s in zip(params, states)]) for b in buffers}
             steps = [float(s["step"]) for s in states if "step" in s]
             out = (out, int(max(steps)) if steps else 0)
         with torch.no_grad():

@@ -181,3 +181,8 @@ def test_process_sets_with_live_probes():
     _equal_dicts(ranks[0]["params"], ranks[1]["params"])
     assert ranks[0]["plan"] == ranks[1]["plan"] is not None and ranks[2]["plan"] is not None
     assert all(r["stats"]["phase"] == "planned" for r in ranks)
+
+
+def test_broadcast_between_different_schemes_fails_on_every_rank():
+    errors = run_workers("workers_horovod:scheme_mismatch", np=2, timeout=120)
+    assert all(e is not None and "every rank must use the same scheme" in e for e in errors), errors

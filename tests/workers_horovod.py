@@ -317,3 +317,18 @@ def resume_cases(scheme, optimizers, ckpt_dir, owns=(False,)):
     """:func:`resume` for each torch optimizer and each ``own``, in one job."""
     return {(kind, own): resume(scheme, kind, ckpt_dir, own=own)
             for kind in optimizers for own in owns}
+
+
+def scheme_mismatch():
+    """Rank 0 runs ssfusion_oi, rank 1 per_tensor; the fresh-start broadcast then the first
+    step: the same ValueError on both ranks, raised after one collective both run."""
+    torch.manual_seed(1234)
+    model = Net()
+    opt = _wrap(model, "sgd", "ssfusion_oi" if hvd.rank() == 0 else "per_tensor")
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    try:
+        _train_steps(model, opt, range(1))
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -157,13 +157,18 @@ class WholeGradientScheme(Scheme):
         self._t_first = None  # first submission of the step (for stats' communicate_s)
         self._all = frozenset(self._trainable)
         self._last_sparse = frozenset()
-        self._memory = config.recipe.make_memory(self._dtype)
         self._names = [config.names[p] for p in self._trainable]
         self._sizes = [p.numel() for p in self._trainable]
-        self._memory.register(self._KEY, self._names, [p.shape for p in self._trainable])
+        self._memory = self._new_memory()
         self._iteration = 0
 
     _KEY = "flat"  # the memory key of the whole flat gradient
+
+    def _new_memory(self):
+        """Empty residuals and local rule state for the whole flat gradient."""
+        mem = self.config.recipe.make_memory(self._dtype)
+        mem.register(self._KEY, self._names, [p.shape for p in self._trainable])
+        return mem
 
     def sparsifies(self, p: torch.Tensor) -> bool:
         return True
@@ -204,8 +209,7 @@ class WholeGradientScheme(Scheme):
             return
         self.reset()
         self._iteration = int(shared["iteration"])
-        self._memory = self.config.recipe.make_memory(self._dtype)  # residuals from zero
-        self._memory.register(self._KEY, self._names, [p.shape for p in self._trainable])
+        self._memory = self._new_memory()  # residuals and rule state from zero
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad.is_sparse:  # sparse gradients travel densely in these schemes
