@@ -21,6 +21,10 @@ from typing import Any, Dict, List
 
 import torch
 
+from ..core.layout import FlatLayout
+from ..core.stats import StepStats
+from ..core.transport import Transport
+
 
 @dataclass
 class SyncConfig:
@@ -82,9 +86,12 @@ class Scheme:
     def reset(self) -> None:
         """Forget submitted-but-unfinished work (used by ``load_state_dict``)."""
 
+    #: the last finished step's metrics (a scheme replaces it in ``finish()``)
+    last_stats: StepStats = StepStats()
+
     def stats(self) -> dict:
         """Metrics of the last finished iteration (see ``DistributedOptimizer.stats``)."""
-        return {}
+        return self.last_stats.as_dict() if self.last_stats.phase != "none" else {}
 
     def state_dict(self) -> dict:
         return {}
@@ -119,18 +126,6 @@ class Scheme:
         zero, never from another rank's. ``all_keep``: every rank keeps its own."""
 
 
-def op_scales(config: SyncConfig) -> tuple:
-    """``(sender prescale, receiver postscale)`` of a sum over the ranks, as Horovod scales
-    an allreduce: Average is ``1/f`` before the sum and ``f/P`` after it
-    (``f = gradient_predivide_factor``); Sum scales nothing."""
-    from horovod.torch.mpi_ops import Average
-
-    if config.op == Average:
-        f = config.gradient_predivide_factor
-        return 1.0 / f, f / config.process_set.size()
-    return 1.0, 1.0
-
-
 class WholeGradientScheme(Scheme):
     """Base of the schemes that synchronize the whole model gradient as one flat vector
     once its last tensor is final (SparDL, ZEN, ExDyna): checks that the gradients share
@@ -139,6 +134,8 @@ class WholeGradientScheme(Scheme):
 
     #: gradient dtypes the scheme's collectives can carry
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    #: prefix of the scheme's collective names (``Transport``)
+    prefix = "whole"
 
     def __init__(self, config: SyncConfig):
         super().__init__(config)
@@ -157,8 +154,10 @@ class WholeGradientScheme(Scheme):
         self._t_first = None  # first submission of the step (for stats' communicate_s)
         self._all = frozenset(self._trainable)
         self._last_sparse = frozenset()
-        self._names = [config.names[p] for p in self._trainable]
-        self._sizes = [p.numel() for p in self._trainable]
+        #: the whole model gradient as one flat vector (canonical order)
+        self.flat = FlatLayout([p.shape for p in self._trainable],
+                               [config.names[p] for p in self._trainable])
+        self.transport = Transport(config, self.prefix)
         self._memory = self._new_memory()
         self._iteration = 0
 
@@ -167,7 +166,7 @@ class WholeGradientScheme(Scheme):
     def _new_memory(self):
         """Empty residuals and local rule state for the whole flat gradient."""
         mem = self.config.recipe.make_memory(self._dtype)
-        mem.register(self._KEY, self._names, [p.shape for p in self._trainable])
+        mem.register(self._KEY, self.flat.names, self.flat.shapes)
         return mem
 
     def sparsifies(self, p: torch.Tensor) -> bool:
@@ -215,6 +214,22 @@ class WholeGradientScheme(Scheme):
         if p.grad.is_sparse:  # sparse gradients travel densely in these schemes
             p.grad = p.grad.to_dense()
         return p.grad
+
+    def _flat_grad(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every trainable gradient, back to back (into ``out`` when given)."""
+        return self.flat.gather([self._grad(p) for p in self._trainable], out)
+
+    def _deliver(self, flat: torch.Tensor) -> None:
+        """The synchronized flat gradient into every ``p.grad``."""
+        self.flat.scatter(flat, [p.grad for p in self._trainable])
+
+    def _step_stats(self, t_wait: float, t_end: float, **values) -> StepStats:
+        """The stats of a finished step: every gradient sparsified, ``elements`` the whole
+        model, timings from the first submission; ``values`` sets the rest."""
+        values = {"phase": "sparse", "iteration": self._iteration, "tensors_dense": 0,
+                  "tensors_sparse": len(self._trainable), "elements": self.flat.numel, **values}
+        st = StepStats(**values)
+        return st.timed(self._t_first, t_wait, t_end)
 
     def submit(self, p: torch.Tensor) -> None:
         if self._t_first is None:

@@ -81,26 +81,22 @@ float16, bfloat16) and device.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from typing import List, Optional, Sequence
 
 import torch
-from horovod.torch.mpi_ops import Average, allgather_async, allreduce_async_, synchronize
 
 from .. import ops
+from ..plan.cost import nominal_k
 from ..sparsify.threshold import Threshold
 from .base import SyncConfig, WholeGradientScheme
 
 __all__ = ["ExDynaScheme", "ExDynaState"]
 
-_instances = itertools.count()
 
-
-def _nominal_k(numel: int, density: float) -> int:
-    """k = ceil(density * n) (the 1e-9 keeps 0.07*100 at 7), at least 1 and at most n."""
-    return min(max(math.ceil(numel * density - 1e-9), 1), max(numel, 1))
+def _k_of(numel: int, density: float) -> int:
+    return int(nominal_k(numel, density)) if numel else 1
 
 
 class ExDynaState:
@@ -124,7 +120,7 @@ class ExDynaState:
         if nranks < 1 or numel < 0:
             raise ValueError(f"need nranks >= 1 and numel >= 0, got {nranks}, {numel}")
         self.numel, self.nranks, self.density = int(numel), int(nranks), float(density)
-        self.k = _nominal_k(self.numel, self.density)
+        self.k = _k_of(self.numel, self.density)
         self.blocks_per_worker = int(blocks_per_worker)
         self.move_blocks, self.min_blocks = int(move_blocks), int(min_blocks)
         self.alpha = float(alpha)
@@ -139,7 +135,7 @@ class ExDynaState:
         to walk it to a 2-4x lower target)."""
         if float(density) != self.density:
             self.density = float(density)
-            self.k = _nominal_k(self.numel, self.density)
+            self.k = _k_of(self.numel, self.density)
             self.threshold = None
 
     # ------------------------------------------------------------------ Algorithm 2
@@ -239,7 +235,7 @@ class ExDynaState:
         self.iteration = int(state["iteration"])
         if "density" in state:  # the density the threshold was tuned to (density warm-up)
             self.density = float(state["density"])
-            self.k = _nominal_k(self.numel, self.density)
+            self.k = _k_of(self.numel, self.density)
         if int(state["nranks"]) == self.nranks:
             self.block_size, self.num_blocks = int(state["block_size"]), int(state["num_blocks"])
             self.blocks = [int(b) for b in state["blocks"]]
@@ -251,41 +247,27 @@ class ExDynaScheme(WholeGradientScheme):
     """ExDyna over Horovod (see the module docstring)."""
 
     name = "exdyna"
+    prefix = "exd"
     dtypes = (torch.float32, torch.float16)  # values travel by allreduce: no bfloat16 in Horovod 0.28.1
 
     def __init__(self, config: SyncConfig, **knobs):
         super().__init__(config)
-        self._tag = f"exd{next(_instances)}"  # created in the same order on every rank
-        self._offsets = [0] + list(itertools.accumulate(self._sizes))
-        self._numel = self._offsets[-1]
-        self._nranks = config.process_set.size()
-        self._rank = config.process_set.rank()
+        self._numel = self.flat.numel
+        self._nranks, self._rank = self.transport.size, self.transport.rank
         self._idx_dtype = ops.index_dtype(self._numel)
-        if config.op == Average:
-            self._prescale, self._postscale = 1.0 / config.gradient_predivide_factor, \
-                config.gradient_predivide_factor
-        else:
-            self._prescale = self._postscale = 1.0
         self.state = ExDynaState(self._numel, self._nranks, self._density(), **knobs)
         self._flat = torch.empty(self._numel, dtype=self._dtype, device=self._device)
         self._out = torch.empty(self._numel, dtype=self._acc_dtype(), device=self._device)
-        self._out_views = [self._out[a:b].view(p.shape) for p, a, b
-                           in zip(self._trainable, self._offsets, self._offsets[1:])]
-        self._tensor_starts = torch.tensor(self._offsets[1:-1], dtype=torch.int64,
-                                           device=self._device)
         self.selected: Optional[torch.Tensor] = None  # this rank's indices, last iteration
-        self._stats: dict = {}
         self.reset()
 
     # ------------------------------------------------------------------ submit
-
-
     def _launch(self) -> None:
         """Error feedback, exclusive selection in the own partition, index allgather."""
         t0 = time.perf_counter()
         st = self.state
         if self._numel:
-            torch.cat([self._grad(p).reshape(-1) for p in self._trainable], out=self._flat)
+            self._flat_grad(out=self._flat)
         acc = self._memory.compensate(self._KEY, self._flat)
         st.set_density(self._density())  # density warm-up: the target of this step
         lo, hi = st.partition(self._rank)
@@ -295,16 +277,13 @@ class ExDynaScheme(WholeGradientScheme):
             values, idx = ops.topk(part, st.calibration_k(self._rank))
             kth = float(values.float().abs().nan_to_num(nan=math.inf).min()) \
                 if values.numel() else math.nan
-            self._kth = allgather_async(torch.tensor([kth], dtype=torch.float64),
-                                        name=f"{self._tag}.kth",
-                                        process_set=self.config.process_set)
+            self._kth = self.transport.allgather(torch.tensor([kth], dtype=torch.float64), "kth")
         else:
             values, idx = ops.threshold_select(part, st.threshold)
         idx = idx.to(self._idx_dtype).add_(lo)
         self._acc, self.selected = acc, idx
         self._sparsify_s = time.perf_counter() - t0
-        self._ag = allgather_async(idx, name=f"{self._tag}.idx",
-                                   process_set=self.config.process_set)
+        self._ag = self.transport.allgather(idx, "idx")
 
     # ------------------------------------------------------------------ finish
     def finish(self) -> None:
@@ -312,66 +291,48 @@ class ExDynaScheme(WholeGradientScheme):
         the threshold and the partitions."""
         if self._ag is None:
             return
-        cfg = self.config
+        cfg, tr = self.config, self.transport
         t_wait = time.perf_counter()
         st = self.state
-        gathered = synchronize(self._ag)  # idx_t: rank-major, disjoint
+        gathered = tr.wait(self._ag)  # idx_t: rank-major, disjoint
         bounds = st.bounds()
         counts = torch.bincount(
             torch.bucketize(gathered.long(), torch.tensor(bounds[1:-1], device=gathered.device),
                             right=True), minlength=self._nranks).tolist()
-        kth = synchronize(self._kth).tolist() if self._calibrating else None
-        gidx = gathered.long()
-        values = self._acc.index_select(0, gidx).to(self._dtype)  # the wire dtype
+        kth = tr.wait(self._kth).tolist() if self._calibrating else None
+        values = self._acc.index_select(0, gathered.long()).to(self._dtype)  # the wire dtype
         compressed, ctx = cfg.compression.compress(values)
-        handle = allreduce_async_(compressed, name=f"{self._tag}.val", op=cfg.op,
-                                  prescale_factor=self._prescale, postscale_factor=self._postscale,
-                                  process_set=cfg.process_set)
-        reduced = cfg.compression.decompress(synchronize(handle), ctx).to(self._out.dtype)
+        pre, post = tr.horovod_scales()
+        handle = tr.allreduce(compressed, "val", prescale=pre, postscale=post)
+        reduced = cfg.compression.decompress(tr.wait(handle), ctx).to(self._out.dtype)
         self._out.zero_()
         ops.scatter_add(self._out, reduced, gathered)
-        torch._foreach_copy_([p.grad for p in self._trainable], self._out_views)
+        self._deliver(self._out)
         self._memory.update(self._KEY, self._acc, gathered, self._dtype)
         t_end = time.perf_counter()
-        own = self.selected.numel()
-        total = gathered.numel()
-        hit = torch.bincount(torch.bucketize(gidx, self._tensor_starts, right=True),
-                             minlength=len(self._trainable))
-        self._stats = {
-            "phase": "calibration" if self._calibrating else "sparse",
-            "iteration": st.iteration + 1,
-            "allreduce_bytes": compressed.numel() * compressed.element_size(),
-            "allgather_bytes": own * self.selected.element_size(),
-            "tensors_dense": 0, "tensors_sparse": len(self._trainable),
-            "elements": self._numel, "elements_sent": total,
-            "density": total / max(self._numel, 1), "density_target": st.density,
-            "tensors_missing": (hit == 0).sum(),  # resolved lazily by stats()
-            "nonfinite": torch.isfinite(reduced).logical_not_().sum(),
-            "sparsify_s": self._sparsify_s, "offload_s": 0.0,
-            "communicate_s": t_end - (self._t_first if self._t_first is not None else t_wait),
-            "wait_s": t_end - t_wait,
+        own, total = self.selected.numel(), gathered.numel()
+        self._finished()
+        self.last_stats = self._step_stats(
+            t_wait, t_end, phase="calibration" if self._calibrating else "sparse",
+            allreduce_bytes=tr.sent["allreduce"], allgather_bytes=own * self.selected.element_size(),
+            elements_sent=total, density_target=st.density,
+            tensors_missing=self.flat.missing(gathered),
+            nonfinite=torch.isfinite(reduced).logical_not_().sum(),
+            sparsify_s=self._sparsify_s,
             # ExDyna's own: the threshold used, this rank's partition and count, the
             # per-partition counts and f(t) = P * max k_i / k' (Eq. 5; 1 is perfect balance)
-            "threshold": st.threshold, "partition": st.partition(self._rank),
-            "selected": own, "counts": counts,
-            "imbalance": self._nranks * max(counts) / total if total else 1.0,
-        }
+            extra={"threshold": st.threshold, "partition": st.partition(self._rank),
+                   "selected": own, "counts": counts,
+                   "imbalance": self._nranks * max(counts) / total if total else 1.0})
         st.observe(counts, kth)
-        self._finished()
         self.reset()
-
-    def stats(self) -> dict:
-        out = dict(self._stats)
-        for key in ("tensors_missing", "nonfinite"):
-            if isinstance(out.get(key), torch.Tensor):
-                out[key] = int(out[key])
-        return out
 
     def pending(self) -> bool:
         return self._submitted > 0 or self._ag is not None
 
     def reset(self) -> None:
         self._submitted = 0
+        self.transport.reset_counters()
         self._ag = self._kth = None
         self._acc = None
         self._calibrating = False

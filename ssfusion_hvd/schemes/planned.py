@@ -25,7 +25,6 @@ Horovod's own pre/postscale.
 """
 from __future__ import annotations
 
-import itertools
 import sys
 import time
 import zlib
@@ -33,18 +32,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 import torch
-from horovod.torch.mpi_ops import Average, allgather_async, allreduce_async_, synchronize
 
 from .. import profile as _profile
 from ..comm.buffers import DensePart, GroupBuffers, SparsePart, _views, build_group
 from ..plan import CostModel, Plan, build_plan
 from ..sparsify import make_sparsifier
-from .base import Scheme, SyncConfig, op_scales
+from ..core.transport import Transport
+from .base import Scheme, SyncConfig
 from .dense import DenseScheme
 
 __all__ = ["PlannedScheme"]
 
-_instances = itertools.count()
 _SPARSE_DTYPES = (torch.float32, torch.float16)
 
 
@@ -60,14 +58,14 @@ class PlannedScheme(Scheme):
 
     def __init__(self, config: SyncConfig):
         super().__init__(config)
-        self._tag = f"ssf{next(_instances)}"  # created in the same order on every rank
+        self.transport = Transport(config, "ssf")
         self._trainable = [p for p in config.order if p.requires_grad]
         self._by_name = {config.names[p]: p for p in self._trainable}
         dev = {p.device for p in self._trainable}
         self._device = next(iter(dev)) if len(dev) == 1 else torch.device("cpu")
         self._nranks = config.process_set.size()
         self._rank = config.process_set.rank()
-        self._prescale, self._ag_postscale = op_scales(config)
+        self._prescale, self._ag_postscale = self.transport.scales()
         if any(p.dtype == torch.bfloat16 for p in self._trainable):
             # fail at construction, not in the first collective of the warm-up
             raise ValueError(f"scheme {self.name!r}: Horovod 0.28.1 cannot allreduce or "
@@ -90,8 +88,7 @@ class PlannedScheme(Scheme):
         self.reset()
         if config.plan is not None:
             plan = _load(config.plan, Plan)
-            text = _profile.broadcast_from_root(plan.to_json(), config.process_set,
-                                                name=f"{self._tag}.plan")
+            text = self.transport.broadcast_object(plan.to_json(), "plan")
             self._adopt(Plan.from_json(text))
 
     # ------------------------------------------------------------------ plan
@@ -186,7 +183,7 @@ class PlannedScheme(Scheme):
             text = build_plan(self.planner, sizes, self.cost, cfg.density,
                               names=[cfg.names[p] for p in order],
                               sparsifier=cfg.sparsifier).to_json()
-        text = _profile.broadcast_from_root(text, cfg.process_set, name=f"{self._tag}.plan")
+        text = self.transport.broadcast_object(text, "plan")
         self._adopt(Plan.from_json(text))
 
     # ------------------------------------------------------------------ submit
@@ -232,12 +229,9 @@ class PlannedScheme(Scheme):
         if gb.allreduce:
             torch.cat([self._grad(i).reshape(-1) for i in gb.allreduce], out=gb.ar_buf)
             compressed, ctx = cfg.compression.compress(gb.ar_buf)
-            ar = (allreduce_async_(compressed, name=f"{self._tag}.{gb.index}.ar", op=cfg.op,
-                                   prescale_factor=self._prescale,
-                                   postscale_factor=cfg.gradient_predivide_factor
-                                   if cfg.op == Average else 1.0,
-                                   process_set=cfg.process_set), ctx)
-            self._bytes_ar += compressed.numel() * compressed.element_size()
+            pre, post = self.transport.horovod_scales()
+            ar = (self.transport.allreduce(compressed, f"{gb.index}.ar", prescale=pre,
+                                           postscale=post), ctx)
         for part in gb.parts:
             if isinstance(part, DensePart):
                 part.encode([self._grad(i) for i in part.tensors], gb.send, self._prescale)
@@ -256,9 +250,7 @@ class PlannedScheme(Scheme):
     def _allgather(self, gb: GroupBuffers):
         if gb.send is None:
             return None
-        self._bytes_ag += gb.send.numel() * gb.send.element_size()
-        return allgather_async(gb.send, name=f"{self._tag}.{gb.index}.ag",
-                               process_set=self.config.process_set)
+        return self.transport.allgather(gb.send, f"{gb.index}.ag")
 
     # ------------------------------------------------------------------ offload (SSFusion-O)
     def _start_offload(self, part: SparsePart, grad: torch.Tensor) -> None:
@@ -276,7 +268,7 @@ class PlannedScheme(Scheme):
     def _offload_select(self, part: SparsePart, grad: torch.Tensor, copied):
         t0 = time.perf_counter()
         if copied is not None:
-            copied.synchronize()
+            copied.self.transport.wait()
         else:
             part.stage_grads([grad])
         result = part.select(self._memory)  # the kernels release the GIL
@@ -289,7 +281,7 @@ class PlannedScheme(Scheme):
             part.pack(result, gb.send, self._prescale)
             self._results[part.key] = result
         if gb.send.is_cuda:
-            torch.cuda.current_stream(gb.send.device).synchronize()
+            torch.cuda.current_stream(gb.send.device).self.transport.wait()
         return self._allgather(gb)
 
     # ------------------------------------------------------------------ finish
@@ -312,13 +304,13 @@ class PlannedScheme(Scheme):
             if isinstance(ag, Future):
                 ag = ag.result()
             if ar is not None:
-                out = cfg.compression.decompress(synchronize(ar[0]), ar[1])
+                out = cfg.compression.decompress(self.transport.wait(ar[0]), ar[1])
                 views = gb.ar_views if out is gb.ar_buf else _views(
                     out, [self._params[i].shape for i in gb.allreduce])
                 torch._foreach_copy_([self._params[i].grad for i in gb.allreduce], views)
                 nonfinite.append(out)
             if ag is not None:
-                gathered = synchronize(ag)
+                gathered = self.transport.wait(ag)
                 nranks = gathered.numel() // gb.record_len
                 for part in gb.parts:
                     out = part.decode(gathered, nranks, gb.record_len)
@@ -347,7 +339,8 @@ class PlannedScheme(Scheme):
         elements = sum(plan.sizes)
         self._stats = {
             "phase": "planned", "iteration": self._iteration,
-            "allreduce_bytes": self._bytes_ar, "allgather_bytes": self._bytes_ag,
+            "allreduce_bytes": self.transport.sent["allreduce"],
+            "allgather_bytes": self.transport.sent["allgather"],
             "tensors_dense": sum(1 for s in plan.sparse if not s),
             "tensors_sparse": sum(1 for s in plan.sparse if s),
             "elements": elements, "elements_sent": sent, "density": sent / max(elements, 1),
@@ -381,7 +374,7 @@ class PlannedScheme(Scheme):
         self._offload_jobs: Dict[str, Future] = {}
         self._t_first = None
         self._sparsify_s = self._offload_s = 0.0
-        self._bytes_ar = self._bytes_ag = 0
+        self.transport.reset_counters()
 
     def close(self) -> None:
         if self._worker is not None:

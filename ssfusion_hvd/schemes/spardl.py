@@ -551,7 +551,7 @@ class SparDLScheme(WholeGradientScheme):
         self.layout = None
         self._set_layout()
         self._scale = output_scale(config.op == Average, self._nranks)
-        ends = torch.tensor(list(itertools.accumulate(self._sizes)), dtype=torch.int64)
+        ends = torch.tensor(list(itertools.accumulate(self.flat.sizes)), dtype=torch.int64)
         self._tensor_ends = ends
         self._stats: dict = {}
         self.reset()
@@ -563,7 +563,7 @@ class SparDLScheme(WholeGradientScheme):
         density = self._density()
         if self.layout is not None and self.layout.density == density:
             return
-        self.layout = Layout(sum(self._sizes), self._nranks, self._teams, density,
+        self.layout = Layout(sum(self.flat.sizes), self._nranks, self._teams, density,
                              self._acc_dtype())
         pos = self.layout.pos_of(self._rank)
         self._bsag = BSAGState.initial(self.layout, pos) if self.layout.sag == "bsag" else None
@@ -619,7 +619,7 @@ class SparDLScheme(WholeGradientScheme):
         flat = result.delivered
         if self._scale != 1.0:
             flat.mul_(self._scale)
-        views = torch.split(flat, self._sizes)
+        views = torch.split(flat, self.flat.sizes)
         torch._foreach_copy_([p.grad for p in self._trainable],
                              [v.view(s) for v, s in zip(views, self._shapes)])
         self._memory.set_residual(self._KEY, result.residual, result.final)

@@ -73,7 +73,7 @@ from horovod.torch.mpi_ops import allgather_async, alltoall_async, synchronize
 from .. import ops
 from ..plan.cost import nominal_k
 from ..sparsify import make_sparsifier
-from .base import SyncConfig, WholeGradientScheme, op_scales
+from .base import SyncConfig, WholeGradientScheme
 
 __all__ = ["ZenScheme", "imbalance_ratio", "pack_bitmap", "unpack_bitmap"]
 
@@ -129,11 +129,11 @@ class ZenScheme(WholeGradientScheme):
     def __init__(self, config: SyncConfig):
         super().__init__(config)
         self._tag = f"zen{next(_instances)}"  # created in the same order on every rank
-        self._bounds = [0] + list(itertools.accumulate(self._sizes))
+        self._bounds = [0] + list(itertools.accumulate(self.flat.sizes))
         self._n = self._bounds[-1]
         self._nranks = config.process_set.size()
         self._rank = config.process_set.rank()
-        self._prescale, self._postscale = op_scales(config)
+        self._prescale, self._postscale = self.transport.scales()
         self._idx_dtype = ops.index_dtype(self._n)
         kwargs = {"seed": zlib.crc32(b"zen")} if config.sparsifier == "randomk" else {}
         self._sparsifier = make_sparsifier(config.sparsifier, **kwargs)
@@ -233,7 +233,7 @@ class ZenScheme(WholeGradientScheme):
             gathered = gathered * self._postscale
         out = self._out.zero_()
         out[S["bit_index"][pos]] = gathered
-        views = [v.view(p.shape) for v, p in zip(out.split(self._sizes), self._trainable)]
+        views = [v.view(p.shape) for v, p in zip(out.split(self.flat.sizes), self._trainable)]
         torch._foreach_copy_([p.grad for p in self._trainable], views)
         t_end = time.perf_counter()
         self._finished()

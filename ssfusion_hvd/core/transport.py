@@ -1,0 +1,195 @@
+"""The collective step of the data flow: the one module, besides ``optimizer.py``, that
+calls Horovod (``docs/design.md``, "Transport").
+
+Two levels:
+
+* free functions for the few blocking collectives of set-up and profiling
+  (:func:`allgather_bytes`, :func:`broadcast_object`, :func:`root_rank`,
+  :func:`allreduce`, :func:`allgather`, :func:`barrier`), on a process set;
+* :class:`Transport`: one scheme instance's asynchronous collectives. It owns the name
+  tag (``"<prefix><n>"``, ``n`` counted per prefix: schemes are created in the same order
+  on every rank, so the names match), counts the bytes this rank sends per collective,
+  and knows the ``op`` scaling of a sum over the ranks (:meth:`Transport.scales`).
+
+Handles are Horovod's; :meth:`Transport.wait` (``hvd.synchronize``) returns the output.
+Horovod is imported when this module is (``import ssfusion_hvd`` alone does not).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Optional, Sequence
+
+import torch
+from horovod.common.util import split_list
+from horovod.torch import mpi_ops as _mpi
+from horovod.torch.mpi_ops import Average, Max, Min, Sum, global_process_set
+
+__all__ = ["Transport", "allgather_bytes", "broadcast_object", "root_rank", "allreduce",
+           "allgather", "barrier", "split_list", "Average", "Sum", "Max", "Min",
+           "global_process_set", "op_scales"]
+
+#: per-prefix instance counters: the n-th scheme of a kind gets tag "<prefix><n>" on every rank
+_COUNTERS = collections.defaultdict(itertools.count)
+
+
+def _ps(process_set):
+    return global_process_set if process_set is None else process_set
+
+
+def op_scales(op, predivide: float, size: int) -> tuple:
+    """``(sender prescale, receiver postscale)`` of a sum over ``size`` ranks, as Horovod
+    scales an allreduce: Average is ``1/f`` before the sum and ``f/P`` after it
+    (``f = gradient_predivide_factor``); Sum scales nothing."""
+    if op == Average:
+        return 1.0 / predivide, predivide / size
+    return 1.0, 1.0
+
+
+# ----------------------------------------------------------------------- blocking helpers
+def allreduce(tensor: torch.Tensor, name: str, op=Sum, process_set=None) -> torch.Tensor:
+    return _mpi.allreduce(tensor, name=name, op=op, process_set=_ps(process_set))
+
+
+def allgather(tensor: torch.Tensor, name: str, process_set=None) -> torch.Tensor:
+    return _mpi.allgather(tensor, name=name, process_set=_ps(process_set))
+
+
+def barrier(process_set=None) -> None:
+    _mpi.barrier(process_set=_ps(process_set))
+
+
+def root_rank(process_set=None) -> int:
+    """Global rank of the process set's first member (Horovod's broadcast takes global
+    ranks). Collective for a set whose ranks are not known locally."""
+    ps = _ps(process_set)
+    if ps.ranks:
+        return int(min(ps.ranks))
+    me = torch.tensor([_mpi.rank()], dtype=torch.int64)
+    return int(allreduce(me, "ssf.root", op=Min, process_set=ps))
+
+
+def broadcast_object(obj, name: str, process_set=None):
+    """The first rank's ``obj`` on every rank of ``process_set``. Collective."""
+    ps = _ps(process_set)
+    from horovod.torch.functions import broadcast_object as _bcast
+
+    return _bcast(obj, root_rank=root_rank(ps), name=name, process_set=ps)
+
+
+def allgather_bytes(payload: bytes, name: str, process_set=None) -> list:
+    """One bytes object per rank of ``process_set`` (in its rank order), by one allgather:
+    Horovod's allgather takes a different first dimension per rank, so each rank's
+    payload travels prefixed by its length and the concatenation is cut apart."""
+    header = len(payload).to_bytes(8, "little")
+    data = torch.frombuffer(bytearray(header + payload), dtype=torch.uint8)
+    gathered = allgather(data, name, process_set).numpy().tobytes()
+    out, pos = [], 0
+    while pos < len(gathered):
+        size = int.from_bytes(gathered[pos:pos + 8], "little")
+        out.append(gathered[pos + 8:pos + 8 + size])
+        pos += 8 + size
+    return out
+
+
+def world_size() -> int:
+    return _mpi.size()
+
+
+# ----------------------------------------------------------------------- per scheme
+class Transport:
+    """A scheme's asynchronous collectives on ``config.process_set`` (see the module
+    docstring). ``sent`` counts the bytes this rank handed to each kind of collective
+    since :meth:`reset_counters`."""
+
+    def __init__(self, config, prefix: str):
+        self.config = config
+        self.process_set = config.process_set
+        self.tag = f"{prefix}{next(_COUNTERS[prefix])}"
+        self.op = config.op
+        self.predivide = config.gradient_predivide_factor
+        self.rank = self.process_set.rank()
+        self.size = self.process_set.size()
+        self.sent = {"allreduce": 0, "allgather": 0, "alltoall": 0}
+
+    @property
+    def averages(self) -> bool:
+        return self.op == Average
+
+    def scales(self) -> tuple:
+        """``(prescale, postscale)`` of a sum this scheme computes itself (allgather
+        decode, SparDL, ZEN): see :func:`op_scales`."""
+        return op_scales(self.op, self.predivide, self.size)
+
+    def horovod_scales(self) -> tuple:
+        """``(prescale, postscale)`` handed to Horovod's own Average allreduce (its backend
+        divides by the size itself)."""
+        if self.op == Average:
+            return 1.0 / self.predivide, self.predivide
+        return 1.0, 1.0
+
+    def name(self, suffix) -> str:
+        return f"{self.tag}.{suffix}"
+
+    def reset_counters(self) -> None:
+        for k in self.sent:
+            self.sent[k] = 0
+
+    @staticmethod
+    def _nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- collectives (asynchronous; wait() returns the output) --------------------------
+    def allreduce(self, tensor: torch.Tensor, suffix, *, op=None, prescale: float = 1.0,
+                  postscale: float = 1.0):
+        """In-place allreduce of ``tensor`` (dense; Horovod scales by pre/postscale)."""
+        self.sent["allreduce"] += self._nbytes([tensor])
+        return _mpi.allreduce_async_(tensor, name=self.name(suffix),
+                                     op=self.op if op is None else op,
+                                     prescale_factor=prescale, postscale_factor=postscale,
+                                     process_set=self.process_set)
+
+    def grouped_allreduce(self, tensors: Sequence[torch.Tensor], suffix):
+        self.sent["allreduce"] += self._nbytes(tensors)
+        return _mpi.grouped_allreduce_async_(list(tensors), name=self.name(suffix), op=self.op,
+                                             process_set=self.process_set)
+
+    def sparse_allreduce(self, tensor: torch.Tensor, suffix):
+        """A torch sparse gradient (Horovod allgathers its indices and values)."""
+        self.sent["allreduce"] += tensor._nnz() * tensor.element_size()
+        return _mpi.sparse_allreduce_async(tensor, name=self.name(suffix), op=self.op,
+                                           process_set=self.process_set)
+
+    def allgather(self, tensor: torch.Tensor, suffix):
+        self.sent["allgather"] += self._nbytes([tensor])
+        return _mpi.allgather_async(tensor, name=self.name(suffix), process_set=self.process_set)
+
+    def alltoall(self, tensor: torch.Tensor, splits: torch.Tensor, suffix):
+        """Rows ``splits[r]`` of ``tensor`` go to rank ``r``; ``wait`` returns
+        ``(received, received_splits)``."""
+        self.sent["alltoall"] += self._nbytes([tensor])
+        return _mpi.alltoall_async(tensor, splits=splits, name=self.name(suffix),
+                                   process_set=self.process_set)
+
+    def send(self, payload: torch.Tensor, target: int, suffix):
+        """A point-to-point send to ``target`` (and a receive from whoever sends to this
+        rank under the same name): an alltoall whose splits name one peer."""
+        splits = torch.zeros(self.size, dtype=torch.int32)
+        splits[target] = payload.numel()
+        return self.alltoall(payload, splits, suffix)
+
+    def allgather_object_bytes(self, payload: bytes, suffix) -> list:
+        """Blocking :func:`allgather_bytes` under this transport's tag."""
+        return allgather_bytes(payload, self.name(suffix), self.process_set)
+
+    def broadcast_object(self, obj, suffix):
+        """Blocking: the first rank's ``obj`` on every rank."""
+        return broadcast_object(obj, self.name(suffix), self.process_set)
+
+    @staticmethod
+    def wait(handle):
+        return _mpi.synchronize(handle)
+
+
+def included(process_set) -> Optional[bool]:
+    return _ps(process_set).included()
