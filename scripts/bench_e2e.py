@@ -35,8 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-SCHEMES = ("dense", "per_tensor", "multi_tensor", "ssfusion", "ssfusion_o", "ssfusion_i",
-           "ssfusion_oi", "spardl", "zen", "exdyna")
+from ssfusion_hvd.registry import SCHEMES  # noqa: E402  (display order: the registry's)
 #: model -> (untimed iterations, timed iterations); sparse schemes profile 2 of the former
 ITERATIONS = {"gpt2": (4, 7), "resnet": (5, 10), "demo": (6, 30)}
 

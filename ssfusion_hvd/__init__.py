@@ -5,18 +5,20 @@ Drop-in for ``hvd.DistributedOptimizer``::
     opt = ssfusion_hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                             scheme="dense")
 
-``DistributedOptimizer`` and ``SCHEMES`` import Horovod on first use, so the pure parts
-(``ssfusion_hvd.plan``, ``ssfusion_hvd.ops``, ``ssfusion_hvd.sparsify``) work without it.
+``DistributedOptimizer`` imports Horovod on first use, so the pure parts
+(``ssfusion_hvd.plan``, ``ssfusion_hvd.ops``, ``ssfusion_hvd.sparsify``, ``SCHEMES``) work
+without it.
 """
 __version__ = "0.1.0"
 
+from .registry import SCHEMES  # noqa: E402
 from .sparsify import SPARSIFIERS  # noqa: E402
 
 __all__ = ["DistributedOptimizer", "SCHEMES", "SPARSIFIERS", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("DistributedOptimizer", "SCHEMES"):
+    if name == "DistributedOptimizer":
         from . import optimizer
 
         return getattr(optimizer, name)

@@ -96,43 +96,31 @@ def mismatch_message(signatures, ranks=None) -> str | None:
             + "\n".join(f"  {text}" for _, text in lines))
 
 
-def _allgather_bytes(payload: bytes, process_set):
-    """Gathers one bytes object per rank of ``process_set`` (in its rank order)."""
-    import horovod.torch as hvd
-    import torch
-
-    n = len(payload)
-    # Horovod's allgather takes a different first dimension per rank: prefix the length so
-    # that one collective carries both, then cut the concatenation apart.
-    header = n.to_bytes(8, "little")
-    data = torch.frombuffer(bytearray(header + payload), dtype=torch.uint8)
-    gathered = hvd.allgather(data, name=_NAME, process_set=process_set).numpy().tobytes()
-    out, pos = [], 0
-    while pos < len(gathered):
-        size = int.from_bytes(gathered[pos:pos + 8], "little")
-        out.append(gathered[pos + 8:pos + 8 + size])
-        pos += 8 + size
-    return out
-
-
-def check_same_model(named, declared_names, process_set=None) -> None:
-    """Raises ``ValueError`` on every rank of ``process_set`` unless all built the same model.
+def check_same_model(named, declared_names, process_set=None, setup=None) -> None:
+    """Raises ``ValueError`` on every rank of ``process_set`` unless all built the same model
+    (and, when given, the same ``setup``: scheme name and options, plain values).
 
     One allgather over ``process_set`` (``None``: the global one); nothing when the set has a
     single rank or this rank is not in it. See :func:`model_signature` for what is compared.
     """
-    import horovod.torch as hvd
+    from .core import transport
 
-    if process_set is None:
-        process_set = hvd.global_process_set
+    process_set = transport.global_process_set if process_set is None else process_set
     if process_set.included() is False or (process_set.size() or 1) <= 1:
         return
     signature = model_signature(named, declared_names)
     # repr/literal_eval: plain values only, nothing executed when reading a peer's bytes
-    chunks = _allgather_bytes(repr(signature).encode(), process_set)
-    signatures = [ast.literal_eval(c.decode()) for c in chunks]
+    chunks = transport.allgather_bytes(repr((signature, setup)).encode(), _NAME, process_set)
+    gathered = [ast.literal_eval(c.decode()) for c in chunks]
     ranks = process_set.ranks if process_set.ranks and len(process_set.ranks) == len(
-        signatures) else None
-    message = mismatch_message(signatures, ranks)
+        gathered) else list(range(len(gathered)))
+    message = mismatch_message([sig for sig, _ in gathered], ranks)
+    if message is None:
+        differ = [r for r, (_, st) in zip(ranks, gathered) if st != gathered[0][1]]
+        if differ:
+            message = (f"the optimizer's setup differs across ranks: rank{'s' if len(differ) > 1 else ''} "
+                       f"{', '.join(map(str, differ))} run {gathered[ranks.index(differ[0])][1]!r}, "
+                       f"rank {ranks[0]} runs {gathered[0][1]!r}. Every rank must pass the same "
+                       f"scheme and scheme_options to ssfusion_hvd.DistributedOptimizer.")
     if message is not None:
         raise ValueError(message)

@@ -152,13 +152,18 @@ def sampled_threshold(x: torch.Tensor, k: int, samples: int, *, backend: Optiona
     return float(torch.topk(mag, kk).values[-1])
 
 
-def threshold_select(x: torch.Tensor, thr: float, *, backend: Optional[str] = None):
-    """All elements with ``|x| >= thr`` (compared in float64) and every NaN, in index order."""
-    _check_values(x, "threshold_select")
+def _threshold_input(x: torch.Tensor, thr: float, op: str):
+    """``(flat x, threshold as float)``, checked (the threshold ops' shared preamble)."""
+    _check_values(x, op)
     thr = float(thr)
     if thr != thr:
-        raise ValueError("threshold_select: threshold is NaN")
-    flat = x.reshape(-1)
+        raise ValueError(f"{op}: threshold is NaN")
+    return x.reshape(-1), thr
+
+
+def threshold_select(x: torch.Tensor, thr: float, *, backend: Optional[str] = None):
+    """All elements with ``|x| >= thr`` (compared in float64) and every NaN, in index order."""
+    flat, thr = _threshold_input(x, thr, "threshold_select")
     fn = _native(x, "threshold_select", backend)
     if fn is not None:
         return fn(flat.contiguous(), thr)
@@ -169,11 +174,7 @@ def threshold_select(x: torch.Tensor, thr: float, *, backend: Optional[str] = No
 
 def threshold_count(x: torch.Tensor, thr: float, *, backend: Optional[str] = None) -> int:
     """Number of elements :func:`threshold_select` would return."""
-    _check_values(x, "threshold_count")
-    thr = float(thr)
-    if thr != thr:
-        raise ValueError("threshold_count: threshold is NaN")
-    flat = x.reshape(-1)
+    flat, thr = _threshold_input(x, thr, "threshold_count")
     fn = _native(x, "threshold_count", backend)
     if fn is not None:
         return int(fn(flat.contiguous(), thr))

@@ -8,10 +8,8 @@ and hands each finished gradient to the scheme (``ssfusion_hvd/schemes/``).
 """
 from __future__ import annotations
 
-import itertools
-import math
-import numbers
 import sys
+import weakref
 import warnings
 from contextlib import contextmanager
 
@@ -21,10 +19,13 @@ import torch
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, global_process_set
 
+from .core.transport import Transport
+
+from .arguments import check_arguments, named_parameters as _named_parameters
 from .consistency import check_same_model
 from .recipe import DEFAULT_MASKING, DEFAULT_WARMUP_STEPS, resolve_recipe
-from .schemes import SCHEMES, SyncConfig
-from .sparsify import SPARSIFIERS
+from .registry import SCHEMES
+from .schemes import SyncConfig
 
 __all__ = ["DistributedOptimizer", "SCHEMES"]
 
@@ -32,7 +33,6 @@ _STATE_KEY = "ssfusion"
 #: the param-group option through which ``hvd.broadcast_optimizer_state`` carries the
 #: root's shared scheme state to every rank (see ``_DistributedOptimizer.state_dict``)
 _SHARED_KEY = "ssfusion_shared"
-_instances = itertools.count()  # optimizers are created in the same order on every rank
 
 
 def _horovod_broadcast_frame():
@@ -61,46 +61,6 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _named_parameters(named_parameters, param_groups):
-    """Validated (name, param) list in canonical order; raises ValueError like Horovod."""
-    if named_parameters is not None:
-        named = list(named_parameters)
-    else:
-        named = [(f"allreduce.noname.{i}.{j}", v) for i, g in enumerate(param_groups)
-                 for j, v in enumerate(g["params"])]
-    if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                         "usually produced by model.named_parameters().")
-    seen, dups = set(), set()
-    for name, _ in named:
-        (dups if name in seen else seen).add(name)
-    if dups:
-        raise ValueError("Parameter names in named_parameters must be unique. "
-                         f"Found duplicates: {', '.join(sorted(dups))}")
-    named_ids = {id(v) for _, v in named}
-    unnamed = [v for g in param_groups for v in g["params"] if id(v) not in named_ids]
-    if unnamed:
-        shapes = ", ".join(str(tuple(v.shape)) for v in unnamed)
-        raise ValueError("named_parameters was specified, but one or more model parameters "
-                         f"were not named (shapes: {shapes})")
-    in_groups = {id(v) for g in param_groups for v in g["params"]}
-    # parameters named but not optimized are not synchronized (Horovod ignores them too)
-    return sorted(((k, v) for k, v in named if id(v) in in_groups), key=lambda t: t[0])
-
-
-def _check_choice(kind, value, registry):
-    if not isinstance(value, str) or value not in registry:
-        raise ValueError(f"unknown {kind} {value!r}; available: {', '.join(sorted(registry))}")
-
-
-def _check_density(density):
-    ok = (isinstance(density, numbers.Real) and not isinstance(density, bool)
-          and math.isfinite(float(density)) and 0.0 < float(density) <= 1.0)
-    if not ok:
-        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-    return float(density)
-
-
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
@@ -108,7 +68,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         self._config = config
         self._scheme_name = scheme
-        self._scheme = SCHEMES[scheme](config)
+        self._scheme = SCHEMES[scheme].load()(config)
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for p in config.order}
         self._submitted = set()
@@ -117,7 +77,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update = [p for p in config.order if p.requires_grad]
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         config.recipe.bind(self, config.names)
-        self._check_name = f"ssfusion.check.{next(_instances)}"
+        # the optimizer's own collectives (agreement check, broadcast adoption); optimizers
+        # are created in the same order on every rank
+        self._transport = Transport(config, "ssfusion.check.")
         self._check = None  # this step's agreement allreduce (see _submit)
         self._hook_handles = []
         if config.process_set.included():
@@ -132,7 +94,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def plan(self):
         """The :class:`ssfusion_hvd.plan.Plan` in use (None for ``dense`` and during warm-up)."""
-        return getattr(self._scheme, "plan", None)
+        return self._scheme.plan
 
     @property
     def recipe(self):
@@ -145,7 +107,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The :class:`ssfusion_hvd.plan.CostModel` the plan was built from (measured on
         rank 0 and broadcast, so identical on every rank; None for schemes without a plan
         and during warm-up)."""
-        return getattr(self._scheme, "cost", None)
+        return self._scheme.cost
 
     def stats(self) -> dict:
         """Metrics of the last synchronized iteration, on this rank: ``allreduce_bytes`` and
@@ -154,8 +116,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         nothing), ``nonfinite`` (NaN/Inf elements in the synchronized gradients), and seconds
         in ``sparsify_s`` (inline selection), ``offload_s`` (worker selection),
         ``communicate_s`` (first submission to the end of the wait) and ``wait_s`` (blocked
-        in ``synchronize()``). ``phase`` is ``dense``, ``warmup``, ``planned`` or ``sparse``
-        (SparDL, ExDyna, ZEN); those schemes add their own keys.
+        in ``synchronize()``). ``phase`` is ``dense``, ``warmup``, ``planned``, ``sparse``
+        (SparDL, ExDyna, ZEN) or ``calibration`` (ExDyna's exact top-k step); those schemes add their own keys.
 
         Counts that need a pass over the outputs (``nonfinite`` of the planned schemes) or
         a device-to-host read are taken here, not in the training step: call ``stats()``
@@ -167,7 +129,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("Gradients were computed more than backward_passes_per_step "
                                  "times before call to step(). Increase backward_passes_per_step "
                                  "to accumulate gradients locally.")
-        assert not p.grad.requires_grad
+        if p.grad.requires_grad:
+            raise RuntimeError("gradients that require grad (create_graph=True) cannot be "
+                               "synchronized; Horovod's optimizer refuses them too")
         self._delay[p] -= 1
         if self._delay[p] == 0:
             self._submit(p)
@@ -226,14 +190,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         vals = [int(v) for v in sig]  # max of v and of -v: every rank learns min and max
         t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64)
-        self._check = hvd.allreduce_async(t, name=self._check_name, op=hvd.Max,
-                                          process_set=self._config.process_set)
+        self._check = self._transport.allreduce(t, "step", op=hvd.Max)
 
     def _finish_check(self) -> None:
         handle, self._check = self._check, None
         if not handle:
             return
-        out = hvd.synchronize(handle).tolist()
+        out = self._transport.wait(handle).tolist()
         n = len(out) // 2
         hi, lo = out[:n], [-v for v in out[n:]]
         if hi != lo:
@@ -322,20 +285,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             shared = g.pop(_SHARED_KEY, shared)
         if shared is None or not self._config.process_set.included():
             return
-        same_scheme = shared["scheme"] == self._scheme_name
-        if not same_scheme:  # nothing below applies; the error is raised after the collective
-            keep = False
-        else:
-            keep = self._adopt_recipe() and _same(self._shared_state(), shared)
+        # (every rank runs the same scheme and options: checked when it was built)
+        keep = self._adopt_recipe() and _same(self._shared_state(), shared)
         # every rank of the set runs this one collective, then all decide alike
-        flags = torch.tensor([int(keep), int(same_scheme)], dtype=torch.int32)
-        all_keep, all_same = (bool(v) for v in hvd.allreduce(
-            flags, op=hvd.Min, name=f"{self._check_name}.adopt",
-            process_set=self._config.process_set).tolist())
-        if not all_same:
-            raise ValueError(f"hvd.broadcast_optimizer_state: the root runs scheme "
-                             f"{shared['scheme']!r}, and not every rank does (this one: "
-                             f"{self._scheme_name!r}); every rank must use the same scheme")
+        tr = self._transport
+        flag = torch.tensor([int(keep)], dtype=torch.int32)
+        all_keep = bool(tr.wait(tr.allreduce(flag, "adopt", op=hvd.Min)).item())
         self._scheme.adopt_shared(shared["state"], keep, all_keep)
 
     def _adopt_recipe(self) -> bool:
@@ -381,7 +336,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          process_set=global_process_set, *, scheme="dense", sparsifier="topk",
                          density=0.01, plan=None, profile=None, warmup_steps=5, log_plan=True,
                          momentum_correction="auto", density_warmup_steps=DEFAULT_WARMUP_STEPS,
-                         fp32_accumulation=True, momentum_masking=DEFAULT_MASKING):
+                         fp32_accumulation=True, momentum_masking=DEFAULT_MASKING,
+                         scheme_options=None):
     """Wraps ``optimizer`` so that ``step()`` applies gradients synchronized across workers.
 
     Horovod arguments (same meaning as in ``hvd.DistributedOptimizer``):
@@ -419,49 +375,24 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             (default: SGD while the density in force is below ``1 - momentum``, Adam
             always), ``True`` or ``False``.
 
+    scheme_options: a dict of the scheme's own settings (e.g. ``{"teams": 2}`` for
+        ``spardl``); each scheme lists what it accepts in ``docs/schemes.md`` and in its
+        class's ``options``. Unknown names and bad values raise ``ValueError``.
+
     Bad arguments raise ``ValueError`` on every rank before any collective is submitted.
     The wrapped optimizer's state (e.g. momentum) is carried over.
     """
-    _check_choice("scheme", scheme, SCHEMES)
-    _check_choice("sparsifier", sparsifier, SPARSIFIERS)
-    density = _check_density(density)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    options, density, groups = check_arguments(
+        optimizer, scheme, sparsifier, scheme_options, density, warmup_steps,
+        backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups)
     recipe = resolve_recipe(optimizer, scheme, density, momentum_correction,
                             density_warmup_steps, fp32_accumulation, momentum_masking)
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-        raise ValueError(f"warmup_steps must be a positive int, got {warmup_steps!r}")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step <= 0:
-        raise ValueError(f"backward_passes_per_step must be a positive int, got "
-                         f"{backward_passes_per_step!r}")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
-                      "in v0.23.0.", DeprecationWarning)
-        if groups is None:
-            groups = num_groups
-    if groups is not None:
-        if isinstance(groups, list):
-            seen = set()
-            for g in groups:
-                for p in g:
-                    if not isinstance(p, torch.Tensor):
-                        raise ValueError("groups must consist of torch.Tensor.")
-                    if id(p) in seen:
-                        raise ValueError("A parameter can only appear once in groups.")
-                    seen.add(id(p))
-        elif isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
-            raise ValueError("groups should be a non-negative integer or a list of list of "
-                             "torch.Tensor.")
-    if groups is not None and scheme != "dense":
-        warnings.warn(f"groups is ignored by scheme={scheme!r}: its plan decides the fusion groups")
     named = _named_parameters(named_parameters, optimizer.param_groups)
     # the first collective: every rank must wrap the same model, else a clear error everywhere
     name_of = {id(v): k for k, v in named}
     check_same_model(named, [name_of[id(v)] for g in optimizer.param_groups for v in g["params"]
-                             if id(v) in name_of], process_set)
+                             if id(v) in name_of], process_set,
+                     setup=(scheme, sorted(options.items())))
     if op == Adasum and hvd.size() > 1:
         if scheme != "dense":
             raise ValueError(f"op=Adasum is only supported with scheme='dense', got {scheme!r}")
@@ -476,10 +407,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         compression=compression, op=op, gradient_predivide_factor=float(gradient_predivide_factor),
         groups=groups, sparse_as_dense=sparse_as_dense, process_set=process_set,
         sparsifier=sparsifier, density=density, plan=plan, profile=profile,
-        warmup_steps=warmup_steps, log_plan=bool(log_plan), recipe=recipe)
+        warmup_steps=warmup_steps, log_plan=bool(log_plan), recipe=recipe, options=options)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, config, scheme, backward_passes_per_step)
     if optimizer.state:
         super(cls, wrapped).load_state_dict(optimizer.state_dict())  # nothing lost
+    # the scheme's resources (SSFusion-O's worker thread) go with the optimizer
+    weakref.finalize(wrapped, wrapped._scheme.close)
     return wrapped

@@ -1,5 +1,5 @@
 """Live profiling for the planner: fills a :class:`~ssfusion_hvd.plan.CostModel` with numbers
-measured on the running job (DESIGN "Cost model", "Online profiling").
+measured on the running job (docs/design.md "How a plan is made").
 
 * :func:`probe_collectives`: ``g(x) = α_g + β_g·x`` for allreduce and allgather on the real
   Horovod communicator (Cupcake §4.1: "latency per tensor" and "transfer time per byte").
@@ -18,7 +18,6 @@ works without Horovod.
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from typing import Hashable, Iterable
@@ -26,7 +25,7 @@ from typing import Hashable, Iterable
 import numpy as np
 import torch
 
-from .plan.cost import CostModel
+from .plan.cost import CostModel, nominal_k
 
 __all__ = [
     "BackwardTimer",
@@ -97,7 +96,7 @@ def _sync(dev: torch.device) -> None:
 
 def _process_set(process_set):
     if process_set is None:
-        from horovod.torch.mpi_ops import global_process_set
+        from .core.transport import global_process_set
         return global_process_set
     return process_set
 
@@ -118,7 +117,7 @@ def probe_collectives(process_set=None, device="cpu", dtype=torch.float32,
 
     Returns ``{"allreduce": (α, β), "allgather": (α, β)}`` in seconds and seconds per byte.
     """
-    import horovod.torch as hvd
+    from .core import transport
 
     ps = _process_set(process_set)
     dev = _torch_device(device)
@@ -126,8 +125,8 @@ def probe_collectives(process_set=None, device="cpu", dtype=torch.float32,
     sizes = [int(s) for s in sizes_bytes]
     elem = torch.empty((), dtype=dtype).element_size()
     calls = {
-        "allreduce": lambda t, n: hvd.allreduce(t, name=n, op=hvd.Sum, process_set=ps),
-        "allgather": lambda t, n: hvd.allgather(t, name=n, process_set=ps),
+        "allreduce": lambda t, n: transport.allreduce(t, n, op=transport.Sum, process_set=ps),
+        "allgather": lambda t, n: transport.allgather(t, n, process_set=ps),
     }
     tags = {"allreduce": "ar", "allgather": "ag"}
     fits = {}
@@ -141,7 +140,7 @@ def probe_collectives(process_set=None, device="cpu", dtype=torch.float32,
             _sync(dev)
             samples = []
             for _ in range(repeats):
-                hvd.barrier(process_set=ps)
+                transport.barrier(process_set=ps)
                 start = time.perf_counter()
                 call(tensor, tname)
                 _sync(dev)
@@ -178,7 +177,7 @@ def _time_select(make, sparsifier, dev, density, sizes_bytes, repeats, dtype,
     xs, ts = [], []
     for nbytes in sizes_bytes:
         n = _numel(nbytes, dtype)
-        k = min(n, max(1, math.ceil(density * n - 1e-9)))
+        k = int(nominal_k(n, density))
         x = torch.randn(n, generator=gen).to(dtype=dtype, device=dev)
         if host_copy:
             host = torch.empty(n, dtype=dtype, pin_memory=dev.type == "cuda")
@@ -291,23 +290,12 @@ class BackwardTimer:
 
 
 # -- putting it together ------------------------------------------------------------------
-def _root_rank(ps) -> int:
-    """Global rank of the process set's first member (Horovod's broadcast takes global ranks)."""
-    import horovod.torch as hvd
-
-    if ps.ranks:
-        return int(min(ps.ranks))
-    me = torch.tensor([hvd.rank()], dtype=torch.int64)
-    return int(hvd.allreduce(me, op=hvd.Min, name="ssf.root", process_set=ps))
-
-
 def broadcast_from_root(obj, process_set=None, name="ssf.profile"):
     """The first rank's ``obj`` (global rank 0 for the global set) on every rank of
     ``process_set``, so every rank plans identically. Collective."""
-    import horovod.torch as hvd
+    from .core import transport
 
-    ps = _process_set(process_set)
-    return hvd.broadcast_object(obj, root_rank=_root_rank(ps), name=name, process_set=ps)
+    return transport.broadcast_object(obj, name, _process_set(process_set))
 
 
 def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
@@ -342,8 +330,7 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
                 f"fit for {sparsifier!r}; it has {sorted(model.sparsify)}")
         return model
 
-    import horovod.torch as hvd
-
+    from .core import transport
     from .sparsify import make_sparsifier
 
     ps = _process_set(process_set)
@@ -358,7 +345,7 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
             cpu_fit = _time_select(make_sparsifier, sparsifier, dev, float(density),
                                    SPARSIFY_SIZES, 3, torch.float32, host_copy=True)
         sparsify[sparsifier] = {"gpu": fit, "cpu": cpu_fit}
-    world = ps.size() if ps.size() is not None else hvd.size()
+    world = ps.size() if ps.size() is not None else transport.world_size()
     model = CostModel(
         world_size=int(world),
         allreduce=comm["allreduce"],

@@ -37,11 +37,10 @@ identical on every rank, so all ranks agree without communicating.
 """
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from contextlib import contextmanager
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 

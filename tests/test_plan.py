@@ -11,7 +11,7 @@ from ssfusion_hvd.plan import (
     ALLGATHER,
     ALLREDUCE,
     MIN_DENSITY,
-    SCHEMES,
+    PLANNERS,
     CostModel,
     Group,
     Plan,
@@ -231,7 +231,7 @@ def resnet50():
 
 def test_every_scheme_on_resnet50(resnet50):
     names, sizes, c = resnet50
-    plans = {s: build_plan(s, sizes, c, 0.01, names) for s in SCHEMES}
+    plans = {s: build_plan(s, sizes, c, 0.01, names) for s in PLANNERS}
     times = {s: simulate(p, c).iteration_s for s, p in plans.items()}
     assert all(p.scheme == s for s, p in plans.items())
     # no tensor missing outside multi-tensor sparsification
@@ -283,7 +283,7 @@ def test_cost_model_json_round_trip(tmp_path, resnet50):
     assert CostModel.load(tmp_path / "profile.json") == c
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", PLANNERS)
 def test_plan_json_round_trip_and_table(tmp_path, resnet50, scheme):
     names, sizes, c = resnet50
     p = build_plan(scheme, sizes, c, 0.01, names)
@@ -339,7 +339,7 @@ def test_cli_compares_every_scheme(capsys, tmp_path):
                      "--density", "0.01", "--save-plan", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
     assert "assumption: backward time" in out and "scheme=ssfusion_oi" in out
-    assert all(f"\n{s} " in out for s in SCHEMES)
+    assert all(f"\n{s} " in out for s in PLANNERS)
     assert all(f"\n{s} " in out for s in ("spardl", "zen", "exdyna"))
     assert Plan.load(tmp_path / "p.json").scheme == "ssfusion_oi"
 

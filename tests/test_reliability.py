@@ -158,3 +158,21 @@ def test_nonfinite_gradients_are_propagated_and_counted():
             if scheme != "dense":
                 counted = run[3]["stats"]["nonfinite"] + run[4]["stats"]["nonfinite"]
                 assert counted >= 4, (scheme, [s["stats"] for s in run[3:]])
+
+
+@pytest.mark.multiworker
+def test_scheme_options_are_validated_and_agreed_on_every_rank():
+    out = run_workers("workers_reliability:options_cases", np=2, timeout=180)
+    for r in out:  # every rank raised the same errors and is still in step
+        assert r["total"] == 2.0
+        m = r["messages"]
+        assert m == out[0]["messages"]
+        assert "scheme 'exdyna' has no option 'blocks'" in m["unknown"]
+        assert "blocks_per_worker" in m["unknown"]  # the message lists what exists
+        assert "option 'alpha' must be a number > 1, got 0.5" in m["bad_value"]
+        assert "scheme_options must be a dict" in m["not_a_dict"]
+        assert "scheme 'dense' has no option 'teams'; its options: none" in m["dense_has_none"]
+        assert "setup differs across ranks: rank 1 run" in m["differs"]
+        assert "('blocks_per_worker', 32)" in m["differs"]
+        assert "setup differs across ranks" in m["scheme_differs"]
+        assert m["same"] is None

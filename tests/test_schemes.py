@@ -6,19 +6,34 @@ reference top-k (per tensor, or over the whole fusion buffer for multi-tensor), 
 ranks and scales by ``op``. The synchronized gradients must match up to float rounding,
 and the next residual must be acc minus what was sent (nothing lost).
 """
+import zlib
+
 import pytest
 import torch
 
 from hvdrun import run_workers
 from ssfusion_hvd import ops
 from ssfusion_hvd.plan import Plan
+from ssfusion_hvd.sparsify import make_sparsifier
 
 pytestmark = pytest.mark.multiworker
 
 SCHEMES = ["per_tensor", "multi_tensor", "ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"]
 
 
-def reference_step(plan: Plan, ranks, op="average", predivide=1.0, sent_out=None):
+def _select(sparsifier, acc, k, key, call):
+    """The reference selection: torch top-k, or random-k as the scheme seeds it (by the
+    tensor's name or the fusion buffer's part key, identical on every rank) at its
+    ``call``-th planned step."""
+    if sparsifier == "topk":
+        return ops.topk(acc, k, backend="torch")
+    s = make_sparsifier(sparsifier, seed=zlib.crc32(key.encode()))
+    s.calls = call
+    return s.select(acc, k)
+
+
+def reference_step(plan: Plan, ranks, op="average", predivide=1.0, sent_out=None,
+                   sparsifier="topk", call=0):
     """(expected synced grads, expected new residual per rank) of one planned step;
     ``sent_out`` (a list), when given, receives per rank {name: indices sent}."""
     nranks = len(ranks)
@@ -31,23 +46,24 @@ def reference_step(plan: Plan, ranks, op="average", predivide=1.0, sent_out=None
     total = {n: torch.zeros(plan.sizes[i], dtype=torch.float64) for i, n in enumerate(plan.names)}
     new_residual = [dict() for _ in ranks]
     sent_idx = [dict() for _ in ranks]
-    for g in plan.groups:
+    for gi, g in enumerate(plan.groups):
         members = [plan.names[i] for i in g.indices()]
         if g.buffer_k is not None:
-            units = [(members, g.buffer_k)]
+            units = [(members, g.buffer_k, f"g{gi}")]
         else:
-            units = [([plan.names[i]], plan.k[i]) for i in g.indices() if plan.sparse[i]]
+            units = [([plan.names[i]], plan.k[i], plan.names[i]) for i in g.indices()
+                     if plan.sparse[i]]
             for i in g.indices():
                 if not plan.sparse[i]:
                     for r in range(nranks):
                         total[plan.names[i]] += grads[r][plan.names[i]].double()
-        for names, k in units:
+        for names, k, key in units:
             for r, rank in enumerate(ranks):
                 acc = torch.cat([grads[r][n] for n in names]).to(acc_dtype)
                 res = [rank["residual"].get(n) for n in names]
                 if all(x is not None for x in res):
                     acc = acc + torch.cat([x.reshape(-1) for x in res])
-                values, idx = ops.topk(acc, k, backend="torch")
+                values, idx = _select(sparsifier, acc, k, key, call)
                 wire = values.to(dtype).to(acc_dtype)
                 sent = torch.zeros_like(acc)
                 sent[idx.long()] = wire
@@ -67,7 +83,7 @@ def reference_step(plan: Plan, ranks, op="average", predivide=1.0, sent_out=None
     return {n: (t * scale).to(dtype) for n, t in total.items()}, new_residual
 
 
-def check_run(runs, op="average", predivide=1.0, rtol=1e-5, atol=1e-6):
+def check_run(runs, op="average", predivide=1.0, rtol=1e-5, atol=1e-6, sparsifier="topk"):
     """Checks every step of one scheme's run; returns the number of planned steps checked."""
     nsteps = len(runs[0]["steps"])
     checked = 0
@@ -85,7 +101,8 @@ def check_run(runs, op="average", predivide=1.0, rtol=1e-5, atol=1e-6):
             continue
         # the plan in force: the density warm-up's stage (stats say which density)
         plan = Plan.from_json(ranks[0]["plan"]).at_density(ranks[0]["stats"]["density_target"])
-        want, new_res = reference_step(plan, ranks, op, predivide)
+        want, new_res = reference_step(plan, ranks, op, predivide, sparsifier=sparsifier,
+                                       call=checked)
         for n, t in want.items():
             got = ranks[0]["synced"][n].reshape(-1)
             torch.testing.assert_close(got.double(), t.double(), rtol=rtol, atol=atol,
@@ -145,3 +162,23 @@ def test_bfloat16_refused_where_horovod_cannot_reduce_it():
     for scheme in SCHEMES + ["exdyna"]:
         assert errors[scheme] and "bfloat16" in errors[scheme], (scheme, errors[scheme])
     assert errors["zen"] is None and errors["spardl"] is None, errors
+
+
+def test_randomk_sends_values_only_and_matches_reference():
+    """Random-k's indices are the same on every rank (shared seed): a sparse part sends
+    its values alone, and the synchronized gradient still equals the reference that draws
+    the same indices."""
+    out = run_workers("workers_schemes:record_all", np=2, timeout=600,
+                      schemes=["multi_tensor"], sparsifier="randomk", steps=5, warmup=2)
+    for scheme in ("multi_tensor", "forced"):
+        runs = [r[scheme] for r in out]
+        assert check_run(runs, sparsifier="randomk") >= 3, scheme
+        step = runs[0]["steps"][-1]
+        plan = Plan.from_json(step["plan"]).at_density(step["stats"]["density_target"])
+        # allgather bytes: dense allgather parts plus one value (no index) per sparse element
+        dense_ag = sum(n for n, s, c in zip(plan.sizes, plan.sparse, plan.collective)
+                       if not s and c == "allgather")
+        sparse_k = sum(g.buffer_k for g in plan.groups if g.buffer_k is not None) + sum(
+            k for i, k in enumerate(plan.k) if plan.sparse[i]
+            and plan.groups[plan.group_of()[i]].buffer_k is None)
+        assert step["stats"]["allgather_bytes"] == 4 * (dense_ag + sparse_k), scheme

@@ -1,4 +1,4 @@
-"""SparDL (ssfusion_hvd/schemes/spardl.py) on real Horovod workers and in simulation.
+"""SparDL (ssfusion_hvd/schemes/spardl/) on real Horovod workers and in simulation.
 
 The live scheme and :func:`spardl.simulate` run the same per-rank generator; the simulator
 only replaces Horovod's alltoall/allgather by an in-memory exchange. On 2, 3 and 4 gloo
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from hvdrun import run_workers
-from ssfusion_hvd.schemes.spardl import (BSAGState, Layout, output_scale, simulate,
-                                         teams_from_env)
+from ssfusion_hvd.schemes.spardl import (BSAGState, Layout, SparDLScheme, output_scale,
+                                         simulate)
 
 STATS_KEYS = {"phase", "allreduce_bytes", "allgather_bytes", "tensors_dense", "tensors_sparse",
               "elements", "elements_sent", "density", "tensors_missing", "nonfinite",
@@ -92,6 +92,9 @@ def check_record(runs, exact=True):
 
 def check_launch(results, teams):
     P = len(results)
+    for r in results:  # teams = P + 1: a ValueError on every rank, and the launch went on
+        assert f"{P + 1} teams for {P} workers" in r["bad_teams"], r["bad_teams"]
+        assert "scheme_options={'teams': d}" in r["bad_teams"]
     for d in teams:
         for op in ("average", "sum"):
             assert check_record([r[("record", d, op)] for r in results]) == 4, (d, op)
@@ -196,14 +199,15 @@ def test_bsag_adjustment_moves_h_toward_the_target():
     assert st.h == 300.0
 
 
-def test_teams_from_env(monkeypatch):
-    monkeypatch.delenv("SSFUSION_SPARDL_TEAMS", raising=False)
-    assert teams_from_env() == 1
-    monkeypatch.setenv("SSFUSION_SPARDL_TEAMS", "3")
-    assert teams_from_env() == 3
-    for bad in ("0", "x", "-2"):
-        monkeypatch.setenv("SSFUSION_SPARDL_TEAMS", bad)
-        with pytest.raises(ValueError):
-            teams_from_env()
-    with pytest.raises(ValueError):
+def test_teams_option():
+    """Teams are a scheme option: a positive int (checked without Horovod), dividing P
+    (checked when the layout is built: the live case is in the launches above)."""
+    assert SparDLScheme.parse_options(None) == {"teams": 1}
+    assert SparDLScheme.parse_options({"teams": 3}) == {"teams": 3}
+    for bad in (0, -2, "2", 1.5, True, None):
+        with pytest.raises(ValueError, match="teams"):
+            SparDLScheme.parse_options({"teams": bad})
+    with pytest.raises(ValueError, match="has no option 'team'"):
+        SparDLScheme.parse_options({"team": 2})
+    with pytest.raises(ValueError, match=r"3 teams for 4 workers.*scheme_options=\{'teams': d\}"):
         Layout(100, 4, 3, 0.1)

@@ -19,6 +19,7 @@ import torch
 
 from hvdrun import run_workers
 from ssfusion_hvd import ops
+from ssfusion_hvd.core import wire
 from ssfusion_hvd.plan.cost import nominal_k
 from ssfusion_hvd.schemes.zen import ZenScheme, imbalance_ratio, pack_bitmap, unpack_bitmap
 from ssfusion_hvd.sparsify import make_sparsifier
@@ -29,6 +30,7 @@ PLANNED_KEYS = {"phase", "allreduce_bytes", "allgather_bytes", "tensors_dense", 
                 "sparsify_s", "offload_s", "communicate_s", "wait_s"}
 ZEN_KEYS = {"alltoall_bytes", "partition_counts", "imbalance_push", "imbalance_pull",
             "hash_overflow", "elements_received", "elements_aggregated"}
+SEED, ROUNDS = ZenScheme.options["seed"].default, ZenScheme.options["rounds"].default
 
 
 # --------------------------------------------------------------------------- one process
@@ -56,13 +58,11 @@ def test_hash_partitions_balanced_where_contiguous_ones_are_not():
         x = _layered_gradient(sizes, scales, g, shared=shared)
         _, idx = sparsifier.select(x, k)
         selected.append(idx)
-        order, counts, overflow = ops.hash_partition(idx, P, ZenScheme.seed,
-                                                     rounds=ZenScheme.rounds)
+        order, counts, overflow = ops.hash_partition(idx, P, SEED, rounds=ROUNDS)
         assert int(counts.sum()) == k and torch.equal(order.sort().values, torch.arange(k))
         push.append(imbalance_ratio(counts))
     union = torch.cat(selected).long().unique()
-    pull = imbalance_ratio(torch.bincount(ops.hash_owner(union, P, ZenScheme.seed).long(),
-                                          minlength=P))
+    pull = imbalance_ratio(torch.bincount(ops.hash_owner(union, P, SEED).long(), minlength=P))
     contiguous = max(imbalance_ratio(torch.bincount(i.long() // -(-n // P), minlength=P))
                      for i in selected)
     print(f"\nn={n} k={k} P={P}: imbalance push {max(push):.4f} pull {pull:.4f} "
@@ -81,6 +81,36 @@ def test_bitmap_round_trip():
         assert torch.equal(back[:n], bits) and not bool(back[n:].any())
     assert imbalance_ratio([3, 3, 3]) == 1.0 and imbalance_ratio([0, 0]) == 1.0
     assert imbalance_ratio([4, 2, 0]) == 2.0
+
+
+def test_options():
+    assert ZenScheme.parse_options({}) == {"seed": 0x5A454E, "rounds": 3, "table_size": None}
+    assert ZenScheme.parse_options({"seed": 7, "rounds": 0, "table_size": 64}) == \
+        {"seed": 7, "rounds": 0, "table_size": 64}
+    for key, bad in (("seed", -1), ("seed", 2**64), ("rounds", 65), ("rounds", 1.0),
+                     ("table_size", 0), ("table_size", 2**31), ("table_size", "64")):
+        with pytest.raises(ValueError, match=key):
+            ZenScheme.parse_options({key: bad})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_push_records_give_back_their_counts(dtype, idx_dtype):
+    """ZEN's push: one wire record per owner, sent as bytes; the receiver reads each
+    source's count off its byte split, and no other length passes for a record."""
+    counts = [0, 1, 2, 3, 5, 8]
+    items = [(torch.randn(k).to(dtype), torch.randint(0, 10**6, (k,)).to(idx_dtype))
+             for k in counts]
+    raw = wire.encode(items, dtype, idx_dtype).view(torch.uint8)
+    splits = [wire.record_bytes(k, dtype, idx_dtype) for k in counts]
+    assert sum(splits) == raw.numel()
+    assert [wire.count_of(b, dtype, idx_dtype) for b in splits] == counts
+    lengths = {wire.record_bytes(k, dtype, idx_dtype) for k in range(40)}
+    for nbytes in set(range(max(lengths))) - lengths:
+        with pytest.raises(ValueError):
+            wire.count_of(nbytes, dtype, idx_dtype)
+    for (v, i), (v2, i2) in zip(items, wire.decode(raw.view(dtype), counts, idx_dtype)):
+        assert torch.equal(v.view(torch.uint8), v2.view(torch.uint8)) and torch.equal(i, i2)
 
 
 # --------------------------------------------------------------------------- real workers
@@ -202,11 +232,13 @@ def test_zen_equals_dense_allreduce_of_sparse_inputs(np_):
             for r in runs:  # the loss falls on every rank's own data
                 assert r["after"] < 0.8 * r["before"], (case, r["before"], r["after"])
             assert runs[0]["stats"]["phase"] == "sparse"
-        elif func == "nonfinite":  # NaN/Inf from one rank reach every rank, counted
-            for r in runs:
-                g = r[1]["a.weight"].view(-1)
-                assert math.isnan(g[0]) and math.isinf(g[1]) and r[1]["stats"]["nonfinite"] == 2
-                assert r[0]["stats"]["nonfinite"] == 0
+        elif func == "nonfinite":  # NaN/Inf from one rank reach every rank at once, counted
+            for r in runs:  # rank 1 poisoned a.weight and c.bias at step 3: the top-k of the
+                for name in ("a.weight", "c.bias"):  # whole gradient takes all four
+                    g = r[3]["grads"][name].view(-1)
+                    assert math.isnan(g[0]) and math.isinf(g[1]), name
+                assert r[3]["stats"]["nonfinite"] == 4
+                assert all(r[s]["stats"]["nonfinite"] == 0 for s in range(3))
         elif func == "checkpoint":
             for r in runs:  # a restart from the checkpoint continues bit for bit
                 assert r["had_residuals"]

@@ -123,3 +123,30 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown command {sys.argv[1]!r}")
     train(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
           stacks_after=float(sys.argv[5]) if len(sys.argv) > 5 else 50.0)
+
+
+def options_cases():
+    """scheme_options errors: unknown and bad options raise on every rank before any
+    collective; options that differ between ranks raise on every rank after the first one
+    (the model check). Returns {case: message or None} and a final collective's result."""
+    rank = hvd.rank()
+    cases = {
+        "unknown": ("exdyna", {"blocks": 4}),
+        "bad_value": ("exdyna", {"alpha": 0.5}),
+        "not_a_dict": ("spardl", [("teams", 1)]),
+        "dense_has_none": ("dense", {"teams": 1}),
+        "differs": ("exdyna", {"blocks_per_worker": 64 if rank == 0 else 32}),
+        "scheme_differs": ("exdyna" if rank == 0 else "zen", None),
+        "same": ("exdyna", {"blocks_per_worker": 64}),
+    }
+    messages = {}
+    for case, (scheme, options) in cases.items():
+        model, opt = _build("same")
+        try:
+            ssfusion_hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                              scheme=scheme, scheme_options=options)
+            messages[case] = None
+        except ValueError as exc:
+            messages[case] = str(exc)
+    total = hvd.allreduce(torch.ones(1), name="after_options_cases", op=hvd.Sum)
+    return {"messages": messages, "total": float(total)}

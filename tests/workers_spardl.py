@@ -1,20 +1,20 @@
 """Worker functions for tests/test_spardl.py (run on every Horovod rank).
 
-``run_all`` runs every case of one launch: for each team count ``d`` (set through
-``SSFUSION_SPARDL_TEAMS`` before the optimizer is built) it records a few steps with
-Average and with Sum (local gradients by autograd.grad, residuals and B-SAG state before
-the step, the synchronized gradients, stats), checks a state_dict/load_state_dict
-round trip, and trains the tiny model of tests/workers_schemes.py.
+``run_all`` runs every case of one launch. First it builds an optimizer whose team count
+does not divide the number of workers: every rank must raise ValueError (and the launch go
+on). Then for each team count ``d`` (``scheme_options={"teams": d}``) it records a few
+steps with Average and with Sum (local gradients by autograd.grad, residuals and B-SAG
+state before the step, the synchronized gradients, stats), checks a
+state_dict/load_state_dict round trip, and trains the tiny model of
+tests/workers_schemes.py.
 """
 import io
-import os
 
 import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
 import ssfusion_hvd
-from ssfusion_hvd.schemes.spardl import TEAMS_ENV
 from workers_schemes import OPS, _batch, _model
 
 
@@ -24,14 +24,20 @@ def _state(opt):
 
 def _optimizer(model, teams, op="average", predivide=1.0, density=0.05, lr=0.05, momentum=0.0,
                warmup=100):
-    os.environ[TEAMS_ENV] = str(teams)
+    return ssfusion_hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+        named_parameters=model.named_parameters(), scheme="spardl", density=density,
+        op=OPS[op], gradient_predivide_factor=predivide, density_warmup_steps=warmup,
+        scheme_options={"teams": teams})
+
+
+def bad_teams(teams):
+    """The ValueError of a team count that does not divide the number of workers."""
     try:
-        return ssfusion_hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
-            named_parameters=model.named_parameters(), scheme="spardl", density=density,
-            op=OPS[op], gradient_predivide_factor=predivide, density_warmup_steps=warmup)
-    finally:
-        del os.environ[TEAMS_ENV]
+        _optimizer(_model("float32"), teams)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def record(teams, steps=4, op="average", predivide=1.0, dtype="float32", density=0.05):
@@ -83,8 +89,7 @@ def checkpoint(teams, save_at=3, total=7):
     model = _model("float32")
     opt = _optimizer(model, teams, momentum=0.9)
     _train(model, opt, range(save_at))
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    file = _through_file({"model": model.state_dict(), "opt": opt.state_dict()})
     saved = _state(opt)
     _train(model, opt, range(save_at, total))
     first = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -92,14 +97,20 @@ def checkpoint(teams, save_at=3, total=7):
     torch.manual_seed(99 + hvd.rank())  # different weights: everything must come from the file
     model2 = type(model)()
     opt2 = _optimizer(model2, teams, momentum=0.9)
-    buf.seek(0)
-    state = torch.load(buf, weights_only=False)
-    model2.load_state_dict(state["model"])
-    opt2.load_state_dict(state["opt"])
+    for obj, key in ((model2, "model"), (opt2, "opt")):
+        obj.load_state_dict(file[key])
     loaded = _state(opt2)
     _train(model2, opt2, range(save_at, total))
     second = {n: p.detach().clone() for n, p in model2.named_parameters()}
     return {"saved": saved, "loaded": loaded, "first": first, "second": second}
+
+
+def _through_file(obj):
+    """``obj`` saved with torch.save and loaded back (copies, as a checkpoint file holds)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
 
 
 def train(teams, op="average", steps=30, lr=1.0, density=0.1):
@@ -112,7 +123,7 @@ def train(teams, op="average", steps=30, lr=1.0, density=0.1):
 
 
 def run_all(teams, steps=4, train_steps=30):
-    out = {}
+    out = {"bad_teams": bad_teams(hvd.size() + 1)}
     for d in teams:
         out[("record", d, "average")] = record(d, steps=steps)
         out[("record", d, "sum")] = record(d, steps=steps, op="sum")

@@ -2,17 +2,17 @@
 
 ``run_all`` runs every case of one launch (one launch per world size keeps the suite fast):
 recorded runs of ``scheme="zen"`` (local gradients by autograd.grad, residuals and sparsifier
-state before each step, synchronized gradients, stats), a checkpoint restart, and a short
-training run whose loss must fall. The test rebuilds the synchronized gradient from the
-recorded inputs alone.
+state before each step, synchronized gradients, stats), a checkpoint restart, a short
+training run whose loss must fall, and non-finite gradients from one rank. The test rebuilds
+the synchronized gradient from the recorded inputs alone.
 """
 import copy
 
-import horovod.torch as hvd
 import torch
 import torch.nn as nn
 
 import ssfusion_hvd
+import workers_schemes
 from workers_schemes import DTYPES, OPS, _batch, _model, _train_steps
 
 # this worker process also runs bfloat16 (Horovod's allgather has no bfloat16: ZEN sends bytes)
@@ -101,31 +101,9 @@ def train(steps=60, density=0.05, **recipe):
     return {"before": before, "after": full_loss(), "stats": opt.stats()}
 
 
-def nonfinite(steps=3):
-    """Rank 1 puts NaN and Inf into two a.weight gradient elements at step 1: every rank's
-    synchronized gradient must carry them (top-k selects them first) and stats() count them."""
-    model = _model("float32")
-    opt = _opt(model)
-    state = {"step": 0}
-
-    def poison(g):
-        if hvd.rank() == 1 and state["step"] == 1:
-            g = g.clone()
-            g.view(-1)[0] = float("nan")
-            g.view(-1)[1] = float("inf")
-        return g
-
-    model.a.weight.register_hook(poison)
-    loss_fn = nn.CrossEntropyLoss()
-    out = []
-    for step in range(steps):
-        state["step"] = step
-        opt.zero_grad()
-        x, y = _batch(step, 0, "float32")
-        loss_fn(model(x), y).backward()
-        opt.synchronize()
-        out.append({"a.weight": model.a.weight.grad.detach().clone(), "stats": opt.stats()})
-    return out
+def nonfinite():
+    """Rank 1 poisons a.weight and c.bias at step 3 (``workers_schemes.nonfinite``)."""
+    return workers_schemes.nonfinite("zen")
 
 
 def run_all(cases):

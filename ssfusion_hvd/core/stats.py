@@ -48,7 +48,7 @@ class StepStats:
     elements_sent: int = 0
     density_target: float = 1.0
     tensors_missing: Any = 0  # lazy: an int, a 0-d tensor, a list of those, a callable
-    nonfinite: Any = 0  # lazy, as tensors_missing
+    nonfinite: Any = None  # lazy, as tensors_missing; None: not counted (dense)
     sparsify_s: float = 0.0
     offload_s: float = 0.0
     communicate_s: float = 0.0
@@ -71,9 +71,10 @@ class StepStats:
             out = {f.name: getattr(self, f.name) for f in fields(self)
                    if f.name not in ("extra", "_resolved")}
             out["tensors_missing"] = _count(self.tensors_missing)
-            out["nonfinite"] = _count(self.nonfinite)
-            if out["iteration"] is None:
-                del out["iteration"]
+            out["nonfinite"] = None if self.nonfinite is None else _count(self.nonfinite)
+            for key in ("iteration", "nonfinite"):
+                if out[key] is None:
+                    del out[key]
             out["density"] = self.density
             out.update({k: resolve(v) for k, v in self.extra.items()})
             self._resolved = out

@@ -102,10 +102,11 @@ class Transport:
     docstring). ``sent`` counts the bytes this rank handed to each kind of collective
     since :meth:`reset_counters`."""
 
-    def __init__(self, config, prefix: str):
+    def __init__(self, config, prefix: str, counted: bool = True):
         self.config = config
         self.process_set = config.process_set
-        self.tag = f"{prefix}{next(_COUNTERS[prefix])}"
+        # counted=False: the prefix alone (names then depend on nothing created before)
+        self.tag = f"{prefix}{next(_COUNTERS[prefix])}" if counted else prefix
         self.op = config.op
         self.predivide = config.gradient_predivide_factor
         self.rank = self.process_set.rank()

@@ -1,6 +1,6 @@
 """Pure planning for ssfusion-hvd: numbers in, a :class:`Plan` out.
 
-No Horovod and no autograd here (DESIGN "Layers"): the planner maps tensor sizes,
+No Horovod and no autograd here (docs/design.md "Layers"): the planner maps tensor sizes,
 backward times and α/β fits (:class:`CostModel`) to groups, per-tensor sparsification
 decisions, top-k counts, allreduce/allgather parts and CPU offloading, and scores every
 decision with one timeline simulator (:func:`simulate`).
@@ -8,13 +8,13 @@ decision with one timeline simulator (:func:`simulate`).
 * Cupcake (MLSys'23) §4: :func:`optimal_fusion` (exact, dynamic programming).
 * SSFusion (ICDE'26) §IV-B: :func:`select_sparsified`, :func:`compensate_density`;
   §IV-C: :func:`choose_offload`; §IV-D: :func:`split_interleaved`.
-* :func:`build_plan` assembles the plans of every scheme in :data:`SCHEMES`.
+* :func:`build_plan` assembles the plans of every scheme in :data:`PLANNERS`.
 """
 from .cost import CostModel, DEFAULT_SPARSIFY, default_backward_times, nominal_k, parse_bandwidth
 from .fusion import SPARSIFICATIONS, fused_plan, optimal_fusion
 from .models import MODELS, model_tensors
 from .plan import ALLGATHER, ALLREDUCE, Group, Plan
-from .schemes import DEFAULT_FUSION_THRESHOLD, SCHEMES, build_plan, threshold_groups
+from .schemes import DEFAULT_FUSION_THRESHOLD, PLANNERS, build_plan, threshold_groups
 from .selective import (
     MIN_DENSITY,
     choose_offload,
@@ -30,7 +30,7 @@ from .timeline import GroupTimeline, Timeline, simulate, wire_bytes
 
 __all__ = [
     "ALLGATHER", "ALLREDUCE", "CostModel", "DEFAULT_FUSION_THRESHOLD", "DEFAULT_SPARSIFY",
-    "Group", "GroupTimeline", "MIN_DENSITY", "MODELS", "Plan", "SCHEMES", "SPARSIFICATIONS",
+    "Group", "GroupTimeline", "MIN_DENSITY", "MODELS", "Plan", "PLANNERS", "SPARSIFICATIONS",
     "Timeline", "build_plan", "choose_offload", "compensate_density", "default_backward_times", "floor_density",
     "wire_budget", "wire_time",
     "fused_plan", "model_tensors", "nominal_k", "optimal_fusion", "parse_bandwidth",

@@ -18,7 +18,7 @@ from .cost import (
     parse_bandwidth,
 )
 from .models import MODELS, model_tensors
-from .schemes import DEFAULT_FUSION_THRESHOLD, SCHEMES, build_plan
+from .schemes import DEFAULT_FUSION_THRESHOLD, PLANNERS, build_plan
 from .formulas import FORMULA_SCHEMES, iteration_s
 from .timeline import simulate
 
@@ -36,7 +36,7 @@ def _seconds(text: str) -> float:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ssfusion_hvd.plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, choices=sorted(MODELS))
-    p.add_argument("--scheme", default="ssfusion_oi", choices=SCHEMES, help="scheme whose plan is printed")
+    p.add_argument("--scheme", default="ssfusion_oi", choices=PLANNERS, help="scheme whose plan is printed")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--sparsifier", default="dgc")
     p.add_argument("--profile", help="CostModel JSON (see CostModel.save); replaces the network options")
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {args.model}, {len(sizes)} gradient tensors, {sum(sizes):,} elements\n")
 
     plans = {s: build_plan(s, sizes, cost, args.density, names, args.sparsifier, args.fusion_threshold)
-             for s in SCHEMES}
+             for s in PLANNERS}
     timelines = {s: simulate(p, cost) for s, p in plans.items()}
     print(plans[args.scheme].table(timelines[args.scheme]))
     if args.save_plan:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     base = timelines["dense"].iteration_s
     print(f"\n{'scheme':<14} {'groups':>7} {'dense tensors':>14} {'offloaded':>10} "
           f"{'sent/elements':>14} {'iteration ms':>13} {'vs dense':>9}")
-    for s in SCHEMES:
+    for s in PLANNERS:
         p, t = plans[s], timelines[s].iteration_s
         dense = sum(not x for x in p.sparse)
         print(f"{s:<14} {len(p.groups):>7} {dense:>14} {sum(p.offload):>10} "

@@ -80,7 +80,7 @@ def nominal_k(numel, density: float):
 
 
 def index_size(numel) -> int:
-    """Bytes per sparse index: int32, or int64 once positions pass 2^31 (DESIGN: wire formats)."""
+    """Bytes per sparse index: int32, or int64 once positions pass 2^31 (docs/design.md "Wire format")."""
     return 4 if int(numel) < 2**31 else 8
 
 

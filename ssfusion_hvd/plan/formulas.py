@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from .cost import CostModel, index_size
+from .cost import CostModel, index_size, nominal_k
 
 __all__ = ["iteration_s", "message_cost", "spardl_comm_s", "zen_comm_s", "exdyna_comm_s",
            "zen_densification", "collectives", "FORMULA_SCHEMES"]
@@ -85,7 +85,7 @@ def iteration_s(scheme: str, cost: CostModel, sizes, density: float, sparsifier:
     schemes start once the last gradient is ready). ``per_collective_s`` is a fixed cost
     paid once per collective call (:func:`collectives`) on top of the α-β formulas."""
     n = int(sum(sizes))
-    k = max(1, math.ceil(density * n - 1e-9))
+    k = int(nominal_k(n, density))
     comm = {"spardl": lambda: spardl_comm_s(cost, n, k),
             "zen": lambda: zen_comm_s(cost, n, density),
             "exdyna": lambda: exdyna_comm_s(cost, n, k)}

@@ -1,6 +1,6 @@
 """The plan: what every rank does with every gradient tensor in one iteration.
 
-A :class:`Plan` is the planner's output and the optimizer's input (DESIGN: "The planner
+A :class:`Plan` is the planner's output and the optimizer's input (docs/design.md: "The planner
 is a pure function of numbers ... to a Plan"). Tensors are indexed in backward order
 (the order their gradients become ready). Each *group* is a run of consecutive tensors
 packed into one fusion buffer; per tensor the plan says whether it is sent dense or

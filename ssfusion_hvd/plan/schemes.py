@@ -24,9 +24,9 @@ from .plan import Plan
 from .selective import choose_offload, select_sparsified, split_interleaved
 from .timeline import simulate
 
-__all__ = ["SCHEMES", "DEFAULT_FUSION_THRESHOLD", "build_plan", "threshold_groups"]
+from ..registry import PLANNERS
 
-SCHEMES = ("dense", "per_tensor", "multi_tensor", "ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi")
+__all__ = ["PLANNERS", "DEFAULT_FUSION_THRESHOLD", "build_plan", "threshold_groups"]
 
 #: Horovod's default ``HOROVOD_FUSION_THRESHOLD`` (64 MiB).
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
@@ -56,8 +56,8 @@ def build_plan(
     fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD,
 ) -> Plan:
     """The plan of ``scheme`` for gradient tensors ``sizes`` (element counts, backward order)."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; choose one of {SCHEMES}")
+    if scheme not in PLANNERS:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {PLANNERS}")
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
     n = len(sizes)

@@ -2,7 +2,7 @@
 
 Cupcake §4.1 defines the iteration time ``f(X)`` of a fusion strategy through the
 timelines of backpropagation, compression and communication instead of a closed form;
-SSFusion Eq. 2–4 use the same three timelines. The rules (DESIGN "Timeline simulator"):
+SSFusion Eq. 2–4 use the same three timelines. The rules (docs/design.md "How a plan is made"):
 
 * one compute stream runs, in backward order, every tensor's backward ``T_b`` and right
   after it that tensor's GPU sparsification ``h_gpu`` (per-tensor sparsification), or,

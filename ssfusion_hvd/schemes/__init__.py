@@ -1,18 +1,5 @@
-"""Synchronization schemes, one module each; ``SCHEMES`` maps ``scheme=`` names to classes."""
-from .base import Scheme, SyncConfig
-from .dense import DenseScheme
-from .exdyna import ExDynaScheme
-from .multi_tensor import MultiTensorScheme
-from .per_tensor import PerTensorScheme
-from .spardl import SparDLScheme
-from .ssfusion import SSFusionScheme
-from .ssfusion_i import SSFusionIScheme
-from .ssfusion_o import SSFusionOScheme
-from .ssfusion_oi import SSFusionOIScheme
-from .zen import ZenScheme
+"""Synchronization schemes, one module each (the SSFusion family shares one); the
+registry of ``scheme=`` names is :data:`ssfusion_hvd.registry.SCHEMES`."""
+from .base import Option, Scheme, SyncConfig, WholeGradientScheme
 
-SCHEMES = {cls.name: cls for cls in (DenseScheme, PerTensorScheme, MultiTensorScheme,
-                                     SSFusionScheme, SSFusionOScheme, SSFusionIScheme,
-                                     SSFusionOIScheme, ExDynaScheme, SparDLScheme, ZenScheme)}
-
-__all__ = ["SCHEMES", "Scheme", "SyncConfig"]
+__all__ = ["Option", "Scheme", "SyncConfig", "WholeGradientScheme"]

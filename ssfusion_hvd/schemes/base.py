@@ -15,9 +15,10 @@ only decides how finished gradients travel and how the synchronized gradient is 
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, NamedTuple
 
 import torch
 
@@ -46,6 +47,7 @@ class SyncConfig:
     warmup_steps: int = 5  # dense iterations measured before planning
     log_plan: bool = True  # rank 0 prints the plan table once
     recipe: Any = None  # ssfusion_hvd.recipe.Recipe: local rule, density warm-up, fp32 accumulation
+    options: Dict[str, Any] = field(default_factory=dict)  # the scheme's, validated (Scheme.parse_options)
     index: Dict[torch.Tensor, int] = field(init=False)  # parameter -> position in order
 
     def __post_init__(self):
@@ -55,13 +57,62 @@ class SyncConfig:
             self.recipe = Recipe("none", self.density, 0, True)
 
 
+class Option(NamedTuple):
+    """One entry of ``DistributedOptimizer(scheme_options=...)``: its default, a check
+    of a given value (True when valid) and what it accepts, for the error message."""
+
+    default: Any
+    check: Callable[[Any], bool]
+    accepts: str
+
+
+def is_int(lo: int, hi: float = float("inf")) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def is_real(lo: float, hi: float = float("inf"), *, open_low: bool = False) -> Callable[[Any], bool]:
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            return False
+        v = float(v)
+        return (v > lo if open_low else v >= lo) and v <= hi
+    return check
+
+
 class Scheme:
     """Base class of synchronization schemes; see the module docstring."""
 
     name = "base"
+    #: what ``scheme_options`` accepts for this scheme: name -> :class:`Option`
+    options: Dict[str, Option] = {}
+    #: the plan in use and the cost model it came from (planned schemes, after warm-up)
+    plan = None
+    cost = None
+
+    @classmethod
+    def parse_options(cls, given) -> Dict[str, Any]:
+        """``given`` validated and completed with the defaults; ``ValueError`` naming the
+        unknown or bad option (raised on every rank alike: it depends on arguments only)."""
+        given = {} if given is None else given
+        if not isinstance(given, dict):
+            raise ValueError(f"scheme_options must be a dict, got {type(given).__name__}")
+        unknown = sorted(set(given) - set(cls.options), key=str)
+        if unknown:
+            have = ", ".join(sorted(cls.options)) or "none"
+            raise ValueError(f"scheme {cls.name!r} has no option {unknown[0]!r}; its options: {have}")
+        out = {}
+        for key, opt in cls.options.items():
+            value = given.get(key, opt.default)
+            if key in given and not opt.check(value):
+                raise ValueError(f"scheme {cls.name!r}: option {key!r} must be {opt.accepts}, "
+                                 f"got {value!r}")
+            out[key] = value
+        return out
 
     def __init__(self, config: SyncConfig):
         self.config = config
+        #: this scheme's options, validated and completed with the defaults
+        self.opts = self.parse_options(config.options)
 
     def submit(self, p: torch.Tensor) -> None:
         raise NotImplementedError
@@ -86,6 +137,10 @@ class Scheme:
     def reset(self) -> None:
         """Forget submitted-but-unfinished work (used by ``load_state_dict``)."""
 
+    def close(self) -> None:
+        """Releases what the scheme holds beyond memory (a worker thread); called when
+        the optimizer is collected."""
+
     #: the last finished step's metrics (a scheme replaces it in ``finish()``)
     last_stats: StepStats = StepStats()
 
@@ -108,8 +163,7 @@ class Scheme:
 
     def memories(self) -> list:
         """The :class:`~ssfusion_hvd.sparsify.memory.ResidualMemory` objects in use."""
-        mem = getattr(self, "_memory", None)
-        return [] if mem is None else [mem]
+        return []
 
     def shared_state(self) -> dict:
         """The part of the state that must be the same on every rank for the next
@@ -190,6 +244,9 @@ class WholeGradientScheme(Scheme):
         self._last_sparse = self._all
         self._iteration += 1
 
+    def memories(self) -> list:
+        return [self._memory]
+
     def _memory_state(self) -> dict:
         return self._memory.named_state()
 
@@ -230,6 +287,13 @@ class WholeGradientScheme(Scheme):
                   "tensors_sparse": len(self._trainable), "elements": self.flat.numel, **values}
         st = StepStats(**values)
         return st.timed(self._t_first, t_wait, t_end)
+
+    def reset(self) -> None:
+        """Forgets the step in flight; a subclass adds its own per-step state."""
+        self._submitted = 0
+        self._t_first = None
+        self._sparsify_s = 0.0
+        self.transport.reset_counters()
 
     def submit(self, p: torch.Tensor) -> None:
         if self._t_first is None:

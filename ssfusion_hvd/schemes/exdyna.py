@@ -90,7 +90,7 @@ import torch
 from .. import ops
 from ..plan.cost import nominal_k
 from ..sparsify.threshold import Threshold
-from .base import SyncConfig, WholeGradientScheme
+from .base import Option, SyncConfig, WholeGradientScheme, is_int, is_real
 
 __all__ = ["ExDynaScheme", "ExDynaState"]
 
@@ -249,13 +249,23 @@ class ExDynaScheme(WholeGradientScheme):
     name = "exdyna"
     prefix = "exd"
     dtypes = (torch.float32, torch.float16)  # values travel by allreduce: no bfloat16 in Horovod 0.28.1
+    #: Algorithm 2's grid, Algorithm 3's block moves and Algorithm 5's scaling
+    #: (:class:`ExDynaState`; the paper gives no values, these are ours)
+    options = {
+        "blocks_per_worker": Option(128, is_int(1), "a positive int"),
+        "move_blocks": Option(1, is_int(1), "a positive int"),
+        "min_blocks": Option(1, is_int(1), "a positive int"),
+        "alpha": Option(1.1, is_real(1.0, open_low=True), "a number > 1"),
+        "beta": Option(1.2, is_real(1.0, open_low=True), "a number > 1"),
+        "gamma": Option(0.05, is_real(0.0, 1.0, open_low=True), "a number in (0, 1]"),
+    }
 
-    def __init__(self, config: SyncConfig, **knobs):
+    def __init__(self, config: SyncConfig):
         super().__init__(config)
         self._numel = self.flat.numel
         self._nranks, self._rank = self.transport.size, self.transport.rank
         self._idx_dtype = ops.index_dtype(self._numel)
-        self.state = ExDynaState(self._numel, self._nranks, self._density(), **knobs)
+        self.state = ExDynaState(self._numel, self._nranks, self._density(), **self.opts)
         self._flat = torch.empty(self._numel, dtype=self._dtype, device=self._device)
         self._out = torch.empty(self._numel, dtype=self._acc_dtype(), device=self._device)
         self.selected: Optional[torch.Tensor] = None  # this rank's indices, last iteration
@@ -314,7 +324,7 @@ class ExDynaScheme(WholeGradientScheme):
         self._finished()
         self.last_stats = self._step_stats(
             t_wait, t_end, phase="calibration" if self._calibrating else "sparse",
-            allreduce_bytes=tr.sent["allreduce"], allgather_bytes=own * self.selected.element_size(),
+            allreduce_bytes=tr.sent["allreduce"], allgather_bytes=tr.sent["allgather"],
             elements_sent=total, density_target=st.density,
             tensors_missing=self.flat.missing(gathered),
             nonfinite=torch.isfinite(reduced).logical_not_().sum(),
@@ -331,13 +341,10 @@ class ExDynaScheme(WholeGradientScheme):
         return self._submitted > 0 or self._ag is not None
 
     def reset(self) -> None:
-        self._submitted = 0
-        self.transport.reset_counters()
+        super().reset()
         self._ag = self._kth = None
         self._acc = None
         self._calibrating = False
-        self._t_first = None
-        self._sparsify_s = 0.0
 
     # ------------------------------------------------------------------ state
     def shared_state(self) -> dict:

@@ -1,10 +1,37 @@
-"""SSFusion (§IV-B): Cupcake's fusion buffers with *selective* sparsification. Inside each
-buffer every tensor selects its own top-k (one segmented kernel call per buffer, so no
-tensor is missing); small tensors whose sparsification would not pay for itself are sent
-dense inside the same allgather (Eq. 2), and the sparsified tensors' densities are raised
-so that the elements sent in total stay at ``density`` (density-aware compensation)."""
+"""The SSFusion family (ICDE'26): four planned schemes that differ only in their planner.
+
+* ``ssfusion`` (§IV-B): Cupcake's fusion buffers with *selective* sparsification. Inside
+  each buffer every tensor selects its own top-k (one segmented kernel call per buffer,
+  so no tensor is missing); small tensors whose sparsification would not pay for itself
+  are sent dense inside the same allgather (Eq. 2), and the sparsified tensors' densities
+  are raised so that the elements sent in total stay at ``density`` (density-aware
+  compensation).
+* ``ssfusion_o`` (§IV-C): plus sparsification offloading. Large tensors whose CPU
+  selection finishes inside their group's backward window (decided by the simulator,
+  ``plan.choose_offload``) are selected on a CPU worker thread as soon as their gradient
+  is ready (``core/offload.py``), overlapping the rest of backward.
+* ``ssfusion_i`` (§IV-D): each fusion buffer split into a dense part sent by allreduce and
+  a sparse part sent by allgather, at the split point minimizing ``T1 + T2``
+  (``plan.split_interleaved``); the two collectives of every group are submitted back to
+  back, interleaved group after group.
+* ``ssfusion_oi``: both. The recommended scheme.
+"""
 from .planned import PlannedScheme
+
+__all__ = ["SSFusionScheme", "SSFusionOScheme", "SSFusionIScheme", "SSFusionOIScheme"]
 
 
 class SSFusionScheme(PlannedScheme):
     name = planner = "ssfusion"
+
+
+class SSFusionOScheme(PlannedScheme):
+    name = planner = "ssfusion_o"
+
+
+class SSFusionIScheme(PlannedScheme):
+    name = planner = "ssfusion_i"
+
+
+class SSFusionOIScheme(PlannedScheme):
+    name = planner = "ssfusion_oi"

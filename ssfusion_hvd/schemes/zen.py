@@ -18,10 +18,12 @@ One step, on the whole model gradient as one flat vector g of n elements (canoni
    ``h_0(i)``; the seed is the same on every rank, so every rank's copy of an index meets at
    one owner, and a universal hash balances the loads (Theorem 2: imbalance
    ``1 + O(sqrt(P log P / (n d)))``) where contiguous partitions follow the gradient's skew.
-3. **Push**: one ``alltoall`` of packed (value, index) records with int32 ``splits`` = the
-   partition counts; each owner receives every rank's entries of its partition.
-4. **Incremental aggregation**: the owner scatter-adds them, in rank order (deterministic),
-   into a dense accumulator and marks the touched positions.
+3. **Push**: one ``alltoall`` of one :mod:`ssfusion_hvd.core.wire` record per owner (its
+   values, zero padding to the index alignment, its indices), sent as bytes with int32
+   ``splits`` = the records' byte lengths; each owner receives every rank's entries of its
+   partition and reads each source's count off the received split (:func:`wire.count_of`).
+4. **Incremental aggregation**: the owner scatter-adds them, in source-rank order
+   (deterministic), into a dense accumulator and marks the touched positions.
 5. **Pull** (Algorithm 2): owner p's index set ``I_p = {i : h_0(i) = p}`` (sorted, computed
    once) is known to everyone; the owner sends a bitmap of |I_p| bits (bit t: ``I_p[t]`` was
    touched) and the aggregated values of the touched positions, in that order. Every rank
@@ -36,7 +38,8 @@ in rank order), bit-identical on every rank.
 
 Cost per rank (bytes, b_v / b_i value / index size, m ~ k entries selected per rank, u the
 union of the selected indices, ``gamma = u / m`` the densification ratio): push sends
-``m (b_v + b_i)`` of which ``(P-1)/P`` leaves the rank; pull sends ``|I_p| / 8 + (u / P) b_v``
+``m (b_v + b_i)`` (plus each record's padding, less than one entry) of which ``(P-1)/P``
+leaves the rank; pull sends ``|I_p| / 8 + (u / P) b_v``
 and receives ``n / 8 + u b_v``. With COO in both steps this is the paper's Eq. (1),
 ``T_bp = (P-1)/P (gamma + 1) 2 M d / b``; the hash bitmap replaces the pulled indices by
 n/8 bytes.
@@ -53,9 +56,10 @@ Known limits:
   gradient dtype). Every gradient must share one dtype (float32/float16/bfloat16) and device.
 * Memory per rank besides the residual: the index sets I_p (one int32 per element, int64
   past 2^31), a dense accumulator and the output (n values each) and a touched mask (n bytes).
-* The hash seed is a fixed constant (:attr:`ZenScheme.seed`): every rank agrees without a
-  collective. The paper broadcasts random seeds at start; any seed gives the same guarantee
-  as long as it does not depend on the data.
+* The hash seed is the ``seed`` option (default a fixed constant, 0x5A454E): every rank
+  agrees without a collective (the optimizer checks that every rank passes the same
+  ``scheme_options``). The paper broadcasts random seeds at start; any seed gives the same
+  guarantee as long as it does not depend on the data.
 * The serial memory of Algorithm 1 is unbounded here (the paper sizes it r1/10 and would
   lose indices past it), and collisions are resolved by the lowest position instead of the
   GPU's race winner, so the kernels are deterministic.
@@ -65,19 +69,17 @@ from __future__ import annotations
 import itertools
 import time
 import zlib
-from typing import Optional
 
 import torch
-from horovod.torch.mpi_ops import allgather_async, alltoall_async, synchronize
 
 from .. import ops
+from ..core import wire
 from ..plan.cost import nominal_k
 from ..sparsify import make_sparsifier
-from .base import SyncConfig, WholeGradientScheme
+from .base import Option, SyncConfig, WholeGradientScheme, is_int
 
 __all__ = ["ZenScheme", "imbalance_ratio", "pack_bitmap", "unpack_bitmap"]
 
-_instances = itertools.count()
 _BIT_WEIGHTS = {}
 
 
@@ -110,10 +112,15 @@ def unpack_bitmap(data: torch.Tensor) -> torch.Tensor:
     return (data.view(-1, 1) & _weights(data.device)).ne_(0).view(-1)
 
 
+def _optional_int(lo: int, hi: int):
+    check = is_int(lo, hi)
+    return lambda v: v is None or check(v)
+
+
 class ZenScheme(WholeGradientScheme):
     """State of ZEN's Balanced Parallelism (see the module docstring for the math).
 
-    Knobs (class attributes, identical on every rank):
+    Options (``scheme_options``, identical on every rank):
 
     * ``seed``: the universal hash's seed (h_0 and the second-level functions);
     * ``rounds``: second-level hash functions k of Algorithm 1 (the paper's evaluation uses 3);
@@ -122,23 +129,25 @@ class ZenScheme(WholeGradientScheme):
     """
 
     name = "zen"
-    seed = 0x5A454E  # "ZEN"
-    rounds = 3
-    table_size: Optional[int] = None
+    prefix = "zen"
+    options = {
+        "seed": Option(0x5A454E, is_int(0, 2**64 - 1), "an int in [0, 2**64)"),  # "ZEN"
+        "rounds": Option(3, is_int(0, 64), "an int in [0, 64]"),
+        "table_size": Option(None, _optional_int(1, 2**31 - 1),
+                             "None or an int in [1, 2**31 - 1]"),
+    }
 
     def __init__(self, config: SyncConfig):
         super().__init__(config)
-        self._tag = f"zen{next(_instances)}"  # created in the same order on every rank
-        self._bounds = [0] + list(itertools.accumulate(self.flat.sizes))
-        self._n = self._bounds[-1]
-        self._nranks = config.process_set.size()
-        self._rank = config.process_set.rank()
+        opts = self.opts
+        self.seed, self.rounds, self.table_size = opts["seed"], opts["rounds"], opts["table_size"]
+        self._n = self.flat.numel
+        self._nranks, self._rank = self.transport.size, self.transport.rank
         self._prescale, self._postscale = self.transport.scales()
         self._idx_dtype = ops.index_dtype(self._n)
         kwargs = {"seed": zlib.crc32(b"zen")} if config.sparsifier == "randomk" else {}
         self._sparsifier = make_sparsifier(config.sparsifier, **kwargs)
         self._sets = None  # built on first use: _build_sets()
-        self._stats: dict = {}
         self.reset()
 
     # ------------------------------------------------------------------ index sets
@@ -171,16 +180,13 @@ class ZenScheme(WholeGradientScheme):
         self._out = torch.zeros(n, dtype=self._dtype, device=dev)
 
     # ------------------------------------------------------------------ sparsify, hash, push
-
-
     def _launch(self) -> None:
-        cfg = self.config
         if self._sets is None:
             self._build_sets()
         t0 = time.perf_counter()
-        flat = torch.cat([self._grad(p).reshape(-1) for p in self._trainable])
-        acc = self._memory.compensate(self._KEY, flat)
-        k = int(nominal_k(self._n, self._density())) if self._n else 0
+        acc = self._memory.compensate(self._KEY, self._flat_grad())
+        self._step_density = self._density()
+        k = int(nominal_k(self._n, self._step_density)) if self._n else 0
         values, indices = self._sparsifier.select(acc, k)
         values = values.to(self._dtype)  # the wire dtype; the rounding stays in the residual
         self._memory.update(self._KEY, acc, indices, self._dtype)
@@ -190,15 +196,15 @@ class ZenScheme(WholeGradientScheme):
         values, indices = values[order], indices[order].to(self._idx_dtype)
         if self._prescale != 1.0:
             values = values * self._prescale
-        m = values.numel()
-        record = torch.cat([values.view(torch.uint8).view(m, values.element_size()),
-                            indices.view(torch.uint8).view(m, indices.element_size())], dim=1)
-        splits = counts.to(device="cpu", dtype=torch.int32)
+        # one wire record per owner, sent as bytes (splits in bytes)
+        per_owner = counts.tolist()
+        push = wire.encode(list(zip(values.split(per_owner), indices.split(per_owner))),
+                           self._dtype, self._idx_dtype, device=values.device)
+        splits = torch.tensor([wire.record_bytes(c, self._dtype, self._idx_dtype)
+                               for c in per_owner], dtype=torch.int32)
         self._sparsify_s = time.perf_counter() - t0
-        self._push = alltoall_async(record, splits=splits, name=f"{self._tag}.push",
-                                    process_set=cfg.process_set)
-        self._sent = {"indices": indices, "counts": counts, "overflow": overflow,
-                      "push_bytes": record.numel()}
+        self._push = self.transport.alltoall(push.view(torch.uint8), splits, "push")
+        self._sent = {"indices": indices, "counts": counts, "overflow": overflow}
 
     # ------------------------------------------------------------------ aggregate, pull
     def finish(self) -> None:
@@ -208,13 +214,14 @@ class ZenScheme(WholeGradientScheme):
                                    f"{len(self._trainable)} gradients were submitted")
             return  # nothing trainable
         t_wait = time.perf_counter()
-        cfg = self.config
-        S = self._sets
-        received, _ = synchronize(self._push)
-        vb = torch.empty(0, dtype=self._dtype).element_size()
-        rvals = received[:, :vb].contiguous().view(self._dtype).reshape(-1)
-        ridx = received[:, vb:].contiguous().view(self._idx_dtype).reshape(-1)
-        # incremental aggregation: rows arrive in source-rank order, the sum follows it
+        tr, S = self.transport, self._sets
+        received, rsplits = tr.wait(self._push)
+        # one record per source rank, in source-rank order; its length gives its count
+        counts = [wire.count_of(b, self._dtype, self._idx_dtype) for b in rsplits.tolist()]
+        records = wire.decode(received.view(self._dtype), counts, self._idx_dtype)
+        rvals = torch.cat([v for v, _ in records])
+        ridx = torch.cat([i for _, i in records])
+        # incremental aggregation: the sum follows the source-rank order
         ops.scatter_add(self._agg, rvals.to(self._agg.dtype), ridx)
         self._touched[ridx] = True
         bits = self._touched[S["own"]]
@@ -222,74 +229,48 @@ class ZenScheme(WholeGradientScheme):
         own_values = self._agg[touched].to(self._dtype)
         self._agg[ridx] = 0  # ready for the next step, at the touched positions only
         self._touched[ridx] = False
-        bitmap = pack_bitmap(bits)
-        h_bits = allgather_async(bitmap, name=f"{self._tag}.bitmap", process_set=cfg.process_set)
+        h_bits = tr.allgather(pack_bitmap(bits), "bitmap")
         # values travel as bytes: Horovod's allgather takes no bfloat16
-        h_vals = allgather_async(own_values.view(torch.uint8), name=f"{self._tag}.values",
-                                 process_set=cfg.process_set)
-        pos = unpack_bitmap(synchronize(h_bits)).nonzero().flatten()
-        gathered = synchronize(h_vals).view(self._dtype)
+        h_vals = tr.allgather(own_values.view(torch.uint8), "values")
+        pos = unpack_bitmap(tr.wait(h_bits)).nonzero().flatten()
+        gathered = tr.wait(h_vals).view(self._dtype)
         if self._postscale != 1.0:  # only the pulled entries are non-zero: scale just them
             gathered = gathered * self._postscale
         out = self._out.zero_()
         out[S["bit_index"][pos]] = gathered
-        views = [v.view(p.shape) for v, p in zip(out.split(self.flat.sizes), self._trainable)]
-        torch._foreach_copy_([p.grad for p in self._trainable], views)
+        self._deliver(out)
         t_end = time.perf_counter()
         self._finished()
-        self._record_stats(pos, gathered, bitmap.numel() + own_values.numel() * vb,
-                           received.shape[0], t_wait, t_end)
+        self._record_stats(pos, gathered, ridx.numel(), t_wait, t_end)
         self.reset()
 
-    def _record_stats(self, pos, pulled, pull_bytes, received_rows, t_wait, t_end) -> None:
-        sent = self._sent
-        idx = sent["indices"].long().sort().values
-        per_tensor = torch.searchsorted(idx, torch.tensor(self._bounds, device=idx.device))
+    def _record_stats(self, pos, pulled, received, t_wait, t_end) -> None:
+        sent, tr = self._sent, self.transport
+        counts = sent["counts"]
         per_owner = torch.bincount(torch.searchsorted(self._sets["bit_ends"], pos, right=True),
                                    minlength=self._nranks)
-        m = idx.numel()
-        self._stats = {
-            "phase": "sparse", "iteration": self._iteration,
-            "allreduce_bytes": 0, "allgather_bytes": pull_bytes,
-            "tensors_dense": 0, "tensors_sparse": len(self._trainable),
-            "elements": self._n, "elements_sent": m, "density": m / max(self._n, 1),
-            "density_target": self.config.recipe.density_at(self._iteration - 1),
-            "tensors_missing": (per_tensor.diff() == 0).sum(),
-            "nonfinite": torch.isfinite(pulled).logical_not_().sum(),  # the rest is 0
-            "sparsify_s": self._sparsify_s, "offload_s": 0.0,
-            "communicate_s": t_end - (self._t_first if self._t_first is not None else t_wait),
-            "wait_s": t_end - t_wait,
-            # ZEN specifics
-            "alltoall_bytes": sent["push_bytes"],
-            "partition_counts": sent["counts"],  # this rank's push load per owner
-            "imbalance_push": sent["counts"],  # max/mean of the above (Definition 8)
-            "imbalance_pull": per_owner,  # max/mean of the aggregated entries per owner
-            "hash_overflow": sent["overflow"].sum(),  # entries in serial memory
-            "elements_received": received_rows,  # push entries aggregated by this owner
-            "elements_aggregated": pos.numel(),  # |union| of all ranks' indices
-        }
-
-    def stats(self) -> dict:
-        out = dict(self._stats)
-        for key in ("tensors_missing", "nonfinite", "hash_overflow"):
-            if isinstance(out.get(key), torch.Tensor):
-                out[key] = int(out[key])
-        for key in ("imbalance_push", "imbalance_pull"):
-            if isinstance(out.get(key), torch.Tensor):
-                out[key] = imbalance_ratio(out[key].cpu())
-        if isinstance(out.get("partition_counts"), torch.Tensor):
-            out["partition_counts"] = out["partition_counts"].tolist()
-        return out
+        self.last_stats = self._step_stats(
+            t_wait, t_end, allgather_bytes=tr.sent["allgather"],
+            elements_sent=sent["indices"].numel(), density_target=self._step_density,
+            tensors_missing=self.flat.missing(sent["indices"]),
+            nonfinite=torch.isfinite(pulled).logical_not_().sum(),  # the rest is 0
+            sparsify_s=self._sparsify_s,
+            extra={"alltoall_bytes": tr.sent["alltoall"],
+                   "partition_counts": counts,  # this rank's push load per owner
+                   # max/mean of the above (Definition 8)
+                   "imbalance_push": lambda: imbalance_ratio(counts.cpu()),
+                   # max/mean of the aggregated entries per owner
+                   "imbalance_pull": lambda: imbalance_ratio(per_owner.cpu()),
+                   "hash_overflow": sent["overflow"].sum(),  # entries in serial memory
+                   "elements_received": received,  # push entries aggregated by this owner
+                   "elements_aggregated": pos.numel()})  # |union| of all ranks' indices
 
     def pending(self) -> bool:
         return self._submitted > 0 or self._push is not None
 
     def reset(self) -> None:
-        self._submitted = 0
-        self._push = None
-        self._sent = None
-        self._t_first = None
-        self._sparsify_s = 0.0
+        super().reset()
+        self._push = self._sent = None
 
     # ------------------------------------------------------------------ state
     def shared_state(self) -> dict:

@@ -7,7 +7,7 @@ stateful methods (online threshold scaling, random-k's shared seed) keep their s
 the instance; ``state_dict()`` makes that state part of the optimizer's checkpoint.
 
 Selections never exceed ``capacity(k)`` elements, so a fixed-size wire record of
-``capacity(k)`` entries always holds them (DESIGN "Wire formats": pad to k). ``tolerance``
+``capacity(k)`` entries always holds them (docs/design.md "Wire format": pad to capacity). ``tolerance``
 documents the achieved count as a fraction of k that the tests hold each method to.
 """
 from __future__ import annotations

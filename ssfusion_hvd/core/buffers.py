@@ -1,4 +1,4 @@
-"""Fusion buffers of one plan group and their wire format (DESIGN "Wire formats").
+"""Fusion buffers of one plan group and their wire format (``docs/design.md``, "Wire format").
 
 A group of the plan travels as at most two collectives:
 
@@ -20,6 +20,10 @@ indices are positions in that flat buffer. ``mode`` says how it selects:
 * ``"buffer"``: one selection over the whole fusion buffer (multi-tensor, Cupcake; tensors can
   go missing, SSFusion §III-A).
 
+A part whose sparsifiers select the same indices on every rank (random-k: its seed is
+shared) sends ``capacity`` values and no indices; decode sums them over the ranks at the
+positions this rank selected.
+
 Sparsifiers that return fewer than ``capacity`` elements are padded with zero values at
 distinct *sink* positions past the end of the staged data, so decoding (a scatter-add of P
 chunks, which needs distinct indices within a chunk) stays one kernel call and the sink is
@@ -38,6 +42,7 @@ import torch
 
 from .. import ops
 from ..sparsify import ResidualMemory, Sparsifier
+from .layout import views
 
 __all__ = ["DensePart", "SparsePart", "GroupBuffers", "SelectionResult"]
 
@@ -55,8 +60,6 @@ class DensePart:
     """Dense tensors carried by the allgather: values only, summed over ranks on decode
     (in ``acc_dtype``, e.g. float32 for float16 gradients)."""
 
-    kind = "dense"
-
     def __init__(self, tensors: Sequence[int], shapes: Sequence[torch.Size], offset: int,
                  dtype: torch.dtype, device: torch.device, acc_dtype: torch.dtype | None = None):
         self.tensors = list(tensors)
@@ -64,7 +67,7 @@ class DensePart:
         self.offset = offset
         self.length = sum(self.numels)
         self.out = torch.empty(self.length, dtype=acc_dtype or dtype, device=device)
-        self.out_views = _views(self.out, shapes)
+        self.out_views = views(self.out, shapes)
 
     def encode(self, grads: Sequence[torch.Tensor], send: torch.Tensor, prescale: float) -> None:
         region = send[self.offset:self.offset + self.length]
@@ -84,8 +87,6 @@ class SparsePart:
     ``dtype`` is the wire (gradient) dtype; ``acc_dtype`` (default: the same) that of the
     staged input, the selection and the decode sums (float32 for float16 gradients)."""
 
-    kind = "sparse"
-
     def __init__(self, key: str, tensors: Sequence[int], shapes: Sequence[torch.Size],
                  ks: Sequence[int], mode: str, sparsifiers: Sequence[Sparsifier], offset: int,
                  dtype: torch.dtype, device: torch.device, stage_device: torch.device | None = None,
@@ -102,24 +103,30 @@ class SparsePart:
         self.ks = [int(k) for k in ks]  # per tensor, or one k for mode "buffer"
         self.mode = mode
         self.sparsifiers = list(sparsifiers)  # one per tensor, or one for the buffer
+        expect = 1 if mode == "buffer" else len(self.tensors)
+        if len(self.ks) != expect or len(self.sparsifiers) != expect:
+            raise ValueError(f"part {key}: mode {mode!r} needs {expect} k and sparsifier(s), "
+                             f"got {len(self.ks)} and {len(self.sparsifiers)}")
         if mode == "buffer":
-            assert len(self.ks) == 1 and len(self.sparsifiers) == 1
             self.capacity = self.sparsifiers[0].capacity(self.ks[0])
         else:
-            assert len(self.ks) == len(self.tensors)
             self.capacity = sum(s.capacity(k) for s, k in zip(self.sparsifiers, self.ks)) \
                 if mode == "per_tensor" else sum(self.ks)
         self.dtype = dtype
         self.acc_dtype = acc_dtype or dtype
         self.idx_dtype = ops.index_dtype(self.numel + self.capacity)
         self.offset = offset
-        self.length = ops.record_numel(self.capacity, dtype, self.idx_dtype)
+        #: every rank selects the same indices (random-k's shared seed): only values travel
+        self.shared_indices = all(sp.shared_indices for sp in self.sparsifiers)
+        self.length = self.capacity if self.shared_indices else \
+            ops.record_numel(self.capacity, dtype, self.idx_dtype)
+        self._sent_indices: Optional[torch.Tensor] = None
         stage_device = device if stage_device is None else stage_device
         pin = stage_device.type == "cpu" and device.type == "cuda" and torch.cuda.is_available()
         self.stage = torch.empty(self.numel, dtype=self.acc_dtype, device=stage_device, pin_memory=pin)
         # decode target: the part's tensors plus the sink that padding entries point into
         self.out = torch.empty(self.numel + self.capacity, dtype=self.acc_dtype, device=device)
-        self.out_views = _views(self.out, shapes)
+        self.out_views = views(self.out, shapes)
         self._offsets = torch.tensor(self.bounds, dtype=torch.int64)
         self._ks = torch.tensor(self.ks, dtype=torch.int64)
         self._sink = torch.arange(self.numel, self.numel + self.capacity,
@@ -163,14 +170,25 @@ class SparsePart:
         if prescale != 1.0:
             values = values * prescale
         values, indices = values.to(send.device, send.dtype), indices.to(send.device)
+        if self.shared_indices:  # the values alone; the indices are this rank's own
+            send[self.offset:self.offset + self.capacity].copy_(values)
+            self._sent_indices = indices
+            return
         end = ops.pack(values, indices, send, self.offset)
-        assert end == self.offset + self.length
+        if end != self.offset + self.length:
+            raise RuntimeError(f"part {self.key}: record ends at {end}, its slot at "
+                               f"{self.offset + self.length}")
 
     # -- decode ------------------------------------------------------------------------
     def decode(self, gathered: torch.Tensor, nranks: int, record_len: int) -> torch.Tensor:
         self.out.zero_()
-        ops.scatter_add_chunks(self.out, gathered, nranks, self.offset, self.capacity,
-                               self.idx_dtype)
+        if self.shared_indices:  # the same positions on every rank: sum the values there
+            chunks = gathered.view(nranks, record_len)[:, self.offset:self.offset + self.capacity]
+            summed = torch.sum(chunks, dim=0, dtype=self.out.dtype)
+            self.out.index_copy_(0, self._sent_indices.to(self.out.device).long(), summed)
+        else:
+            ops.scatter_add_chunks(self.out, gathered, nranks, self.offset, self.capacity,
+                                   self.idx_dtype)
         return self.out[:self.numel]
 
     def missing(self, result: SelectionResult) -> torch.Tensor | int:
@@ -205,15 +223,6 @@ class GroupBuffers:
         return 0 if self.send is None else self.send.numel()
 
 
-def _views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
-    out, lo = [], 0
-    for s in shapes:
-        n = math.prod(s)
-        out.append(flat[lo:lo + n].view(s))
-        lo += n
-    return out
-
-
 def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload_device=None,
                 key_prefix: str = "g", acc_dtype: torch.dtype | None = None) -> GroupBuffers:
     """The buffers of ``plan.groups[index]``.
@@ -238,7 +247,7 @@ def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload
     ar_views: List[torch.Tensor] = []
     if ar:
         ar_buf = torch.empty(sum(math.prod(shapes[i]) for i in ar), dtype=dtype, device=device)
-        ar_views = _views(ar_buf, [shapes[i] for i in ar])
+        ar_views = views(ar_buf, [shapes[i] for i in ar])
     parts: List[object] = []
     offset = 0
     if ag_dense:

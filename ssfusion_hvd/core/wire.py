@@ -1,0 +1,83 @@
+"""The one wire format of sparse data: records of (value, index) entries.
+
+A *record* of k entries, in a flat buffer of the values' dtype, is the k values, zero
+padding up to the index alignment, then the k indices stored bit for bit (the layout of
+:func:`ssfusion_hvd.ops.pack`, :func:`~ssfusion_hvd.ops.record_spans`). A message is
+records back to back (:func:`encode`, :func:`decode`): SparDL's point-to-point and
+all-gather payloads, ZEN's push (one record per owner), the planned schemes' fusion
+buffers (fixed-capacity records after the dense part).
+
+A record's length gives back its k (:func:`count_of`): the padding is smaller than one
+entry (at most ``index size - value size`` bytes), so ``k = nbytes // (value size + index
+size)`` for every pair of dtypes; a length that is no record's raises. So a receiver that
+knows its sources' byte splits (an alltoall's received splits) needs no counts.
+
+Horovod's collectives move bytes here: a message travels as ``buf.view(torch.uint8)``
+(Horovod 0.28.1 has no bfloat16 collectives; its splits are then in bytes) and is read
+back with ``raw.view(dtype)``. Nothing here calls Horovod.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from .. import ops
+
+__all__ = ["Sparse", "encode", "decode", "count_of", "record_bytes"]
+
+Sparse = Tuple[torch.Tensor, torch.Tensor]  # (values, indices)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def record_bytes(k: int, dtype: torch.dtype, idx_dtype: torch.dtype) -> int:
+    """Bytes of a record of ``k`` entries (values of ``dtype``, indices of ``idx_dtype``)."""
+    return ops.record_numel(k, dtype, idx_dtype) * _size(dtype)
+
+
+def count_of(nbytes: int, dtype: torch.dtype, idx_dtype: torch.dtype) -> int:
+    """The k of a record of ``nbytes`` bytes; ``ValueError`` if no record is that long."""
+    nbytes = int(nbytes)
+    k = nbytes // (_size(dtype) + _size(idx_dtype))
+    if nbytes < 0 or record_bytes(k, dtype, idx_dtype) != nbytes:
+        raise ValueError(f"{nbytes} bytes is not the length of a ({dtype}, {idx_dtype}) "
+                         f"record (a record of {k} entries has "
+                         f"{record_bytes(max(k, 0), dtype, idx_dtype)})")
+    return k
+
+
+def encode(items: Sequence[Sparse], dtype: torch.dtype, idx_dtype: torch.dtype,
+           device=None) -> torch.Tensor:
+    """The records of ``items`` back to back, in a 1-D buffer of ``dtype`` (on ``device``,
+    default the first item's). Values must be ``dtype`` and indices ``idx_dtype``, 1-D."""
+    for v, i in items:
+        if v.dtype != dtype or i.dtype != idx_dtype:
+            raise TypeError(f"wire.encode: a ({v.dtype}, {i.dtype}) item in a ({dtype}, "
+                            f"{idx_dtype}) message")
+    if device is None:
+        device = items[0][0].device if items else "cpu"
+    total = sum(ops.record_numel(v.numel(), dtype, idx_dtype) for v, _ in items)
+    out = torch.empty(total, dtype=dtype, device=device)
+    at = 0
+    for v, i in items:
+        at = ops.pack(v, i, out, at)
+    return out
+
+
+def decode(buf: torch.Tensor, counts: Sequence[int], idx_dtype: torch.dtype) -> List[Sparse]:
+    """The records of ``counts[j]`` entries each, in order, from the 1-D buffer ``buf`` (of
+    the values' dtype) holding exactly them: ``(values, indices)`` copies."""
+    dtype = buf.dtype
+    spans = [ops.record_numel(int(c), dtype, idx_dtype) for c in counts]
+    if buf.numel() != sum(spans):
+        raise RuntimeError(f"wire.decode: {buf.numel() * buf.element_size()} bytes received, "
+                           f"expected {sum(spans) * _size(dtype)} (records of "
+                           f"{[int(c) for c in counts]} entries)")
+    out, at = [], 0
+    for c, span in zip(counts, spans):
+        out.append(ops.unpack(buf, at, int(c), idx_dtype))
+        at += span
+    return out

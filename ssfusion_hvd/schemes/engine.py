@@ -1,0 +1,235 @@
+"""Phase 2 of a planned scheme: one plan's buffers and the step that runs on them.
+
+:class:`PlannedPhase` holds what a plan allocates (fusion buffers per density stage, the
+residual memory, the offload worker) and runs a step in the data-flow order of
+``docs/design.md``: gradients arrive from the hooks (``submit``); when the last tensor of
+a group is ready its buffers are encoded (dense part packed; sparse parts
+error-compensated, selected and packed: ``core/buffers.py``) and its collectives
+submitted at once — the allreduce part and the allgather buffer, group after group,
+interleaved (SSFusion-I) — so communication overlaps the rest of backward. Offloaded
+tensors (SSFusion-O) go to the :class:`~ssfusion_hvd.core.offload.OffloadWorker` as soon
+as *they* are ready; it submits the group's allgather once its selections are packed.
+``finish`` waits in plan order, decodes (sum of dense chunks, scatter-add of sparse
+records), scales by ``op`` and copies into ``p.grad``.
+
+Scaling follows Horovod: the sender multiplies by ``1 / gradient_predivide_factor`` and
+the receiver by ``factor / P`` for Average (1 for Sum); the allreduce part leaves both to
+Horovod's own pre/postscale.
+"""
+from __future__ import annotations
+
+import sys
+import time
+import zlib
+from concurrent.futures import Future
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from ..core.buffers import DensePart, GroupBuffers, SparsePart, build_group
+from ..core.layout import views
+from ..core.offload import OffloadWorker
+from ..core.stats import StepStats
+from ..core.transport import Transport
+from ..plan import Plan
+
+__all__ = ["PlannedPhase", "SPARSE_DTYPES"]
+
+#: gradient dtypes a plan can carry (Horovod 0.28.1 reduces no bfloat16)
+SPARSE_DTYPES = (torch.float32, torch.float16)
+
+
+class PlannedPhase:
+    """Synchronization by ``plan`` (see the module docstring). ``params`` are the
+    parameters in plan order; ``sparsifier_for(key)`` gives the sparsifier of a tensor
+    (key: its name) or of a fusion buffer (key: its part's)."""
+
+    def __init__(self, plan: Plan, params: Sequence[torch.Tensor], config, transport: Transport,
+                 sparsifier_for: Callable, iteration: int, name: str):
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) != 1:
+            raise ValueError(f"scheme {name!r} needs every gradient in one dtype on one "
+                             f"device, got {sorted(map(str, kinds))}; use scheme='dense'")
+        self.dtype, self.device = next(iter(kinds))
+        if self.dtype not in SPARSE_DTYPES:
+            raise ValueError(f"scheme {name!r} supports float32 and float16 "
+                             f"gradients, got {self.dtype}; use scheme='dense'")
+        self.plan = plan
+        self.crc = zlib.crc32(plan.to_json().encode())
+        self.config, self.transport = config, transport
+        self.params = list(params)
+        self._pos = {p: i for i, p in enumerate(self.params)}
+        self._group_of = plan.group_of()
+        self.sparse_set = frozenset(p for p, sp in zip(self.params, plan.sparse) if sp)
+        # build_group asks for (part key, plan index or None for a whole buffer)
+        self._sparsifier_for = lambda key, i: sparsifier_for(key if i is None else plan.names[i])
+        self._prescale, self._postscale = transport.scales()
+        self.memory = config.recipe.make_memory(self.dtype)
+        self._primed = False
+        self._worker: Optional[OffloadWorker] = None
+        self._stage: Optional[int] = None
+        self.groups: List[GroupBuffers] = []
+        self.enter_stage(iteration)
+        if config.log_plan and transport.rank == 0:
+            print(plan.table(), file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ buffers
+    def enter_stage(self, iteration: int) -> None:
+        """Buffers for the density in force at step ``iteration`` (density warm-up,
+        ``ssfusion_hvd/recipe.py``): allocated once per stage, same parts and keys in
+        every stage, so residuals and the local rule's state carry over."""
+        recipe = self.config.recipe
+        stage = recipe.stage(iteration)
+        if stage == self._stage:
+            return
+        self._stage = stage
+        self.active = active = self.plan.at_density(recipe.stage_density(stage))
+        self.memory.rule.density = active.density  # the local rule's "auto" masking reads it
+        offload = any(active.offload)
+        shapes = [p.shape for p in self.params]
+        self.groups = [build_group(gi, active, shapes, self.dtype, self.device,
+                                   self._sparsifier_for,
+                                   offload_device=torch.device("cpu") if offload else None,
+                                   acc_dtype=self.memory.acc_dtype(self.dtype))
+                       for gi in range(len(active.groups))]
+        for part in self._sparse_parts():
+            self.memory.register(part.key, [active.names[i] for i in part.tensors],
+                                 [shapes[i] for i in part.tensors], part.stage.device)
+        self._offload_part = {part.tensors[0]: part for gb in self.groups for part in gb.offloaded}
+        if offload and self._worker is None:
+            self._worker = OffloadWorker(self.device)
+        self.reset()
+
+    def _sparse_parts(self):
+        return [part for gb in self.groups for part in gb.parts if isinstance(part, SparsePart)]
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    # ------------------------------------------------------------------ submit
+    def _grad(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        if p.grad.is_sparse:  # sparse schemes send sparse gradients densely
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def submit(self, p: torch.Tensor) -> None:
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+            if not self._primed:
+                # the local rules take over the wrapped optimizer's state here, on this
+                # thread, after its last dense step (not on the offload worker)
+                for part in self._sparse_parts():
+                    self.memory.prime(part.key, part.stage)
+                self._primed = True
+        i = self._pos[p]
+        if i in self._offload_part:
+            self._worker.start(self._offload_part[i], self._grad(i), self.memory)
+        gi = self._group_of[i]
+        self._ready[gi] += 1
+        if self._ready[gi] == len(self.groups[gi].tensors):
+            self._launch(self.groups[gi])
+
+    def _launch(self, gb: GroupBuffers) -> None:
+        cfg, tr = self.config, self.transport
+        t0 = time.perf_counter()
+        ar = None
+        if gb.allreduce:
+            torch.cat([self._grad(i).reshape(-1) for i in gb.allreduce], out=gb.ar_buf)
+            compressed, ctx = cfg.compression.compress(gb.ar_buf)
+            pre, post = tr.horovod_scales()
+            ar = (tr.allreduce(compressed, f"{gb.index}.ar", prescale=pre, postscale=post), ctx)
+        for part in gb.parts:
+            if isinstance(part, DensePart):
+                part.encode([self._grad(i) for i in part.tensors], gb.send, self._prescale)
+            elif part not in gb.offloaded:
+                part.stage_grads([self._grad(i) for i in part.tensors])
+                result = part.select(self.memory)
+                part.pack(result, gb.send, self._prescale)
+                self._results[part.key] = result
+        self._sparsify_s += time.perf_counter() - t0
+        if gb.offloaded:  # the worker packs its selections, then submits (FIFO: plan order)
+            ag = self._worker.then(self._submit_offloaded_group, gb)
+        else:
+            ag = self._allgather(gb)
+        self._pending[gb.index] = (ar, ag)
+
+    def _allgather(self, gb: GroupBuffers):
+        return None if gb.send is None else self.transport.allgather(gb.send, f"{gb.index}.ag")
+
+    def _submit_offloaded_group(self, gb: GroupBuffers):  # on the worker thread
+        for part in gb.offloaded:
+            result = self._worker.result(part.key)
+            part.pack(result, gb.send, self._prescale)
+            self._results[part.key] = result
+        if gb.send.is_cuda:
+            torch.cuda.current_stream(gb.send.device).synchronize()
+        return self._allgather(gb)
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, iteration: int) -> StepStats:
+        """Waits, decodes into ``p.grad``; returns the step's stats (``iteration``: the
+        number of steps done, this one included)."""
+        t_wait = time.perf_counter()
+        cfg, tr = self.config, self.transport
+        outputs = []
+        for gb in self.groups:
+            ar, ag = self._pending[gb.index]
+            if isinstance(ag, Future):
+                ag = ag.result()
+            if ar is not None:
+                out = cfg.compression.decompress(tr.wait(ar[0]), ar[1])
+                outs = gb.ar_views if out is gb.ar_buf else views(
+                    out, [self.params[i].shape for i in gb.allreduce])
+                torch._foreach_copy_([self.params[i].grad for i in gb.allreduce], outs)
+                outputs.append(out)
+            if ag is not None:
+                gathered = tr.wait(ag)
+                nranks = gathered.numel() // gb.record_len
+                for part in gb.parts:
+                    out = part.decode(gathered, nranks, gb.record_len)
+                    if self._postscale != 1.0:
+                        out.mul_(self._postscale)
+                    torch._foreach_copy_([self.params[i].grad for i in part.tensors],
+                                         part.out_views)
+                    outputs.append(out)
+        stats = self._stats(iteration, outputs).timed(self._t_first, t_wait, time.perf_counter())
+        self.reset()
+        return stats
+
+    def _stats(self, iteration: int, outputs) -> StepStats:
+        plan = self.plan
+        sent = sum(n for n, s in zip(plan.sizes, plan.sparse) if not s)
+        missing = []
+        for part in self._sparse_parts():
+            result = self._results[part.key]
+            sent += result.values.numel()
+            missing.append(part.missing(result))
+
+        def nonfinite():  # a full pass over the outputs: taken when stats() is read
+            return sum(int(torch.isfinite(o).logical_not_().sum()) for o in outputs)
+
+        return StepStats(
+            phase="planned", iteration=iteration,
+            allreduce_bytes=self.transport.sent["allreduce"],
+            allgather_bytes=self.transport.sent["allgather"],
+            tensors_dense=sum(1 for s in plan.sparse if not s),
+            tensors_sparse=sum(1 for s in plan.sparse if s),
+            elements=sum(plan.sizes), elements_sent=sent, density_target=self.active.density,
+            tensors_missing=missing, nonfinite=nonfinite, sparsify_s=self._sparsify_s,
+            offload_s=self._worker.seconds if self._worker is not None else 0.0)
+
+    def pending(self) -> bool:
+        return any(self._ready) or bool(self._pending)
+
+    def reset(self) -> None:
+        self._ready = [0] * len(self.groups)
+        self._pending: Dict[int, tuple] = {}
+        self._results: Dict[str, object] = {}
+        if self._worker is not None:
+            self._worker.reset()
+        self._t_first = None
+        self._sparsify_s = 0.0
+        self.transport.reset_counters()
