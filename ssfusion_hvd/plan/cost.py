@@ -99,8 +99,19 @@ def parse_bandwidth(text: str) -> float:
     return float(s)
 
 
+class JsonFile:
+    """``save(path)``/``load(path)`` for a class with ``to_json()``/``from_json(text)``."""
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path):
+        return cls.from_json(Path(path).read_text())
+
+
 @dataclass
-class CostModel:
+class CostModel(JsonFile):
     """α/β fits and backward times for one job at one world size.
 
     Attributes:
@@ -198,11 +209,4 @@ class CostModel:
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
         return cls(**json.loads(text))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
-        return cls.from_json(Path(path).read_text())
 

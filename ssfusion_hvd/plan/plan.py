@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
+
+from .cost import JsonFile
 
 if TYPE_CHECKING:
     from .timeline import Timeline
@@ -46,7 +47,7 @@ class Group:
 
 
 @dataclass
-class Plan:
+class Plan(JsonFile):
     """Groups plus per-tensor decisions; see the module docstring.
 
     Per tensor ``i`` (backward order): ``sparse[i]`` (sparsified, or sent dense),
@@ -148,13 +149,6 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls(**json.loads(text))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Plan":
-        return cls.from_json(Path(path).read_text())
 
     # -- text --------------------------------------------------------------------------
     def table(self, timeline: "Timeline | None" = None, max_name: int = 40) -> str:
