@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from horovod.common.util import split_list
@@ -179,10 +179,6 @@ class Transport:
         splits[target] = payload.numel()
         return self.alltoall(payload, splits, suffix)
 
-    def allgather_object_bytes(self, payload: bytes, suffix) -> list:
-        """Blocking :func:`allgather_bytes` under this transport's tag."""
-        return allgather_bytes(payload, self.name(suffix), self.process_set)
-
     def broadcast_object(self, obj, suffix):
         """Blocking: the first rank's ``obj`` on every rank."""
         return broadcast_object(obj, self.name(suffix), self.process_set)
@@ -191,6 +187,3 @@ class Transport:
     def wait(handle):
         return _mpi.synchronize(handle)
 
-
-def included(process_set) -> Optional[bool]:
-    return _ps(process_set).included()
