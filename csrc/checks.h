@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include "hash.h"
+#include "ops.h"  // record_spans
 
 #include <cstdint>
 #include <limits>
@@ -70,8 +71,6 @@ inline std::vector<int64_t> check_segments(const at::Tensor& offsets, const at::
 
 // Decode of the record (k elements at `offset`) in each of nchunks chunks of chunk_len
 // elements of `gathered` into `dense`; returns the record's (value span, index span).
-std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
-                                          at::ScalarType index_dtype);
 inline std::tuple<int64_t, int64_t> check_chunks(const at::Tensor& dense, const at::Tensor& gathered,
                                                  int64_t nchunks, int64_t chunk_len, int64_t offset,
                                                  int64_t k, at::ScalarType index_dtype,

@@ -34,7 +34,7 @@ int64_t threshold_count_cpu(const at::Tensor& x, double thr);
 
 // Sparse record codec. A record of k elements inside a flat 1-D buffer `out` whose dtype is
 // the values' dtype holds k values, zero padding up to index alignment, then k indices
-// stored bit for bit (see record_spans). Returns the offset just past the record.
+// stored bit for bit (layout in record.h). Returns the offset just past the record.
 int64_t pack_cpu(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,
                  int64_t offset);
 // dense.view(-1)[indices[j]] += values[j] for j in order (duplicates add, in order).
@@ -72,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_cpu(const at::Tens
 at::Tensor hash_owner_cpu(const at::Tensor& indices, int64_t nparts, int64_t seed);
 
 // Elements of a buffer of dtype `value_dtype` taken by the values (padded) and by the
-// indices of a record of k elements.
+// indices of a record of k elements (record.h's layout, for checked dtypes).
 std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
                                           at::ScalarType index_dtype);
 

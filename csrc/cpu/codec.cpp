@@ -1,7 +1,8 @@
 // Sparse record codec on the CPU: pack (values, indices) into a flat buffer, scatter-add
-// decode. The record layout is defined once, in record_spans().
+// decode. The record layout is defined once, in ../record.h.
 #include "../ops.h"
 #include "../checks.h"
+#include "../record.h"
 #include "common.h"
 
 #include <c10/util/Exception.h>
@@ -16,12 +17,8 @@ std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
               "record: indices must be int32 or int64, got ", index_dtype);
   const int64_t vb = c10::elementSize(value_dtype), ib = c10::elementSize(index_dtype);
   TORCH_CHECK(ib % vb == 0 || vb % ib == 0, "record: incompatible element sizes");
-  // Values are padded so the indices start on an index-size boundary (given an aligned
-  // record start), which lets decoders read them in place.
-  const int64_t per = ib > vb ? ib / vb : 1;
-  const int64_t vspan = (k + per - 1) / per * per;
-  const int64_t ispan = (k * ib + vb - 1) / vb;
-  return {vspan, ispan};
+  const RecordSpans spans = record_layout(k, vb, ib);
+  return {spans.values, spans.indices};
 }
 
 namespace {

@@ -198,8 +198,8 @@ void dispatch_kind(ValueKind kind, const F& fn) {
 template <typename U, typename I>
 int64_t pack(const U* values, const I* indices, int64_t k, U* out, int64_t offset,
              cudaStream_t s) {
-  int64_t vspan, ispan;
-  record_spans_raw(k, sizeof(U), sizeof(I), &vspan, &ispan);
+  const RecordSpans spans = record_layout(k, sizeof(U), sizeof(I));
+  const int64_t vspan = spans.values;
   U* rec = out + offset;
   if (k > 0) {
     SSF_CUDA_CHECK(cudaMemcpyAsync(rec, values, size_t(k) * sizeof(U), cudaMemcpyDeviceToDevice, s));
@@ -207,7 +207,7 @@ int64_t pack(const U* values, const I* indices, int64_t k, U* out, int64_t offse
                                    cudaMemcpyDeviceToDevice, s));
   }
   if (vspan > k) SSF_CUDA_CHECK(cudaMemsetAsync(rec + k, 0, size_t(vspan - k) * sizeof(U), s));
-  return offset + vspan + ispan;
+  return offset + vspan + spans.indices;
 }
 
 template <typename I>
@@ -241,8 +241,7 @@ void scatter_add_chunks(U* dense, int64_t n, ValueKind kind, const U* gathered,
                         int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k,
                         cudaStream_t s) {
   if (k <= 0 || nchunks <= 0) return;
-  int64_t vspan, ispan;
-  record_spans_raw(k, sizeof(U), sizeof(I), &vspan, &ispan);
+  const int64_t vspan = record_layout(k, sizeof(U), sizeof(I)).values;
   const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
   dispatch_kind<U, I>(kind, [&](auto kc) {
     for (int64_t p = 0; p < nchunks; ++p) {  // chunk order is the summation order
@@ -261,8 +260,7 @@ void scatter_add_chunks_widen(float* dense, int64_t n, ValueKind kind, const uin
   if (k <= 0 || nchunks <= 0) return;
   if (kind == ValueKind::kFloat32)
     throw std::runtime_error("ssfusion_hvd CUDA: widening decode takes float16/bfloat16 records");
-  int64_t vspan, ispan;
-  record_spans_raw(k, sizeof(uint16_t), sizeof(I), &vspan, &ispan);
+  const int64_t vspan = record_layout(k, sizeof(uint16_t), sizeof(I)).values;
   const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
   for (int64_t p = 0; p < nchunks; ++p) {  // chunk order is the summation order
     const uint16_t* rec = gathered + p * chunk_len + offset;
