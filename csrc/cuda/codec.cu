@@ -14,6 +14,7 @@
 // Adds round like the CPU: float32 adds in float32; float16/bfloat16 convert both operands
 // to float32, add, and round to nearest even (c10::Half / c10::BFloat16 arithmetic).
 #include "kernels.cuh"
+#include "common.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -134,11 +135,6 @@ __global__ void run_add_kernel(U* __restrict__ dense, int64_t n, const U* __rest
   }
 }
 
-unsigned int grid_for(int64_t n, int threads, int64_t max_blocks) {
-  const int64_t b = (n + threads - 1) / threads;
-  return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, max_blocks)));
-}
-
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65535;
 
@@ -149,28 +145,18 @@ struct SortLayout {
   long long *pos_in = nullptr, *pos_out = nullptr;
   void* sort_tmp = nullptr;
   size_t sort_bytes = 0;
-  size_t bytes = 0;
 };
 
 template <typename I>
-SortLayout<I> carve_sort(void* ws, int64_t k) {
-  char* base = static_cast<char*>(ws);
-  size_t off = 0;
-  auto take = [&](size_t nbytes) -> void* {
-    off = (off + 255) / 256 * 256;
-    void* p = base ? base + off : nullptr;
-    off += nbytes;
-    return p;
-  };
+SortLayout<I> carve_sort(Carver& c, int64_t k) {
   SortLayout<I> L;
-  L.keys_out = static_cast<I*>(take(size_t(k) * sizeof(I)));
-  L.pos_in = static_cast<long long*>(take(size_t(k) * sizeof(long long)));
-  L.pos_out = static_cast<long long*>(take(size_t(k) * sizeof(long long)));
+  L.keys_out = c.take<I>(size_t(k));
+  L.pos_in = c.take<long long>(size_t(k));
+  L.pos_out = c.take<long long>(size_t(k));
   SSF_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, L.sort_bytes, (const I*)nullptr,
                                                  (I*)nullptr, (const long long*)nullptr,
                                                  (long long*)nullptr, k));
-  L.sort_tmp = take(L.sort_bytes);
-  L.bytes = off;
+  L.sort_tmp = c.take<char>(L.sort_bytes);
   return L;
 }
 
@@ -212,16 +198,19 @@ int64_t pack(const U* values, const I* indices, int64_t k, U* out, int64_t offse
 
 template <typename I>
 size_t scatter_add_workspace_bytes(int64_t k) {
-  return k > 0 ? carve_sort<I>(nullptr, k).bytes : 0;
+  if (k <= 0) return 0;
+  Carver c(nullptr);
+  carve_sort<I>(c, k);
+  return c.off;
 }
 
 template <typename U, typename I>
 void scatter_add(U* dense, int64_t n, ValueKind kind, const U* values, const I* indices,
                  int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t s) {
   if (k <= 0) return;
-  const SortLayout<I> L = carve_sort<I>(workspace, k);
-  if (workspace == nullptr || workspace_bytes < L.bytes)
-    throw std::runtime_error("ssfusion_hvd CUDA scatter_add: workspace too small");
+  Carver c(workspace);
+  const SortLayout<I> L = carve_sort<I>(c, k);
+  c.require(workspace_bytes, "scatter_add");
   const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
   iota_kernel<long long><<<grid, kThreads, 0, s>>>(L.pos_in, k);
   SSF_CUDA_CHECK_LAUNCH();
@@ -274,23 +263,19 @@ void scatter_add_chunks_widen(float* dense, int64_t n, ValueKind kind, const uin
   }
 }
 
-template void scatter_add_chunks_widen<int32_t>(float*, int64_t, ValueKind, const uint16_t*,
-                                                int64_t, int64_t, int64_t, int64_t, cudaStream_t);
-template void scatter_add_chunks_widen<int64_t>(float*, int64_t, ValueKind, const uint16_t*,
-                                                int64_t, int64_t, int64_t, int64_t, cudaStream_t);
-
+#define SSF_INST_I(I)                                                                       \
+  template size_t scatter_add_workspace_bytes<I>(int64_t);                                  \
+  template void scatter_add_chunks_widen<I>(float*, int64_t, ValueKind, const uint16_t*,    \
+                                            int64_t, int64_t, int64_t, int64_t, cudaStream_t);
 #define SSF_INST_UI(U, I)                                                                   \
   template int64_t pack<U, I>(const U*, const I*, int64_t, U*, int64_t, cudaStream_t);      \
   template void scatter_add<U, I>(U*, int64_t, ValueKind, const U*, const I*, int64_t,      \
                                   void*, size_t, cudaStream_t);                             \
   template void scatter_add_chunks<U, I>(U*, int64_t, ValueKind, const U*, int64_t, int64_t, \
                                          int64_t, int64_t, cudaStream_t);
-template size_t scatter_add_workspace_bytes<int32_t>(int64_t);
-template size_t scatter_add_workspace_bytes<int64_t>(int64_t);
-SSF_INST_UI(uint16_t, int32_t)
-SSF_INST_UI(uint16_t, int64_t)
-SSF_INST_UI(uint32_t, int32_t)
-SSF_INST_UI(uint32_t, int64_t)
+SSF_FOR_EACH_I(SSF_INST_I)
+SSF_FOR_EACH_UI(SSF_INST_UI)
+#undef SSF_INST_I
 #undef SSF_INST_UI
 
 }  // namespace cuda

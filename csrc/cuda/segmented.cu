@@ -32,6 +32,7 @@
 // i.e. exactly the float nth_element finds on the CPU. Its value is copied to the host:
 // the one sync this op has (it returns a number to the host).
 #include "kernels.cuh"
+#include "common.cuh"
 
 #include <cuda_fp16.h>
 
@@ -94,20 +95,6 @@ __device__ __forceinline__ int64_t segment_of(const int64_t* __restrict__ start,
   return lo;
 }
 
-// Carves 256-byte aligned regions out of a workspace (base == nullptr: sizes only).
-struct Carver {
-  char* base;
-  size_t off = 0;
-  explicit Carver(void* b) : base(static_cast<char*>(b)) {}
-  template <typename T>
-  T* take(size_t count) {
-    off = (off + 255) / 256 * 256;
-    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
-    off += count * sizeof(T);
-    return p;
-  }
-};
-
 template <typename U>
 struct SegLayout {
   SegState* st = nullptr;
@@ -115,7 +102,6 @@ struct SegLayout {
   long long *gcnt = nullptr, *goff = nullptr, *tcnt = nullptr, *toff = nullptr;
   void* scan_tmp = nullptr;
   size_t scan_bytes = 0;
-  size_t bytes = 0;
 };
 
 // with_tiles: the compaction's arrays too (sampled_threshold only runs the passes).
@@ -133,13 +119,7 @@ SegLayout<U> carve_seg(Carver& c, const SegmentedPlan& p, bool with_tiles) {
     SSF_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, L.scan_bytes, L.gcnt, L.goff, int(m)));
     L.scan_tmp = c.take<char>(L.scan_bytes);
   }
-  L.bytes = c.off;
   return L;
-}
-
-unsigned int grid_for(int64_t n, int threads, int64_t max_blocks) {
-  const int64_t b = (n + threads - 1) / threads;
-  return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, max_blocks)));
 }
 
 // ------------------------------------------------------------------ radix passes
@@ -399,7 +379,8 @@ SegmentedPlan segmented_plan(const int64_t* offsets, const int64_t* ks, int64_t 
 template <typename U>
 size_t segmented_topk_workspace_bytes(const SegmentedPlan& plan) {
   Carver c(nullptr);
-  return carve_seg<U>(c, plan, /*with_tiles=*/true).bytes;
+  carve_seg<U>(c, plan, /*with_tiles=*/true);
+  return c.off;
 }
 
 template <typename U, typename I>
@@ -408,8 +389,7 @@ void segmented_topk(const U* x, const SegmentedPlan& p, const int64_t* meta, U* 
   if (p.nseg == 0 || p.k_total == 0) return;
   Carver c(workspace);
   const SegLayout<U> L = carve_seg<U>(c, p, true);
-  if (workspace == nullptr || workspace_bytes < L.bytes)
-    throw std::runtime_error("ssfusion_hvd CUDA segmented_topk: workspace too small");
+  c.require(workspace_bytes, "segmented_topk");
   const Meta m = meta_views(meta, p.nseg);
   seg_radix<U>(x, p, m, L, s);
   const size_t mt = size_t(p.tiles) + 1;
@@ -465,8 +445,7 @@ double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, Valu
   uint32_t* mag = c.take<uint32_t>(size_t(samples));
   int64_t* meta_dev = c.take<int64_t>(meta.size());
   const SegLayout<uint32_t> L = carve_seg<uint32_t>(c, p, false);
-  if (workspace == nullptr || workspace_bytes < c.off)
-    throw std::runtime_error("ssfusion_hvd CUDA sampled_threshold: workspace too small");
+  c.require(workspace_bytes, "sampled_threshold");
   SSF_CUDA_CHECK(cudaMemcpyAsync(meta_dev, meta.data(), meta.size() * sizeof(int64_t),
                                  cudaMemcpyHostToDevice, s));
   const unsigned grid = grid_for(samples, 256, 4096);
@@ -498,12 +477,8 @@ double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, Valu
 #define SSF_INST_UI(U, I)                                                                    \
   template void segmented_topk<U, I>(const U*, const SegmentedPlan&, const int64_t*, U*, I*, \
                                      void*, size_t, cudaStream_t);
-SSF_INST_U(uint16_t)
-SSF_INST_U(uint32_t)
-SSF_INST_UI(uint16_t, int32_t)
-SSF_INST_UI(uint16_t, int64_t)
-SSF_INST_UI(uint32_t, int32_t)
-SSF_INST_UI(uint32_t, int64_t)
+SSF_FOR_EACH_U(SSF_INST_U)
+SSF_FOR_EACH_UI(SSF_INST_UI)
 #undef SSF_INST_U
 #undef SSF_INST_UI
 

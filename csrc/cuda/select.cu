@@ -18,6 +18,7 @@
 // Threshold select is the same compaction with one class: key >= key_min, where key_min
 // is the smallest key satisfying isnan(v) || (double)|v| >= thr (threshold_key).
 #include "kernels.cuh"
+#include "common.cuh"
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -63,20 +64,6 @@ __device__ __forceinline__ int classify(uint32_t key, bool topk, uint32_t lo, ui
   if (topk) return key > kth ? 1 : (key == kth ? 2 : 0);
   return key >= lo ? 1 : 0;
 }
-
-// Carves 256-byte aligned regions out of a workspace (base == nullptr: sizes only).
-struct Carver {
-  char* base;
-  size_t off = 0;
-  explicit Carver(void* b) : base(static_cast<char*>(b)) {}
-  template <typename T>
-  T* take(size_t count) {
-    off = (off + 255) / 256 * 256;
-    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
-    off += count * sizeof(T);
-    return p;
-  }
-};
 
 // Tile counts and their scans; the same layout for top-k and threshold (top-k adds more
 // after it), so threshold_count_result finds the total from n alone.
@@ -245,11 +232,6 @@ __global__ void iota_kernel(I* __restrict__ out, int64_t n) {
     out[i] = static_cast<I>(i);
 }
 
-unsigned int grid_for(int64_t n, int threads, int64_t max_blocks) {
-  const int64_t b = (n + threads - 1) / threads;
-  return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, max_blocks)));
-}
-
 // Scans the tile counts and writes the compaction (shared by top-k and threshold).
 template <typename U>
 void tile_count_and_scan(const U* x, int64_t n, TileRule rule, const TileLayout& L,
@@ -275,18 +257,15 @@ struct TopkLayout {
   RadixState* state = nullptr;
   unsigned long long* hist = nullptr;  // all passes' histograms, back to back
   size_t hist_bins = 0;
-  size_t bytes = 0;
 };
 
 template <typename U>
-TopkLayout<U> carve_topk(void* ws, int64_t n) {
-  Carver c(ws);
+TopkLayout<U> carve_topk(Carver& c, int64_t n) {
   TopkLayout<U> L;
   L.tiles = carve_tiles(c, n, /*with_ties=*/true);
   L.state = c.take<RadixState>(1);
   L.hist_bins = sizeof(U) == 4 ? (2048 + 2048 + 512) : (256 + 128);
   L.hist = c.take<unsigned long long>(L.hist_bins);
-  L.bytes = c.off;
   return L;
 }
 
@@ -306,7 +285,9 @@ void radix_pass(const U* x, int64_t n, int64_t k, int shift, int pass, RadixStat
 
 template <typename U>
 size_t topk_workspace_bytes(int64_t n, int64_t /*k*/) {
-  return carve_topk<U>(nullptr, n).bytes;
+  Carver c(nullptr);
+  carve_topk<U>(c, n);
+  return c.off;
 }
 
 template <typename U, typename I>
@@ -320,9 +301,9 @@ void topk(const U* x, int64_t n, int64_t k, U* out_v, I* out_i, void* workspace,
     SSF_CUDA_CHECK_LAUNCH();
     return;
   }
-  const TopkLayout<U> L = carve_topk<U>(workspace, n);
-  if (workspace == nullptr || workspace_bytes < L.bytes)
-    throw std::runtime_error("ssfusion_hvd CUDA topk: workspace too small");
+  Carver c(workspace);
+  const TopkLayout<U> L = carve_topk<U>(c, n);
+  c.require(workspace_bytes, "topk");
   SSF_CUDA_CHECK(cudaMemsetAsync(L.hist, 0, L.hist_bins * sizeof(unsigned long long), s));
   if constexpr (sizeof(U) == 4) {  // 31-bit key: digits 30..20, 19..9, 8..0
     radix_pass<U, 11>(x, n, k, 20, 0, L.state, L.hist, s);
@@ -394,8 +375,7 @@ void threshold_prepare(const U* x, int64_t n, uint32_t key_min, void* workspace,
                        size_t workspace_bytes, cudaStream_t s) {
   Carver c(workspace);
   const TileLayout L = carve_tiles(c, n, false);
-  if (workspace == nullptr || workspace_bytes < c.off)
-    throw std::runtime_error("ssfusion_hvd CUDA threshold: workspace too small");
+  c.require(workspace_bytes, "threshold");
   tile_count_and_scan<U>(x, n, TileRule{key_min, nullptr}, L, s);
 }
 
@@ -429,12 +409,8 @@ void threshold_write(const U* x, int64_t n, uint32_t key_min, U* out_v, I* out_i
   template void topk<U, I>(const U*, int64_t, int64_t, U*, I*, void*, size_t, cudaStream_t); \
   template void threshold_write<U, I>(const U*, int64_t, uint32_t, U*, I*, const void*,   \
                                       cudaStream_t);
-SSF_INST_U(uint16_t)
-SSF_INST_U(uint32_t)
-SSF_INST_UI(uint16_t, int32_t)
-SSF_INST_UI(uint16_t, int64_t)
-SSF_INST_UI(uint32_t, int32_t)
-SSF_INST_UI(uint32_t, int64_t)
+SSF_FOR_EACH_U(SSF_INST_U)
+SSF_FOR_EACH_UI(SSF_INST_UI)
 #undef SSF_INST_U
 #undef SSF_INST_UI
 
