@@ -1,7 +1,7 @@
 // Raw CUDA API of the ssfusion_hvd kernels: plain pointers + cudaStream_t, no torch.
 //
-// The torch glue (select.cu / codec.cu under SSF_WITH_CUDA) validates tensors and calls
-// these; without SSF_WITH_CUDA the .cu files still build with nvcc alone (CI compile check).
+// The torch glue (glue.cu, under SSF_WITH_CUDA) validates tensors and calls these; without
+// SSF_WITH_CUDA the .cu files still build with nvcc alone (CI compile check).
 //
 // Conventions (the same as csrc/ops.h and the CPU kernels in csrc/cpu/):
 //   * Values are handled as raw bits U: uint32_t for float32, uint16_t for float16/bfloat16.
