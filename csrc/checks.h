@@ -1,4 +1,5 @@
 // Argument checks shared by the CPU kernels and the CUDA torch glue: one rule, one message.
+// Also the few torch-side steps both do alike (flattening, output allocation, index dispatch).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,6 +8,7 @@
 #include "hash.h"
 #include "ops.h"  // record_spans
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
@@ -31,6 +33,22 @@ inline void check_values(const at::Tensor& x, const char* op, c10::DeviceType de
   TORCH_CHECK(x.is_contiguous(), op, ": input must be contiguous");
 }
 
+// A selection input, checked (check_values) and flattened.
+inline at::Tensor flat_values(const at::Tensor& x, const char* op, c10::DeviceType device) {
+  check_values(x, op, device);
+  return x.reshape({-1});
+}
+
+// The k of a selection from n elements: in [lo, n] (topk: lo = 0; sampled_threshold: 1).
+inline void check_k(int64_t k, int64_t lo, int64_t n, const char* op) {
+  TORCH_CHECK(k >= lo && k <= n, op, ": k=", k, " out of range [", lo, ", ", n, "]");
+}
+
+// The threshold of threshold_select / threshold_count.
+inline void check_threshold(double thr, const char* op) {
+  TORCH_CHECK(!std::isnan(thr), op, ": threshold is NaN");
+}
+
 // A sparse record: 1-D values and int32/int64 indices of equal length.
 inline void check_record(const at::Tensor& values, const at::Tensor& indices, const char* op) {
   TORCH_CHECK(values.dim() == 1 && indices.dim() == 1 && values.numel() == indices.numel(), op,
@@ -46,6 +64,29 @@ inline void check_pack_out(const at::Tensor& values, const at::Tensor& out, c10:
               "pack: out must be a contiguous 1-D ", c10::DeviceTypeName(device), " tensor");
   TORCH_CHECK(out.scalar_type() == values.scalar_type(), "pack: out dtype ", out.scalar_type(),
               " differs from values dtype ", values.scalar_type());
+}
+
+// The record of pack must fit in `out` at `offset`; returns its (value span, index span).
+inline std::tuple<int64_t, int64_t> check_pack_fits(const at::Tensor& values,
+                                                    const at::Tensor& indices,
+                                                    const at::Tensor& out, int64_t offset) {
+  const int64_t k = values.numel();
+  auto spans = record_spans(k, values.scalar_type(), indices.scalar_type());
+  TORCH_CHECK(offset >= 0 && offset + std::get<0>(spans) + std::get<1>(spans) <= out.numel(),
+              "pack: record of ", k, " elements at offset ", offset,
+              " does not fit in a buffer of ", out.numel());
+  return spans;
+}
+
+// scatter_add: a record (check_record) added into a contiguous `dense` of the values' dtype
+// on the expected device.
+inline void check_scatter_add(const at::Tensor& dense, const at::Tensor& values,
+                              const at::Tensor& indices, c10::DeviceType device) {
+  check_record(values, indices, "scatter_add");
+  TORCH_CHECK(dense.is_contiguous() && dense.device().type() == device,
+              "scatter_add: dense must be a contiguous ", c10::DeviceTypeName(device), " tensor");
+  TORCH_CHECK(dense.scalar_type() == values.scalar_type(), "scatter_add: dtype mismatch (",
+              dense.scalar_type(), " vs ", values.scalar_type(), ")");
 }
 
 // Segments of a flat buffer of n elements (int64 CPU offsets[S+1], ks[S]): validates them and
@@ -113,9 +154,24 @@ inline void check_hash_args(const at::Tensor& indices, int64_t nparts, int64_t t
               " out of range [0, ", hashing::kMaxRounds, "]");
 }
 
+// hash_partition's outputs for `indices` (on its device): order int64[m], counts and
+// overflow int64[nparts].
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_outputs(
+    const at::Tensor& indices, int64_t nparts) {
+  const auto opts = indices.options().dtype(at::kLong);
+  return {at::empty({indices.numel()}, opts), at::empty({nparts}, opts),
+          at::empty({nparts}, opts)};
+}
+
 // Index dtype of selections from n elements (ops.h).
 inline at::ScalarType index_dtype_for(int64_t n) {
   return n <= std::numeric_limits<int32_t>::max() ? at::kInt : at::kLong;
+}
+
+// Calls fn(I{}) with the C++ type of an index dtype: int32_t for int32, else int64_t.
+template <typename F>
+void dispatch_index(at::ScalarType idt, const F& fn) {
+  if (idt == at::kInt) fn(int32_t{}); else fn(int64_t{});
 }
 
 }  // namespace ssf

@@ -36,10 +36,8 @@ int64_t pack_cpu(const at::Tensor& values, const at::Tensor& indices, at::Tensor
                  int64_t offset) {
   check_record(values, indices, "pack");
   check_pack_out(values, out, at::kCPU);
+  auto [vspan, ispan] = check_pack_fits(values, indices, out, offset);
   const int64_t k = values.numel();
-  auto [vspan, ispan] = record_spans(k, values.scalar_type(), indices.scalar_type());
-  TORCH_CHECK(offset >= 0 && offset + vspan + ispan <= out.numel(), "pack: record of ", k,
-              " elements at offset ", offset, " does not fit in a buffer of ", out.numel());
   const at::Tensor v = values.contiguous(), ix = indices.contiguous();
   const int64_t vb = out.element_size();
   char* base = static_cast<char*>(out.data_ptr()) + offset * vb;
@@ -50,11 +48,7 @@ int64_t pack_cpu(const at::Tensor& values, const at::Tensor& indices, at::Tensor
 }
 
 void scatter_add_cpu(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
-  check_record(values, indices, "scatter_add");
-  TORCH_CHECK(dense.is_contiguous() && dense.device().is_cpu(),
-              "scatter_add: dense must be a contiguous CPU tensor");
-  TORCH_CHECK(dense.scalar_type() == values.scalar_type(), "scatter_add: dtype mismatch (",
-              dense.scalar_type(), " vs ", values.scalar_type(), ")");
+  check_scatter_add(dense, values, indices, at::kCPU);
   const at::Tensor v = values.contiguous(), ix = indices.contiguous();
   const int64_t n = dense.numel(), k = v.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dense.scalar_type(), "scatter_add", [&] {

@@ -15,10 +15,19 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cmath>
+#include <tuple>
 
 namespace ssf {
 namespace {
+
+// The op's device scope: makes `t`'s device current until the op returns and names torch's
+// current stream there, which all of the op's work goes to.
+struct OnDevice {
+  const c10::cuda::CUDAGuard guard;
+  const cudaStream_t stream;
+  explicit OnDevice(const at::Tensor& t)
+      : guard(t.device()), stream(c10::cuda::getCurrentCUDAStream().stream()) {}
+};
 
 inline cuda::ValueKind kind_of(at::ScalarType t) {
   return t == at::kFloat ? cuda::ValueKind::kFloat32
@@ -38,11 +47,9 @@ inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const ch
 // Calls fn(U{}, I{}) with the raw bits type of values of `value_bytes` bytes and the index type.
 template <typename F>
 void dispatch_bits_index(int64_t value_bytes, at::ScalarType idt, const F& fn) {
-  if (value_bytes == 4) {
-    if (idt == at::kInt) fn(uint32_t{}, int32_t{}); else fn(uint32_t{}, int64_t{});
-  } else {
-    if (idt == at::kInt) fn(uint16_t{}, int32_t{}); else fn(uint16_t{}, int64_t{});
-  }
+  dispatch_index(idt, [&](auto i) {
+    if (value_bytes == 4) fn(uint32_t{}, i); else fn(uint16_t{}, i);
+  });
 }
 
 }  // namespace
@@ -50,12 +57,10 @@ void dispatch_bits_index(int64_t value_bytes, at::ScalarType idt, const F& fn) {
 // --------------------------------------------------------------------- selection (select.cu)
 
 std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k) {
-  check_values(x_in, "topk", at::kCUDA);
-  const at::Tensor x = x_in.reshape({-1});
+  const at::Tensor x = flat_values(x_in, "topk", at::kCUDA);
   const int64_t n = x.numel();
-  TORCH_CHECK(k >= 0 && k <= n, "topk: k=", k, " out of range [0, ", n, "]");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  check_k(k, 0, n, "topk");
+  const OnDevice on(x);
   const auto idt = index_dtype_for(n);
   at::Tensor values = at::empty({k}, x.options());
   at::Tensor indices = at::empty({k}, x.options().dtype(idt));
@@ -66,40 +71,36 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k) 
     at::Tensor ws = workspace_for(x, bytes);
     cuda::topk<U, I>(static_cast<const U*>(x.const_data_ptr()), n, k,
                      static_cast<U*>(values.data_ptr()), indices.data_ptr<I>(), ws.data_ptr(),
-                     size_t(ws.numel()), s);
+                     size_t(ws.numel()), on.stream);
   });
   return {values, indices};
 }
 
 int64_t threshold_count_cuda(const at::Tensor& x_in, double thr) {
-  check_values(x_in, "threshold_count", at::kCUDA);
-  TORCH_CHECK(!std::isnan(thr), "threshold_count: threshold is NaN");
-  const at::Tensor x = x_in.reshape({-1});
+  const at::Tensor x = flat_values(x_in, "threshold_count", at::kCUDA);
+  check_threshold(thr, "threshold_count");
   const int64_t n = x.numel();
   if (n == 0) return 0;
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const OnDevice on(x);
   const uint32_t key_min = cuda::threshold_key(thr, kind_of(x.scalar_type()));
   int64_t total = 0;
   dispatch_bits_index(x.element_size(), at::kInt, [&](auto u, auto) {
     using U = decltype(u);
     at::Tensor ws = workspace_for(x, cuda::threshold_workspace_bytes<U>(n));
     cuda::threshold_prepare<U>(static_cast<const U*>(x.const_data_ptr()), n, key_min,
-                               ws.data_ptr(), size_t(ws.numel()), s);
-    total = cuda::threshold_count_result(ws.data_ptr(), n, s);
+                               ws.data_ptr(), size_t(ws.numel()), on.stream);
+    total = cuda::threshold_count_result(ws.data_ptr(), n, on.stream);
   });
   return total;
 }
 
 std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x_in, double thr) {
-  check_values(x_in, "threshold_select", at::kCUDA);
-  TORCH_CHECK(!std::isnan(thr), "threshold_select: threshold is NaN");
-  const at::Tensor x = x_in.reshape({-1});
+  const at::Tensor x = flat_values(x_in, "threshold_select", at::kCUDA);
+  check_threshold(thr, "threshold_select");
   const int64_t n = x.numel();
   const auto idt = index_dtype_for(n);
   if (n == 0) return {at::empty({0}, x.options()), at::empty({0}, x.options().dtype(idt))};
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const OnDevice on(x);
   const uint32_t key_min = cuda::threshold_key(thr, kind_of(x.scalar_type()));
   at::Tensor values, indices;
   dispatch_bits_index(x.element_size(), idt, [&](auto u, auto i) {
@@ -107,12 +108,12 @@ std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x_in,
     using I = decltype(i);
     const U* px = static_cast<const U*>(x.const_data_ptr());
     at::Tensor ws = workspace_for(x, cuda::threshold_workspace_bytes<U>(n));
-    cuda::threshold_prepare<U>(px, n, key_min, ws.data_ptr(), size_t(ws.numel()), s);
-    const int64_t total = cuda::threshold_count_result(ws.data_ptr(), n, s);
+    cuda::threshold_prepare<U>(px, n, key_min, ws.data_ptr(), size_t(ws.numel()), on.stream);
+    const int64_t total = cuda::threshold_count_result(ws.data_ptr(), n, on.stream);
     values = at::empty({total}, x.options());
     indices = at::empty({total}, x.options().dtype(idt));
     cuda::threshold_write<U, I>(px, n, key_min, static_cast<U*>(values.data_ptr()),
-                                indices.data_ptr<I>(), ws.data_ptr(), s);
+                                indices.data_ptr<I>(), ws.data_ptr(), on.stream);
   });
   return {values, indices};
 }
@@ -122,8 +123,7 @@ std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x_in,
 std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat_in,
                                                        const at::Tensor& offsets_in,
                                                        const at::Tensor& ks_in) {
-  check_values(flat_in, "segmented_topk", at::kCUDA);
-  const at::Tensor flat = flat_in.reshape({-1});
+  const at::Tensor flat = flat_values(flat_in, "segmented_topk", at::kCUDA);
   // The plan is made on the host from CPU offsets/ks (ops.py passes CPU tensors).
   const at::Tensor offsets = offsets_in.to(at::kCPU, at::kLong).contiguous();
   const at::Tensor ks = ks_in.to(at::kCPU, at::kLong).contiguous();
@@ -132,8 +132,7 @@ std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat_in
   const int64_t* kp = ks.const_data_ptr<int64_t>();
   check_segments(offsets, ks, n);
   const auto idt = index_dtype_for(n);
-  const c10::cuda::CUDAGuard guard(flat.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const OnDevice on(flat);
   // Pinned, so the copy below is truly asynchronous; torch's caching host allocator keeps
   // the block alive until the copy has run on the stream.
   at::Tensor meta_host = at::empty({cuda::segmented_meta_len(nseg)},
@@ -144,38 +143,32 @@ std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat_in
   at::Tensor indices = at::empty({plan.k_total}, flat.options().dtype(idt));
   if (plan.k_total == 0) return {values, indices};
   const at::Tensor meta = meta_host.to(flat.device(), at::kLong, /*non_blocking=*/true);
-  auto run = [&](auto u, auto i) {
+  dispatch_bits_index(flat.element_size(), idt, [&](auto u, auto i) {
     using U = decltype(u);
     using I = decltype(i);
     at::Tensor ws = workspace_for(flat, cuda::segmented_topk_workspace_bytes<U>(plan));
     cuda::segmented_topk<U, I>(static_cast<const U*>(flat.const_data_ptr()), plan,
                                meta.const_data_ptr<int64_t>(), static_cast<U*>(values.data_ptr()),
-                               indices.data_ptr<I>(), ws.data_ptr(), size_t(ws.numel()), s);
-  };
-  if (flat.element_size() == 4) {
-    if (idt == at::kInt) run(uint32_t{}, int32_t{}); else run(uint32_t{}, int64_t{});
-  } else {
-    if (idt == at::kInt) run(uint16_t{}, int32_t{}); else run(uint16_t{}, int64_t{});
-  }
+                               indices.data_ptr<I>(), ws.data_ptr(), size_t(ws.numel()),
+                               on.stream);
+  });
   return {values, indices};
 }
 
 double sampled_threshold_cuda(const at::Tensor& x_in, int64_t k, int64_t samples) {
-  check_values(x_in, "sampled_threshold", at::kCUDA);
-  const at::Tensor x = x_in.reshape({-1});
+  const at::Tensor x = flat_values(x_in, "sampled_threshold", at::kCUDA);
   const int64_t n = x.numel();
-  TORCH_CHECK(k >= 1 && k <= n, "sampled_threshold: k=", k, " out of range [1, ", n, "]");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  const cuda::ValueKind kind = x.scalar_type() == at::kFloat  ? cuda::ValueKind::kFloat32
-                               : x.scalar_type() == at::kHalf ? cuda::ValueKind::kFloat16
-                                                              : cuda::ValueKind::kBFloat16;
+  check_k(k, 1, n, "sampled_threshold");
+  const OnDevice on(x);
   at::Tensor ws = workspace_for(x, cuda::sampled_threshold_workspace_bytes(n, samples));
-  if (x.element_size() == 4)
-    return cuda::sampled_threshold<uint32_t>(static_cast<const uint32_t*>(x.const_data_ptr()), n,
-                                             k, samples, kind, ws.data_ptr(), size_t(ws.numel()), s);
-  return cuda::sampled_threshold<uint16_t>(static_cast<const uint16_t*>(x.const_data_ptr()), n, k,
-                                           samples, kind, ws.data_ptr(), size_t(ws.numel()), s);
+  double thr = 0.0;
+  dispatch_bits_index(x.element_size(), at::kInt, [&](auto u, auto) {
+    using U = decltype(u);
+    thr = cuda::sampled_threshold<U>(static_cast<const U*>(x.const_data_ptr()), n, k, samples,
+                                     kind_of(x.scalar_type()), ws.data_ptr(), size_t(ws.numel()),
+                                     on.stream);
+  });
+  return thr;
 }
 
 // -------------------------------------------------------------------------- codec (codec.cu)
@@ -187,36 +180,28 @@ int64_t pack_cuda(const at::Tensor& values, const at::Tensor& indices, at::Tenso
   check_value_dtype(out, "pack");
   check_same_device(out, values, "pack");
   check_same_device(out, indices, "pack");
+  check_pack_fits(values, indices, out, offset);
   const int64_t k = values.numel();
-  auto [vspan, ispan] = record_spans(k, values.scalar_type(), indices.scalar_type());
-  TORCH_CHECK(offset >= 0 && offset + vspan + ispan <= out.numel(), "pack: record of ", k,
-              " elements at offset ", offset, " does not fit in a buffer of ", out.numel());
-  const c10::cuda::CUDAGuard guard(out.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const OnDevice on(out);
   const at::Tensor v = values.contiguous(), ix = indices.contiguous();
   int64_t next = 0;
   dispatch_bits_index(out.element_size(), ix.scalar_type(), [&](auto u, auto i) {
     using U = decltype(u);
     using I = decltype(i);
     next = cuda::pack<U, I>(static_cast<const U*>(v.const_data_ptr()), ix.const_data_ptr<I>(),
-                            k, static_cast<U*>(out.data_ptr()), offset, s);
+                            k, static_cast<U*>(out.data_ptr()), offset, on.stream);
   });
   return next;
 }
 
 void scatter_add_cuda(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
-  check_record(values, indices, "scatter_add");
-  TORCH_CHECK(dense.is_contiguous() && dense.device().is_cuda(),
-              "scatter_add: dense must be a contiguous CUDA tensor");
-  TORCH_CHECK(dense.scalar_type() == values.scalar_type(), "scatter_add: dtype mismatch (",
-              dense.scalar_type(), " vs ", values.scalar_type(), ")");
+  check_scatter_add(dense, values, indices, at::kCUDA);
   check_value_dtype(dense, "scatter_add");
   check_same_device(dense, values, "scatter_add");
   check_same_device(dense, indices, "scatter_add");
   const int64_t n = dense.numel(), k = values.numel();
   if (k == 0) return;
-  const c10::cuda::CUDAGuard guard(dense.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const OnDevice on(dense);
   const at::Tensor v = values.contiguous(), ix = indices.contiguous();
   dispatch_bits_index(dense.element_size(), ix.scalar_type(), [&](auto u, auto i) {
     using U = decltype(u);
@@ -225,7 +210,7 @@ void scatter_add_cuda(at::Tensor& dense, const at::Tensor& values, const at::Ten
     at::Tensor ws = workspace_for(dense, bytes);
     cuda::scatter_add<U, I>(static_cast<U*>(dense.data_ptr()), n, kind_of(dense.scalar_type()),
                             static_cast<const U*>(v.const_data_ptr()), ix.const_data_ptr<I>(), k,
-                            ws.data_ptr(), size_t(ws.numel()), s);
+                            ws.data_ptr(), size_t(ws.numel()), on.stream);
   });
 }
 
@@ -234,18 +219,14 @@ void scatter_add_chunks_cuda(at::Tensor& dense, const at::Tensor& gathered, int6
                              at::ScalarType index_dtype) {
   check_chunks(dense, gathered, nchunks, chunk_len, offset, k, index_dtype, at::kCUDA);
   if (k == 0 || nchunks == 0) return;
-  const c10::cuda::CUDAGuard guard(dense.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  const OnDevice on(dense);
   if (dense.scalar_type() != gathered.scalar_type()) {  // float32 sum of 16-bit records
     const auto* g = static_cast<const uint16_t*>(gathered.const_data_ptr());
-    if (index_dtype == at::kInt)
-      cuda::scatter_add_chunks_widen<int32_t>(dense.data_ptr<float>(), dense.numel(),
-                                              kind_of(gathered.scalar_type()), g, nchunks,
-                                              chunk_len, offset, k, s);
-    else
-      cuda::scatter_add_chunks_widen<int64_t>(dense.data_ptr<float>(), dense.numel(),
-                                              kind_of(gathered.scalar_type()), g, nchunks,
-                                              chunk_len, offset, k, s);
+    dispatch_index(index_dtype, [&](auto i) {
+      cuda::scatter_add_chunks_widen<decltype(i)>(dense.data_ptr<float>(), dense.numel(),
+                                                  kind_of(gathered.scalar_type()), g, nchunks,
+                                                  chunk_len, offset, k, on.stream);
+    });
     return;
   }
   dispatch_bits_index(dense.element_size(), index_dtype, [&](auto u, auto i) {
@@ -254,7 +235,7 @@ void scatter_add_chunks_cuda(at::Tensor& dense, const at::Tensor& gathered, int6
     cuda::scatter_add_chunks<U, I>(static_cast<U*>(dense.data_ptr()), dense.numel(),
                                    kind_of(dense.scalar_type()),
                                    static_cast<const U*>(gathered.const_data_ptr()), nchunks,
-                                   chunk_len, offset, k, s);
+                                   chunk_len, offset, k, on.stream);
   });
 }
 
@@ -267,22 +248,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_cuda(const at::Ten
   check_hash_args(indices_in, nparts, table_size, rounds, at::kCUDA, "hash_partition");
   const at::Tensor indices = indices_in.contiguous();
   const int64_t m = indices.numel();
-  const auto opts = indices.options().dtype(at::kLong);
-  at::Tensor order = at::empty({m}, opts);
-  at::Tensor counts = at::empty({nparts}, opts);
-  at::Tensor overflow = at::empty({nparts}, opts);
-  const c10::cuda::CUDAGuard guard(indices.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  at::Tensor order, counts, overflow;
+  std::tie(order, counts, overflow) = hash_partition_outputs(indices, nparts);
+  const OnDevice on(indices);
   at::Tensor ws =
       workspace_for(indices, cuda::hash_partition_workspace_bytes(m, nparts, table_size));
-  auto run = [&](auto tag) {
+  dispatch_index(indices.scalar_type(), [&](auto tag) {
     using I = decltype(tag);
     cuda::hash_partition<I>(indices.const_data_ptr<I>(), m, nparts, static_cast<uint64_t>(seed),
                             table_size, rounds, order.data_ptr<int64_t>(),
                             counts.data_ptr<int64_t>(), overflow.data_ptr<int64_t>(),
-                            ws.data_ptr(), size_t(ws.numel()), s);
-  };
-  if (indices.scalar_type() == at::kInt) run(int32_t{}); else run(int64_t{});
+                            ws.data_ptr(), size_t(ws.numel()), on.stream);
+  });
   return {order, counts, overflow};
 }
 
@@ -291,14 +268,12 @@ at::Tensor hash_owner_cuda(const at::Tensor& indices_in, int64_t nparts, int64_t
   const at::Tensor indices = indices_in.contiguous();
   const int64_t m = indices.numel();
   at::Tensor out = at::empty({m}, indices.options().dtype(at::kInt));
-  const c10::cuda::CUDAGuard guard(indices.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  auto run = [&](auto tag) {
+  const OnDevice on(indices);
+  dispatch_index(indices.scalar_type(), [&](auto tag) {
     using I = decltype(tag);
     cuda::hash_owner<I>(indices.const_data_ptr<I>(), m, nparts, static_cast<uint64_t>(seed),
-                        out.data_ptr<int32_t>(), s);
-  };
-  if (indices.scalar_type() == at::kInt) run(int32_t{}); else run(int64_t{});
+                        out.data_ptr<int32_t>(), on.stream);
+  });
   return out;
 }
 
