@@ -33,6 +33,7 @@
 // the one sync this op has (it returns a number to the host).
 #include "kernels.cuh"
 #include "common.cuh"
+#include "radix.cuh"
 
 #include <cuda_fp16.h>
 
@@ -54,18 +55,6 @@ constexpr int kTileItems = 8;                     // per thread, consecutive (st
 constexpr int64_t kTile = int64_t(kThreads) * kTileItems;
 constexpr int64_t kHistChunk = 16384;             // elements per histogram block
 constexpr int kPivotThreads = 128;
-
-template <typename U>
-struct SegKey {
-  static constexpr uint32_t kMask = (uint32_t(1) << (int(sizeof(U)) * 8 - 1)) - 1;
-  static constexpr int kMaxBins = sizeof(U) == 4 ? 2048 : 256;  // widest digit's bins
-};
-
-struct SegState {
-  uint32_t prefix;  // digits found so far; after the last pass the segment's k-th key
-  uint32_t unused;
-  long long k_rem;  // rank of the k-th key among the prefix-matching keys
-};
 
 // Device views of the plan (layout of segmented_plan): all int64, back to back.
 struct Meta {
@@ -97,8 +86,8 @@ __device__ __forceinline__ int64_t segment_of(const int64_t* __restrict__ start,
 
 template <typename U>
 struct SegLayout {
-  SegState* st = nullptr;
-  unsigned long long* hist = nullptr;  // nseg x SegKey<U>::kMaxBins, reused by every pass
+  RadixState* st = nullptr;
+  unsigned long long* hist = nullptr;  // nseg x KeyOf<U>::kMaxBins, reused by every pass
   long long *gcnt = nullptr, *goff = nullptr, *tcnt = nullptr, *toff = nullptr;
   void* scan_tmp = nullptr;
   size_t scan_bytes = 0;
@@ -108,8 +97,8 @@ struct SegLayout {
 template <typename U>
 SegLayout<U> carve_seg(Carver& c, const SegmentedPlan& p, bool with_tiles) {
   SegLayout<U> L;
-  L.st = c.take<SegState>(size_t(std::max<int64_t>(p.nseg, 1)));
-  L.hist = c.take<unsigned long long>(size_t(p.nseg) * SegKey<U>::kMaxBins);
+  L.st = c.take<RadixState>(size_t(std::max<int64_t>(p.nseg, 1)));
+  L.hist = c.take<unsigned long long>(size_t(p.nseg) * KeyOf<U>::kMaxBins);
   if (with_tiles) {
     const size_t m = size_t(p.tiles) + 1;  // the extra zero entry makes goff[tiles] a total
     L.gcnt = c.take<long long>(m);
@@ -126,7 +115,7 @@ SegLayout<U> carve_seg(Carver& c, const SegmentedPlan& p, bool with_tiles) {
 
 // Segments with radix blocks start from {0, k}; the others select all (k == len: every
 // key is > 0 or a tie with 0, and need = len) or nothing (k == 0: no key reaches ~0u).
-__global__ void seg_init_kernel(Meta m, int64_t nseg, SegState* __restrict__ st) {
+__global__ void seg_init_kernel(Meta m, int64_t nseg, RadixState* __restrict__ st) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s < nseg; s += stride) {
     const long long k = m.ks[s];
@@ -140,7 +129,7 @@ __global__ void seg_init_kernel(Meta m, int64_t nseg, SegState* __restrict__ st)
 template <typename U, int BITS>
 __global__ void __launch_bounds__(kThreads)
     seg_hist_kernel(const U* __restrict__ x, Meta m, int64_t nseg, int shift,
-                    const SegState* __restrict__ st, unsigned long long* __restrict__ hist) {
+                    const RadixState* __restrict__ st, unsigned long long* __restrict__ hist) {
   constexpr int kBins = 1 << BITS;
   __shared__ unsigned int sh[kBins];  // counts of one chunk: <= kHistChunk, fits 32 bits
   for (int b = threadIdx.x; b < kBins; b += blockDim.x) sh[b] = 0;
@@ -151,11 +140,11 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t want = st[s].prefix >> above;
   __syncthreads();
   for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const uint32_t key = uint32_t(x[i]) & SegKey<U>::kMask;
+    const uint32_t key = uint32_t(x[i]) & KeyOf<U>::kMask;
     if ((key >> above) == want) atomicAdd(&sh[(key >> shift) & (kBins - 1)], 1u);
   }
   __syncthreads();
-  unsigned long long* h = hist + s * SegKey<U>::kMaxBins;
+  unsigned long long* h = hist + s * KeyOf<U>::kMaxBins;
   for (int b = threadIdx.x; b < kBins; b += blockDim.x)
     if (sh[b]) atomicAdd(&h[b], (unsigned long long)sh[b]);
 }
@@ -164,43 +153,23 @@ __global__ void __launch_bounds__(kThreads)
 // (suffix sums from the top digit down), and zeroes the histogram for the next pass.
 template <int BITS, int MAX_BINS>
 __global__ void __launch_bounds__(kPivotThreads)
-    seg_pivot_kernel(Meta m, int shift, SegState* __restrict__ st,
+    seg_pivot_kernel(Meta m, int shift, RadixState* __restrict__ st,
                      unsigned long long* __restrict__ hist) {
-  constexpr int kBins = 1 << BITS;
-  constexpr int kItems = kBins / kPivotThreads;
-  static_assert(kBins % kPivotThreads == 0, "bins must split evenly over the block");
-  using Scan = cub::BlockScan<unsigned long long, kPivotThreads>;
-  __shared__ typename Scan::TempStorage tmp;
   const int64_t s = blockIdx.x;
   if (m.hstart[s + 1] == m.hstart[s]) return;  // no radix passes for this segment
-  unsigned long long* h = hist + s * MAX_BINS;
   const uint32_t prefix = st[s].prefix;
   const unsigned long long krem = (unsigned long long)st[s].k_rem;
-  unsigned long long cnt[kItems], incl[kItems];
-  for (int it = 0; it < kItems; ++it) {
-    const int b = kBins - 1 - (threadIdx.x * kItems + it);
-    cnt[it] = h[b];
-    h[b] = 0;  // each bin is read and cleared by the same thread
-  }
-  Scan(tmp).InclusiveSum(cnt, incl);
-  __syncthreads();  // every thread has read st[s] before the winner overwrites it
-  for (int it = 0; it < kItems; ++it) {
-    const unsigned long long above = incl[it] - cnt[it];
-    if (above < krem && incl[it] >= krem) {  // exactly one (digit, thread) matches
-      const uint32_t digit = uint32_t(kBins - 1 - (threadIdx.x * kItems + it));
-      st[s].prefix = prefix | (digit << shift);
-      st[s].k_rem = (long long)(krem - above);
-    }
-  }
+  radix_pivot<BITS, kPivotThreads, /*CLEAR=*/true>(hist + s * MAX_BINS, shift, prefix, krem,
+                                                   st + s);
 }
 
 template <typename U, int BITS>
-void seg_pass(const U* x, const SegmentedPlan& p, const Meta& m, int shift, SegState* st,
+void seg_pass(const U* x, const SegmentedPlan& p, const Meta& m, int shift, RadixState* st,
               unsigned long long* hist, cudaStream_t s) {
   seg_hist_kernel<U, BITS><<<unsigned(p.hist_blocks), kThreads, 0, s>>>(x, m, p.nseg, shift, st,
                                                                         hist);
   SSF_CUDA_CHECK_LAUNCH();
-  seg_pivot_kernel<BITS, SegKey<U>::kMaxBins><<<unsigned(p.nseg), kPivotThreads, 0, s>>>(
+  seg_pivot_kernel<BITS, KeyOf<U>::kMaxBins><<<unsigned(p.nseg), kPivotThreads, 0, s>>>(
       m, shift, st, hist);
   SSF_CUDA_CHECK_LAUNCH();
 }
@@ -213,7 +182,7 @@ void seg_radix(const U* x, const SegmentedPlan& p, const Meta& m, const SegLayou
   SSF_CUDA_CHECK_LAUNCH();
   if (p.hist_blocks == 0) return;
   SSF_CUDA_CHECK(cudaMemsetAsync(
-      L.hist, 0, size_t(p.nseg) * SegKey<U>::kMaxBins * sizeof(unsigned long long), s));
+      L.hist, 0, size_t(p.nseg) * KeyOf<U>::kMaxBins * sizeof(unsigned long long), s));
   if constexpr (sizeof(U) == 4) {  // 31-bit key: digits 30..20, 19..9, 8..0
     seg_pass<U, 11>(x, p, m, 20, L.st, L.hist, s);
     seg_pass<U, 11>(x, p, m, 9, L.st, L.hist, s);
@@ -226,36 +195,18 @@ void seg_radix(const U* x, const SegmentedPlan& p, const Meta& m, const SegLayou
 
 // ------------------------------------------------------------------ compaction
 
-// Class of an element: 0 dropped, 1 selected (key > kth), 2 tie (key == kth).
-__device__ __forceinline__ int seg_class(uint32_t key, uint32_t kth) {
-  return key > kth ? 1 : (key == kth ? 2 : 0);
-}
-
 // Per tile: (#greater, #ties), packed as low/high 32 bits (a tile has kTile elements).
 template <typename U>
 __global__ void __launch_bounds__(kThreads)
     seg_tile_count_kernel(const U* __restrict__ x, Meta m, int64_t nseg,
-                          const SegState* __restrict__ st, long long* __restrict__ gcnt,
+                          const RadixState* __restrict__ st, long long* __restrict__ gcnt,
                           long long* __restrict__ tcnt) {
-  using Reduce = cub::BlockReduce<unsigned long long, kThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
   const int64_t s = segment_of(m.tstart, nseg, blockIdx.x);
   const int64_t base = m.off[s] + (int64_t(blockIdx.x) - m.tstart[s]) * kTile;
-  const int64_t end = m.off[s + 1];
   const uint32_t kth = st[s].prefix;
-  unsigned long long packed = 0;
-  for (int it = 0; it < kTileItems; ++it) {  // striped: coalesced, order is irrelevant here
-    const int64_t i = base + int64_t(it) * kThreads + threadIdx.x;
-    if (i < end) {
-      const int c = seg_class(uint32_t(x[i]) & SegKey<U>::kMask, kth);
-      packed += c == 1 ? 1ull : (c == 2 ? (1ull << 32) : 0ull);
-    }
-  }
-  const unsigned long long total = Reduce(tmp).Sum(packed);
-  if (threadIdx.x == 0) {
-    gcnt[blockIdx.x] = (long long)(total & 0xffffffffull);
-    tcnt[blockIdx.x] = (long long)(total >> 32);
-  }
+  count_tile<kThreads, kTileItems>(x, base, m.off[s + 1],
+                                   [&](uint32_t key) { return topk_class(key, kth); }, gcnt,
+                                   tcnt);
 }
 
 // Stable write: each thread owns kTileItems consecutive elements, so a block scan of the
@@ -263,7 +214,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename U, typename I>
 __global__ void __launch_bounds__(kThreads)
     seg_tile_write_kernel(const U* __restrict__ x, Meta m, int64_t nseg,
-                          const SegState* __restrict__ st, const long long* __restrict__ goff,
+                          const RadixState* __restrict__ st, const long long* __restrict__ goff,
                           const long long* __restrict__ toff, U* __restrict__ out_v,
                           I* __restrict__ out_i) {
   using Scan = cub::BlockScan<unsigned long long, kThreads>;
@@ -277,13 +228,8 @@ __global__ void __launch_bounds__(kThreads)
   const long long need = st[s].k_rem;
   U v[kTileItems];
   int cls[kTileItems];
-  unsigned long long packed = 0;
-  for (int it = 0; it < kTileItems; ++it) {
-    const int64_t i = first + it;
-    v[it] = i < end ? x[i] : U(0);
-    cls[it] = i < end ? seg_class(uint32_t(v[it]) & SegKey<U>::kMask, kth) : 0;
-    packed += cls[it] == 1 ? 1ull : (cls[it] == 2 ? (1ull << 32) : 0ull);
-  }
+  const unsigned long long packed =
+      load_items(x, first, end, [&](uint32_t key) { return topk_class(key, kth); }, v, cls);
   unsigned long long pre;
   Scan(tmp).ExclusiveSum(packed, pre);
   // Counts before this thread's first element within the segment (scan minus the scan at
@@ -291,20 +237,7 @@ __global__ void __launch_bounds__(kThreads)
   long long g = goff[blockIdx.x] - goff[tile0] + (long long)(pre & 0xffffffffull);
   long long t = toff[blockIdx.x] - toff[tile0] + (long long)(pre >> 32);
   const long long base = m.out_off[s];
-  for (int it = 0; it < kTileItems; ++it) {
-    long long pos = -1;
-    if (cls[it] == 1) {
-      pos = g + (t < need ? t : need);  // ties before it that are taken
-      ++g;
-    } else if (cls[it] == 2) {
-      if (t < need) pos = g + t;
-      ++t;
-    }
-    if (pos >= 0) {
-      out_v[base + pos] = v[it];
-      out_i[base + pos] = static_cast<I>(first + it);
-    }
-  }
+  place_items(v, cls, first, g, t, need, out_v + base, out_i + base);
 }
 
 // ------------------------------------------------------------------ sampled threshold

@@ -19,6 +19,7 @@
 // is the smallest key satisfying isnan(v) || (double)|v| >= thr (threshold_key).
 #include "kernels.cuh"
 #include "common.cuh"
+#include "radix.cuh"
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -40,30 +41,11 @@ constexpr int kHistThreads = 256;
 constexpr int kHistMaxBlocks = 1024;  // per-block counts stay < 2^32 up to n = 2^42
 constexpr int kPivotThreads = 128;
 
-template <typename U>
-struct KeyOf {
-  static constexpr int kBits = int(sizeof(U)) * 8 - 1;
-  static constexpr uint32_t kMask = (uint32_t(1) << kBits) - 1;
-};
-
-// Result of the radix passes, kept on the device (no host round trip between passes).
-struct RadixState {
-  uint32_t prefix;   // key digits found so far; after the last pass the k-th key
-  uint32_t unused;
-  long long k_rem;   // rank of the k-th key among the keys matching the prefix
-};
-
 // Which elements a tile kernel selects: top-k mode when `st` is set, else key >= key_min.
 struct TileRule {
   uint32_t key_min;
   const RadixState* st;
 };
-
-// Class of an element: 0 dropped, 1 selected, 2 tie (key == kth; top-k only).
-__device__ __forceinline__ int classify(uint32_t key, bool topk, uint32_t lo, uint32_t kth) {
-  if (topk) return key > kth ? 1 : (key == kth ? 2 : 0);
-  return key >= lo ? 1 : 0;
-}
 
 // Tile counts and their scans; the same layout for top-k and threshold (top-k adds more
 // after it), so threshold_count_result finds the total from n alone.
@@ -119,40 +101,35 @@ __global__ void __launch_bounds__(kHistThreads)
 }
 
 // One block: suffix sums of the histogram (from the top digit down) locate the digit
-// holding the k_rem-th largest key among the prefix-matching ones.
+// holding the k_rem-th largest key among the prefix-matching ones (the first pass starts
+// from prefix 0 and k).
 template <int BITS>
 __global__ void __launch_bounds__(kPivotThreads)
     radix_pivot_kernel(const unsigned long long* __restrict__ hist, int shift, int pass,
                        long long k, RadixState* st) {
-  constexpr int kBins = 1 << BITS;
-  constexpr int kItems = kBins / kPivotThreads;
-  static_assert(kBins % kPivotThreads == 0, "bins must split evenly over the block");
-  using Scan = cub::BlockScan<unsigned long long, kPivotThreads>;
-  __shared__ typename Scan::TempStorage tmp;
   const uint32_t prefix = pass ? st->prefix : 0u;
   const unsigned long long krem = (unsigned long long)(pass ? st->k_rem : k);
-  unsigned long long cnt[kItems], incl[kItems];
-  for (int it = 0; it < kItems; ++it) cnt[it] = hist[kBins - 1 - (threadIdx.x * kItems + it)];
-  Scan(tmp).InclusiveSum(cnt, incl);
-  __syncthreads();  // every thread has read *st before the winner overwrites it
-  for (int it = 0; it < kItems; ++it) {
-    const unsigned long long above = incl[it] - cnt[it];
-    if (above < krem && incl[it] >= krem) {  // exactly one (digit, thread) matches
-      const uint32_t digit = uint32_t(kBins - 1 - (threadIdx.x * kItems + it));
-      st->prefix = prefix | (digit << shift);
-      st->k_rem = (long long)(krem - above);
-    }
-  }
+  radix_pivot<BITS, kPivotThreads, /*CLEAR=*/false>(hist, shift, prefix, krem, st);
 }
 
 // ------------------------------------------------------------------ tile compaction
 
-__device__ __forceinline__ void load_rule(const TileRule& r, bool& topk, uint32_t& lo,
-                                          uint32_t& kth, long long& need) {
-  topk = r.st != nullptr;
-  lo = r.key_min;
-  kth = topk ? r.st->prefix : 0u;
-  need = topk ? r.st->k_rem : 0;
+// A TileRule as a tile kernel reads it: in top-k mode, the k-th key and how many of its
+// ties to take from the radix state; in threshold mode, key_min.
+struct LoadedRule {
+  bool topk;
+  uint32_t lo, kth;
+  long long need;
+};
+
+__device__ __forceinline__ LoadedRule load_rule(const TileRule& r) {
+  const bool topk = r.st != nullptr;
+  return {topk, r.key_min, topk ? r.st->prefix : 0u, topk ? r.st->k_rem : 0};
+}
+
+// Class of an element: 0 dropped, 1 selected, 2 tie (key == kth; top-k only).
+__device__ __forceinline__ int classify(uint32_t key, const LoadedRule& r) {
+  return r.topk ? topk_class(key, r.kth) : (key >= r.lo ? 1 : 0);
 }
 
 // Per tile: (#selected, #ties), packed as low/high 32 bits (a tile has 2048 elements).
@@ -160,26 +137,10 @@ template <typename U>
 __global__ void __launch_bounds__(kTileThreads)
     tile_count_kernel(const U* __restrict__ x, int64_t n, TileRule rule,
                       long long* __restrict__ gcnt, long long* __restrict__ tcnt) {
-  using Reduce = cub::BlockReduce<unsigned long long, kTileThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
-  bool topk;
-  uint32_t lo, kth;
-  long long need;
-  load_rule(rule, topk, lo, kth, need);
-  const int64_t base = int64_t(blockIdx.x) * kTile;
-  unsigned long long packed = 0;
-  for (int it = 0; it < kTileItems; ++it) {  // striped: coalesced, order is irrelevant here
-    const int64_t i = base + int64_t(it) * kTileThreads + threadIdx.x;
-    if (i < n) {
-      const int c = classify(uint32_t(x[i]) & KeyOf<U>::kMask, topk, lo, kth);
-      packed += c == 1 ? 1ull : (c == 2 ? (1ull << 32) : 0ull);
-    }
-  }
-  const unsigned long long total = Reduce(tmp).Sum(packed);
-  if (threadIdx.x == 0) {
-    gcnt[blockIdx.x] = (long long)(total & 0xffffffffull);
-    if (tcnt) tcnt[blockIdx.x] = (long long)(total >> 32);
-  }
+  const LoadedRule r = load_rule(rule);
+  count_tile<kTileThreads, kTileItems>(x, int64_t(blockIdx.x) * kTile, n,
+                                       [&](uint32_t key) { return classify(key, r); }, gcnt,
+                                       tcnt);
 }
 
 // Stable write: each thread owns kTileItems consecutive elements (blocked order), so a
@@ -191,38 +152,17 @@ __global__ void __launch_bounds__(kTileThreads)
                       U* __restrict__ out_v, I* __restrict__ out_i) {
   using Scan = cub::BlockScan<unsigned long long, kTileThreads>;
   __shared__ typename Scan::TempStorage tmp;
-  bool topk;
-  uint32_t lo, kth;
-  long long need;
-  load_rule(rule, topk, lo, kth, need);
+  const LoadedRule r = load_rule(rule);
   const int64_t first = int64_t(blockIdx.x) * kTile + int64_t(threadIdx.x) * kTileItems;
   U v[kTileItems];
   int cls[kTileItems];
-  unsigned long long packed = 0;
-  for (int it = 0; it < kTileItems; ++it) {
-    const int64_t i = first + it;
-    v[it] = i < n ? x[i] : U(0);
-    cls[it] = i < n ? classify(uint32_t(v[it]) & KeyOf<U>::kMask, topk, lo, kth) : 0;
-    packed += cls[it] == 1 ? 1ull : (cls[it] == 2 ? (1ull << 32) : 0ull);
-  }
+  const unsigned long long packed =
+      load_items(x, first, n, [&](uint32_t key) { return classify(key, r); }, v, cls);
   unsigned long long pre;
   Scan(tmp).ExclusiveSum(packed, pre);
   long long g = goff[blockIdx.x] + (long long)(pre & 0xffffffffull);  // selected before
   long long t = (toff ? toff[blockIdx.x] : 0) + (long long)(pre >> 32);  // ties before
-  for (int it = 0; it < kTileItems; ++it) {
-    long long pos = -1;
-    if (cls[it] == 1) {
-      pos = g + (t < need ? t : need);  // ties before it that are taken
-      ++g;
-    } else if (cls[it] == 2) {
-      if (t < need) pos = g + t;
-      ++t;
-    }
-    if (pos >= 0) {
-      out_v[pos] = v[it];
-      out_i[pos] = static_cast<I>(first + it);
-    }
-  }
+  place_items(v, cls, first, g, t, r.need, out_v, out_i);
 }
 
 template <typename I>
