@@ -71,18 +71,6 @@ __device__ __forceinline__ I load_index(const U* __restrict__ words, int64_t j) 
   return static_cast<I>(static_cast<UI>(r));
 }
 
-template <typename U, typename I, int KIND>
-__global__ void chunk_add_kernel(U* __restrict__ dense, int64_t n, const U* __restrict__ vals,
-                                 const U* __restrict__ idx_words, int64_t k) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
-    const I i = load_index<U, I>(idx_words, j);
-    SSF_KERNEL_ASSERT(i >= 0 && int64_t(i) < n);
-    if (i < 0 || int64_t(i) >= n) continue;
-    dense[i] = static_cast<U>(add_bits<KIND>(uint32_t(dense[i]), uint32_t(vals[j])));
-  }
-}
-
 template <int KIND>
 __device__ __forceinline__ float widen(uint16_t u);
 
@@ -96,16 +84,32 @@ __device__ __forceinline__ float widen<int(ValueKind::kBFloat16)>(uint16_t u) {
   return __uint_as_float(uint32_t(u) << 16);
 }
 
-template <typename I, int KIND>
-__global__ void chunk_widen_kernel(float* __restrict__ dense, int64_t n,
-                                   const uint16_t* __restrict__ vals,
-                                   const uint16_t* __restrict__ idx_words, int64_t k) {
+// How scatter_add_chunks adds a record value v into a dense value d.
+template <int KIND>
+struct SameTypeAdd {  // dense of the records' type: raw bits, rounded to it after the add
+  template <typename U>
+  static __device__ __forceinline__ U apply(U d, U v) {
+    return static_cast<U>(add_bits<KIND>(uint32_t(d), uint32_t(v)));
+  }
+};
+template <int KIND>
+struct WidenAdd {  // float32 dense, float16/bfloat16 records: v converted exactly, float32 add
+  static __device__ __forceinline__ float apply(float d, uint16_t v) {
+    return __fadd_rn(d, widen<KIND>(v));
+  }
+};
+
+// One chunk's record into dense (D: the dense element, U: the records' raw bits): indices
+// are distinct within a chunk, so a plain read-add-write per element (Add::apply).
+template <typename Add, typename I, typename D, typename U>
+__global__ void chunk_add_kernel(D* __restrict__ dense, int64_t n, const U* __restrict__ vals,
+                                 const U* __restrict__ idx_words, int64_t k) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
-    const I i = load_index<uint16_t, I>(idx_words, j);
+    const I i = load_index<U, I>(idx_words, j);
     SSF_KERNEL_ASSERT(i >= 0 && int64_t(i) < n);
     if (i < 0 || int64_t(i) >= n) continue;
-    dense[i] = __fadd_rn(dense[i], widen<KIND>(vals[j]));
+    dense[i] = Add::apply(dense[i], vals[j]);
   }
 }
 
@@ -158,6 +162,20 @@ SortLayout<I> carve_sort(Carver& c, int64_t k) {
                                                  (long long*)nullptr, k));
   L.sort_tmp = c.take<char>(L.sort_bytes);
   return L;
+}
+
+// The record at element `offset` of each of nchunks chunks of `gathered`, added into dense
+// by chunk_add_kernel<Add>: one launch per chunk, in order on s (the summation order).
+template <typename Add, typename I, typename D, typename U>
+void add_chunks(D* dense, int64_t n, const U* gathered, int64_t nchunks, int64_t chunk_len,
+                int64_t offset, int64_t k, cudaStream_t s) {
+  const int64_t vspan = record_layout(k, sizeof(U), sizeof(I)).values;
+  const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
+  for (int64_t p = 0; p < nchunks; ++p) {
+    const U* rec = gathered + p * chunk_len + offset;
+    chunk_add_kernel<Add, I><<<grid, kThreads, 0, s>>>(dense, n, rec, rec + vspan, k);
+    SSF_CUDA_CHECK_LAUNCH();
+  }
 }
 
 template <typename U, typename I, typename F>
@@ -230,15 +248,9 @@ void scatter_add_chunks(U* dense, int64_t n, ValueKind kind, const U* gathered,
                         int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k,
                         cudaStream_t s) {
   if (k <= 0 || nchunks <= 0) return;
-  const int64_t vspan = record_layout(k, sizeof(U), sizeof(I)).values;
-  const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
   dispatch_kind<U, I>(kind, [&](auto kc) {
-    for (int64_t p = 0; p < nchunks; ++p) {  // chunk order is the summation order
-      const U* rec = gathered + p * chunk_len + offset;
-      chunk_add_kernel<U, I, decltype(kc)::value><<<grid, kThreads, 0, s>>>(
-          dense, n, rec, rec + vspan, k);
-      SSF_CUDA_CHECK_LAUNCH();
-    }
+    add_chunks<SameTypeAdd<decltype(kc)::value>, I>(dense, n, gathered, nchunks, chunk_len,
+                                                    offset, k, s);
   });
 }
 
@@ -249,18 +261,12 @@ void scatter_add_chunks_widen(float* dense, int64_t n, ValueKind kind, const uin
   if (k <= 0 || nchunks <= 0) return;
   if (kind == ValueKind::kFloat32)
     throw std::runtime_error("ssfusion_hvd CUDA: widening decode takes float16/bfloat16 records");
-  const int64_t vspan = record_layout(k, sizeof(uint16_t), sizeof(I)).values;
-  const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
-  for (int64_t p = 0; p < nchunks; ++p) {  // chunk order is the summation order
-    const uint16_t* rec = gathered + p * chunk_len + offset;
-    if (kind == ValueKind::kFloat16)
-      chunk_widen_kernel<I, int(ValueKind::kFloat16)><<<grid, kThreads, 0, s>>>(
-          dense, n, rec, rec + vspan, k);
-    else
-      chunk_widen_kernel<I, int(ValueKind::kBFloat16)><<<grid, kThreads, 0, s>>>(
-          dense, n, rec, rec + vspan, k);
-    SSF_CUDA_CHECK_LAUNCH();
-  }
+  if (kind == ValueKind::kFloat16)
+    add_chunks<WidenAdd<int(ValueKind::kFloat16)>, I>(dense, n, gathered, nchunks, chunk_len,
+                                                      offset, k, s);
+  else
+    add_chunks<WidenAdd<int(ValueKind::kBFloat16)>, I>(dense, n, gathered, nchunks, chunk_len,
+                                                       offset, k, s);
 }
 
 #define SSF_INST_I(I)                                                                       \
