@@ -93,11 +93,15 @@ __device__ __forceinline__ void count_tile(const U* __restrict__ x, int64_t base
 }
 
 // Loads a thread's ITEMS consecutive elements first, first + 1, ... (those at or past `end`
-// are dropped) with their classes, classify(magnitude key); returns their packed counts.
-template <int ITEMS, typename U, typename Classify>
-__device__ __forceinline__ unsigned long long load_items(const U* __restrict__ x, int64_t first,
+// are dropped) with their classes, classify(magnitude key), and ranks them in the tile:
+// returns the packed counts of the tile's elements before this thread's first one (a block
+// scan over the THREADS threads, which must all call it).
+template <int THREADS, int ITEMS, typename U, typename Classify>
+__device__ __forceinline__ unsigned long long rank_items(const U* __restrict__ x, int64_t first,
                                                          int64_t end, const Classify& classify,
                                                          U (&v)[ITEMS], int (&cls)[ITEMS]) {
+  using Scan = cub::BlockScan<unsigned long long, THREADS>;
+  __shared__ typename Scan::TempStorage tmp;
   unsigned long long packed = 0;
   for (int it = 0; it < ITEMS; ++it) {
     const int64_t i = first + it;
@@ -105,7 +109,9 @@ __device__ __forceinline__ unsigned long long load_items(const U* __restrict__ x
     cls[it] = i < end ? classify(uint32_t(v[it]) & KeyOf<U>::kMask) : 0;
     packed += class_count(cls[it]);
   }
-  return packed;
+  unsigned long long pre;
+  Scan(tmp).ExclusiveSum(packed, pre);
+  return pre;
 }
 
 // Stable write of a thread's ITEMS consecutive elements first, first + 1, ... (values v,

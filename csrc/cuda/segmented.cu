@@ -37,8 +37,6 @@
 
 #include <cuda_fp16.h>
 
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
 #include <cub/device/device_scan.cuh>
 
 #include <algorithm>
@@ -217,8 +215,6 @@ __global__ void __launch_bounds__(kThreads)
                           const RadixState* __restrict__ st, const long long* __restrict__ goff,
                           const long long* __restrict__ toff, U* __restrict__ out_v,
                           I* __restrict__ out_i) {
-  using Scan = cub::BlockScan<unsigned long long, kThreads>;
-  __shared__ typename Scan::TempStorage tmp;
   const int64_t s = segment_of(m.tstart, nseg, blockIdx.x);
   const int64_t tile0 = m.tstart[s];
   const int64_t first = m.off[s] + (int64_t(blockIdx.x) - tile0) * kTile +
@@ -228,10 +224,8 @@ __global__ void __launch_bounds__(kThreads)
   const long long need = st[s].k_rem;
   U v[kTileItems];
   int cls[kTileItems];
-  const unsigned long long packed =
-      load_items(x, first, end, [&](uint32_t key) { return topk_class(key, kth); }, v, cls);
-  unsigned long long pre;
-  Scan(tmp).ExclusiveSum(packed, pre);
+  const unsigned long long pre = rank_items<kThreads>(
+      x, first, end, [&](uint32_t key) { return topk_class(key, kth); }, v, cls);
   // Counts before this thread's first element within the segment (scan minus the scan at
   // the segment's first tile), then the segment's place in the output.
   long long g = goff[blockIdx.x] - goff[tile0] + (long long)(pre & 0xffffffffull);
@@ -412,8 +406,6 @@ double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, Valu
                                      void*, size_t, cudaStream_t);
 SSF_FOR_EACH_U(SSF_INST_U)
 SSF_FOR_EACH_UI(SSF_INST_UI)
-#undef SSF_INST_U
-#undef SSF_INST_UI
 
 }  // namespace cuda
 }  // namespace ssf

@@ -21,8 +21,6 @@
 #include "common.cuh"
 #include "radix.cuh"
 
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
 #include <cub/device/device_scan.cuh>
 
 #include <algorithm>
@@ -150,16 +148,12 @@ __global__ void __launch_bounds__(kTileThreads)
     tile_write_kernel(const U* __restrict__ x, int64_t n, TileRule rule,
                       const long long* __restrict__ goff, const long long* __restrict__ toff,
                       U* __restrict__ out_v, I* __restrict__ out_i) {
-  using Scan = cub::BlockScan<unsigned long long, kTileThreads>;
-  __shared__ typename Scan::TempStorage tmp;
   const LoadedRule r = load_rule(rule);
   const int64_t first = int64_t(blockIdx.x) * kTile + int64_t(threadIdx.x) * kTileItems;
   U v[kTileItems];
   int cls[kTileItems];
-  const unsigned long long packed =
-      load_items(x, first, n, [&](uint32_t key) { return classify(key, r); }, v, cls);
-  unsigned long long pre;
-  Scan(tmp).ExclusiveSum(packed, pre);
+  const unsigned long long pre = rank_items<kTileThreads>(
+      x, first, n, [&](uint32_t key) { return classify(key, r); }, v, cls);
   long long g = goff[blockIdx.x] + (long long)(pre & 0xffffffffull);  // selected before
   long long t = (toff ? toff[blockIdx.x] : 0) + (long long)(pre >> 32);  // ties before
   place_items(v, cls, first, g, t, r.need, out_v, out_i);
@@ -351,8 +345,6 @@ void threshold_write(const U* x, int64_t n, uint32_t key_min, U* out_v, I* out_i
                                       cudaStream_t);
 SSF_FOR_EACH_U(SSF_INST_U)
 SSF_FOR_EACH_UI(SSF_INST_UI)
-#undef SSF_INST_U
-#undef SSF_INST_UI
 
 }  // namespace cuda
 }  // namespace ssf
