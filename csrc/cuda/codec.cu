@@ -281,8 +281,6 @@ void scatter_add_chunks_widen(float* dense, int64_t n, ValueKind kind, const uin
                                          int64_t, int64_t, cudaStream_t);
 SSF_FOR_EACH_I(SSF_INST_I)
 SSF_FOR_EACH_UI(SSF_INST_UI)
-#undef SSF_INST_I
-#undef SSF_INST_UI
 
 }  // namespace cuda
 }  // namespace ssf

@@ -188,7 +188,6 @@ void hash_owner(const I* idx, int64_t m, int64_t nparts, uint64_t seed, int32_t*
                                   int64_t*, int64_t*, int64_t*, void*, size_t, cudaStream_t); \
   template void hash_owner<I>(const I*, int64_t, int64_t, uint64_t, int32_t*, cudaStream_t);
 SSF_FOR_EACH_I(SSF_INST_I)
-#undef SSF_INST_I
 
 }  // namespace cuda
 }  // namespace ssf
