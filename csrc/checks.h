@@ -44,9 +44,13 @@ inline void check_k(int64_t k, int64_t lo, int64_t n, const char* op) {
   TORCH_CHECK(k >= lo && k <= n, op, ": k=", k, " out of range [", lo, ", ", n, "]");
 }
 
-// The threshold of threshold_select / threshold_count.
-inline void check_threshold(double thr, const char* op) {
+// The input of threshold_select / threshold_count, checked (check_values, and a threshold
+// that is not NaN) and flattened.
+inline at::Tensor threshold_values(const at::Tensor& x, double thr, const char* op,
+                                   c10::DeviceType device) {
+  check_values(x, op, device);
   TORCH_CHECK(!std::isnan(thr), op, ": threshold is NaN");
+  return x.reshape({-1});
 }
 
 // A sparse record: 1-D values and int32/int64 indices of equal length.

@@ -239,8 +239,7 @@ double sampled_threshold_cpu(const at::Tensor& x_in, int64_t k, int64_t samples)
 }
 
 int64_t threshold_count_cpu(const at::Tensor& x_in, double thr) {
-  const at::Tensor x = flat_values(x_in, "threshold_count", at::kCPU);
-  check_threshold(thr, "threshold_count");
+  const at::Tensor x = threshold_values(x_in, thr, "threshold_count", at::kCPU);
   const Chunks ch(x.numel());
   int64_t total = 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_count", [&] {
@@ -251,8 +250,7 @@ int64_t threshold_count_cpu(const at::Tensor& x_in, double thr) {
 }
 
 std::tuple<at::Tensor, at::Tensor> threshold_select_cpu(const at::Tensor& x_in, double thr) {
-  const at::Tensor x = flat_values(x_in, "threshold_select", at::kCPU);
-  check_threshold(thr, "threshold_select");
+  const at::Tensor x = threshold_values(x_in, thr, "threshold_select", at::kCPU);
   const int64_t n = x.numel();
   const auto idt = index_dtype_for(n);
   const Chunks ch(n);

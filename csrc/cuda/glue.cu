@@ -77,8 +77,7 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k) 
 }
 
 int64_t threshold_count_cuda(const at::Tensor& x_in, double thr) {
-  const at::Tensor x = flat_values(x_in, "threshold_count", at::kCUDA);
-  check_threshold(thr, "threshold_count");
+  const at::Tensor x = threshold_values(x_in, thr, "threshold_count", at::kCUDA);
   const int64_t n = x.numel();
   if (n == 0) return 0;
   const OnDevice on(x);
@@ -95,8 +94,7 @@ int64_t threshold_count_cuda(const at::Tensor& x_in, double thr) {
 }
 
 std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x_in, double thr) {
-  const at::Tensor x = flat_values(x_in, "threshold_select", at::kCUDA);
-  check_threshold(thr, "threshold_select");
+  const at::Tensor x = threshold_values(x_in, thr, "threshold_select", at::kCUDA);
   const int64_t n = x.numel();
   const auto idt = index_dtype_for(n);
   if (n == 0) return {at::empty({0}, x.options()), at::empty({0}, x.options().dtype(idt))};
