@@ -113,13 +113,6 @@ __global__ void chunk_add_kernel(D* __restrict__ dense, int64_t n, const U* __re
   }
 }
 
-template <typename P>
-__global__ void iota_kernel(P* __restrict__ out, int64_t n) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    out[i] = static_cast<P>(i);
-}
-
 // Sorted by index (stable, so positions ascend within an index): the first position of
 // each run of equal indices adds the whole run, in order.
 template <typename U, typename I, int KIND>

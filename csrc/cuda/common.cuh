@@ -1,6 +1,6 @@
 // Helpers shared by the raw kernels of csrc/cuda/*.cu (the CUDA counterpart of
-// csrc/cpu/common.h): workspace carving, launch grids, explicit instantiation lists.
-// No torch here.
+// csrc/cpu/common.h): workspace carving, launch grids, an iota kernel, explicit
+// instantiation lists. No torch here.
 #pragma once
 
 #include <algorithm>
@@ -39,6 +39,17 @@ inline unsigned int grid_for(int64_t n, int threads, int64_t max_blocks) {
   const int64_t b = (n + threads - 1) / threads;
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, max_blocks)));
 }
+
+// out[i] = i for i < n (grid-stride loop). Internal linkage: every .cu compiles its own
+// copy, as when each defined it.
+namespace {
+template <typename T>
+__global__ void iota_kernel(T* __restrict__ out, int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = static_cast<T>(i);
+}
+}  // namespace
 
 // The types every raw op is instantiated for: value bits U (16-bit: float16/bfloat16,
 // 32-bit: float32) and index type I. M is a macro taking (U), (I) or (U, I).

@@ -159,13 +159,6 @@ __global__ void __launch_bounds__(kTileThreads)
   place_items(v, cls, first, g, t, r.need, out_v, out_i);
 }
 
-template <typename I>
-__global__ void iota_kernel(I* __restrict__ out, int64_t n) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    out[i] = static_cast<I>(i);
-}
-
 // Scans the tile counts and writes the compaction (shared by top-k and threshold).
 template <typename U>
 void tile_count_and_scan(const U* x, int64_t n, TileRule rule, const TileLayout& L,
