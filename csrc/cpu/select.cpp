@@ -11,6 +11,7 @@
 // Two reads of the input and work proportional to k + candidates otherwise.
 #include "../ops.h"
 #include "../checks.h"
+#include "../sampling.h"
 #include "common.h"
 
 #include <c10/util/Exception.h>
@@ -220,10 +221,10 @@ double sampled_threshold_cpu(const at::Tensor& x_in, int64_t k, int64_t samples)
   const at::Tensor x = flat_values(x_in, "sampled_threshold", at::kCPU);
   const int64_t n = x.numel();
   check_k(k, 1, n, "sampled_threshold");
-  samples = std::max<int64_t>(1, std::min(samples, n));
-  // The k-th largest of n is estimated by the ceil(k * samples / n)-th largest of an evenly
-  // strided sample (deterministic: every rank estimates the same way from the same data).
-  const int64_t kk = std::max<int64_t>(1, (k * samples + n - 1) / n);
+  samples = sampling::clamp_samples(n, samples);
+  // The k-th largest of n is estimated by the kk-th largest of an evenly strided sample
+  // (deterministic: every rank estimates the same way from the same data).
+  const int64_t kk = sampling::sample_rank(n, k, samples);
   double thr = 0.0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sampled_threshold", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();

@@ -35,6 +35,8 @@
 #include "common.cuh"
 #include "radix.cuh"
 
+#include "../sampling.h"
+
 #include <cuda_fp16.h>
 
 #include <cub/device/device_scan.cuh>
@@ -262,10 +264,6 @@ __global__ void sample_gather_kernel(const U* __restrict__ x, int64_t n, int64_t
     mag[j] = magnitude_bits<KIND>(uint32_t(x[(j * n) / samples]));  // the CPU's positions
 }
 
-int64_t clamp_samples(int64_t n, int64_t samples) {
-  return std::max<int64_t>(1, std::min(samples, n));
-}
-
 }  // namespace
 
 // ------------------------------------------------------------------ public API
@@ -340,16 +338,11 @@ SegmentedPlan sample_plan(int64_t samples, int64_t kk, int64_t* meta) {
   const int64_t off[2] = {0, samples};
   return segmented_plan(off, &kk, 1, meta, /*radix_all=*/true);  // kk == samples: the min
 }
-
-int64_t sample_rank(int64_t n, int64_t k, int64_t samples) {
-  // The CPU's ceil(k * samples / n)-th largest sample estimates the k-th largest of n.
-  return std::max<int64_t>(1, (k * samples + n - 1) / n);
-}
 }  // namespace
 
 size_t sampled_threshold_workspace_bytes(int64_t n, int64_t samples) {
   if (n <= 0) return 0;
-  samples = clamp_samples(n, samples);
+  samples = sampling::clamp_samples(n, samples);
   std::vector<int64_t> meta(segmented_meta_len(1));
   const SegmentedPlan p = sample_plan(samples, 1, meta.data());
   Carver c(nullptr);
@@ -364,8 +357,8 @@ double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, Valu
                          void* workspace, size_t workspace_bytes, cudaStream_t s) {
   if (n <= 0 || k < 1 || k > n)
     throw std::runtime_error("ssfusion_hvd CUDA sampled_threshold: k out of range");
-  samples = clamp_samples(n, samples);
-  const int64_t kk = sample_rank(n, k, samples);
+  samples = sampling::clamp_samples(n, samples);
+  const int64_t kk = sampling::sample_rank(n, k, samples);
   std::vector<int64_t> meta(segmented_meta_len(1));  // alive until the sync below
   const SegmentedPlan p = sample_plan(samples, kk, meta.data());
   Carver c(workspace);
