@@ -25,10 +25,18 @@ inline void check_value_dtype(const at::Tensor& x, const char* op) {
               " (float32, float16, bfloat16)");
 }
 
-// A selection input: float32/float16/bfloat16, contiguous, on the expected device type.
-inline void check_values(const at::Tensor& x, const char* op, c10::DeviceType device) {
+inline void check_device(const at::Tensor& x, const char* op, c10::DeviceType device) {
   TORCH_CHECK(x.device().type() == device, op, ": expected a ", c10::DeviceTypeName(device),
               " tensor, got ", x.device());
+}
+
+inline void check_index_dtype(at::ScalarType t, const char* op) {
+  TORCH_CHECK(t == at::kInt || t == at::kLong, op, ": indices must be int32 or int64, got ", t);
+}
+
+// A selection input: float32/float16/bfloat16, contiguous, on the expected device type.
+inline void check_values(const at::Tensor& x, const char* op, c10::DeviceType device) {
+  check_device(x, op, device);
   check_value_dtype(x, op);
   TORCH_CHECK(x.is_contiguous(), op, ": input must be contiguous");
 }
@@ -58,8 +66,7 @@ inline void check_record(const at::Tensor& values, const at::Tensor& indices, co
   TORCH_CHECK(values.dim() == 1 && indices.dim() == 1 && values.numel() == indices.numel(), op,
               ": values and indices must be 1-D of equal length (got ", values.sizes(), " and ",
               indices.sizes(), ")");
-  TORCH_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op,
-              ": indices must be int32 or int64, got ", indices.scalar_type());
+  check_index_dtype(indices.scalar_type(), op);
 }
 
 // The output buffer of pack: 1-D, contiguous, on the expected device, of the values' dtype.
@@ -145,11 +152,9 @@ inline std::tuple<int64_t, int64_t> check_chunks(const at::Tensor& dense, const 
 // expected device, a partition count and table size the 32-bit range reduction can take.
 inline void check_hash_args(const at::Tensor& indices, int64_t nparts, int64_t table_size,
                             int64_t rounds, c10::DeviceType device, const char* op) {
-  TORCH_CHECK(indices.device().type() == device, op, ": expected a ",
-              c10::DeviceTypeName(device), " tensor, got ", indices.device());
+  check_device(indices, op, device);
   TORCH_CHECK(indices.dim() == 1, op, ": indices must be 1-D, got ", indices.sizes());
-  TORCH_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op,
-              ": indices must be int32 or int64, got ", indices.scalar_type());
+  check_index_dtype(indices.scalar_type(), op);
   TORCH_CHECK(nparts >= 1 && nparts <= hashing::kMaxRange, op, ": nparts=", nparts,
               " out of range [1, ", hashing::kMaxRange, "]");
   TORCH_CHECK(table_size >= 1 && table_size <= hashing::kMaxRange, op, ": table_size=",

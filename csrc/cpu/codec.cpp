@@ -13,8 +13,7 @@ namespace ssf {
 
 std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
                                           at::ScalarType index_dtype) {
-  TORCH_CHECK(index_dtype == at::kInt || index_dtype == at::kLong,
-              "record: indices must be int32 or int64, got ", index_dtype);
+  check_index_dtype(index_dtype, "record");
   const int64_t vb = c10::elementSize(value_dtype), ib = c10::elementSize(index_dtype);
   TORCH_CHECK(ib % vb == 0 || vb % ib == 0, "record: incompatible element sizes");
   const RecordSpans spans = record_layout(k, vb, ib);
