@@ -1,11 +1,14 @@
 // Argument checks shared by the CPU kernels and the CUDA torch glue: one rule, one message.
+// Also the few torch-side steps both do alike (flattening, output allocation, index dispatch).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include "hash.h"
+#include "ops.h"  // record_spans
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <tuple>
@@ -22,12 +25,40 @@ inline void check_value_dtype(const at::Tensor& x, const char* op) {
               " (float32, float16, bfloat16)");
 }
 
-// A selection input: float32/float16/bfloat16, contiguous, on the expected device type.
-inline void check_values(const at::Tensor& x, const char* op, c10::DeviceType device) {
+inline void check_device(const at::Tensor& x, const char* op, c10::DeviceType device) {
   TORCH_CHECK(x.device().type() == device, op, ": expected a ", c10::DeviceTypeName(device),
               " tensor, got ", x.device());
+}
+
+inline void check_index_dtype(at::ScalarType t, const char* op) {
+  TORCH_CHECK(t == at::kInt || t == at::kLong, op, ": indices must be int32 or int64, got ", t);
+}
+
+// A selection input: float32/float16/bfloat16, contiguous, on the expected device type.
+inline void check_values(const at::Tensor& x, const char* op, c10::DeviceType device) {
+  check_device(x, op, device);
   check_value_dtype(x, op);
   TORCH_CHECK(x.is_contiguous(), op, ": input must be contiguous");
+}
+
+// A selection input, checked (check_values) and flattened.
+inline at::Tensor flat_values(const at::Tensor& x, const char* op, c10::DeviceType device) {
+  check_values(x, op, device);
+  return x.reshape({-1});
+}
+
+// The k of a selection from n elements: in [lo, n] (topk: lo = 0; sampled_threshold: 1).
+inline void check_k(int64_t k, int64_t lo, int64_t n, const char* op) {
+  TORCH_CHECK(k >= lo && k <= n, op, ": k=", k, " out of range [", lo, ", ", n, "]");
+}
+
+// The input of threshold_select / threshold_count, checked (check_values, and a threshold
+// that is not NaN) and flattened.
+inline at::Tensor threshold_values(const at::Tensor& x, double thr, const char* op,
+                                   c10::DeviceType device) {
+  check_values(x, op, device);
+  TORCH_CHECK(!std::isnan(thr), op, ": threshold is NaN");
+  return x.reshape({-1});
 }
 
 // A sparse record: 1-D values and int32/int64 indices of equal length.
@@ -35,8 +66,7 @@ inline void check_record(const at::Tensor& values, const at::Tensor& indices, co
   TORCH_CHECK(values.dim() == 1 && indices.dim() == 1 && values.numel() == indices.numel(), op,
               ": values and indices must be 1-D of equal length (got ", values.sizes(), " and ",
               indices.sizes(), ")");
-  TORCH_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op,
-              ": indices must be int32 or int64, got ", indices.scalar_type());
+  check_index_dtype(indices.scalar_type(), op);
 }
 
 // The output buffer of pack: 1-D, contiguous, on the expected device, of the values' dtype.
@@ -45,6 +75,29 @@ inline void check_pack_out(const at::Tensor& values, const at::Tensor& out, c10:
               "pack: out must be a contiguous 1-D ", c10::DeviceTypeName(device), " tensor");
   TORCH_CHECK(out.scalar_type() == values.scalar_type(), "pack: out dtype ", out.scalar_type(),
               " differs from values dtype ", values.scalar_type());
+}
+
+// The record of pack must fit in `out` at `offset`; returns its (value span, index span).
+inline std::tuple<int64_t, int64_t> check_pack_fits(const at::Tensor& values,
+                                                    const at::Tensor& indices,
+                                                    const at::Tensor& out, int64_t offset) {
+  const int64_t k = values.numel();
+  auto spans = record_spans(k, values.scalar_type(), indices.scalar_type());
+  TORCH_CHECK(offset >= 0 && offset + std::get<0>(spans) + std::get<1>(spans) <= out.numel(),
+              "pack: record of ", k, " elements at offset ", offset,
+              " does not fit in a buffer of ", out.numel());
+  return spans;
+}
+
+// scatter_add: a record (check_record) added into a contiguous `dense` of the values' dtype
+// on the expected device.
+inline void check_scatter_add(const at::Tensor& dense, const at::Tensor& values,
+                              const at::Tensor& indices, c10::DeviceType device) {
+  check_record(values, indices, "scatter_add");
+  TORCH_CHECK(dense.is_contiguous() && dense.device().type() == device,
+              "scatter_add: dense must be a contiguous ", c10::DeviceTypeName(device), " tensor");
+  TORCH_CHECK(dense.scalar_type() == values.scalar_type(), "scatter_add: dtype mismatch (",
+              dense.scalar_type(), " vs ", values.scalar_type(), ")");
 }
 
 // Segments of a flat buffer of n elements (int64 CPU offsets[S+1], ks[S]): validates them and
@@ -70,8 +123,6 @@ inline std::vector<int64_t> check_segments(const at::Tensor& offsets, const at::
 
 // Decode of the record (k elements at `offset`) in each of nchunks chunks of chunk_len
 // elements of `gathered` into `dense`; returns the record's (value span, index span).
-std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
-                                          at::ScalarType index_dtype);
 inline std::tuple<int64_t, int64_t> check_chunks(const at::Tensor& dense, const at::Tensor& gathered,
                                                  int64_t nchunks, int64_t chunk_len, int64_t offset,
                                                  int64_t k, at::ScalarType index_dtype,
@@ -101,11 +152,9 @@ inline std::tuple<int64_t, int64_t> check_chunks(const at::Tensor& dense, const 
 // expected device, a partition count and table size the 32-bit range reduction can take.
 inline void check_hash_args(const at::Tensor& indices, int64_t nparts, int64_t table_size,
                             int64_t rounds, c10::DeviceType device, const char* op) {
-  TORCH_CHECK(indices.device().type() == device, op, ": expected a ",
-              c10::DeviceTypeName(device), " tensor, got ", indices.device());
+  check_device(indices, op, device);
   TORCH_CHECK(indices.dim() == 1, op, ": indices must be 1-D, got ", indices.sizes());
-  TORCH_CHECK(indices.scalar_type() == at::kInt || indices.scalar_type() == at::kLong, op,
-              ": indices must be int32 or int64, got ", indices.scalar_type());
+  check_index_dtype(indices.scalar_type(), op);
   TORCH_CHECK(nparts >= 1 && nparts <= hashing::kMaxRange, op, ": nparts=", nparts,
               " out of range [1, ", hashing::kMaxRange, "]");
   TORCH_CHECK(table_size >= 1 && table_size <= hashing::kMaxRange, op, ": table_size=",
@@ -114,9 +163,24 @@ inline void check_hash_args(const at::Tensor& indices, int64_t nparts, int64_t t
               " out of range [0, ", hashing::kMaxRounds, "]");
 }
 
+// hash_partition's outputs for `indices` (on its device): order int64[m], counts and
+// overflow int64[nparts].
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_outputs(
+    const at::Tensor& indices, int64_t nparts) {
+  const auto opts = indices.options().dtype(at::kLong);
+  return {at::empty({indices.numel()}, opts), at::empty({nparts}, opts),
+          at::empty({nparts}, opts)};
+}
+
 // Index dtype of selections from n elements (ops.h).
 inline at::ScalarType index_dtype_for(int64_t n) {
   return n <= std::numeric_limits<int32_t>::max() ? at::kInt : at::kLong;
+}
+
+// Calls fn(I{}) with the C++ type of an index dtype: int32_t for int32, else int64_t.
+template <typename F>
+void dispatch_index(at::ScalarType idt, const F& fn) {
+  if (idt == at::kInt) fn(int32_t{}); else fn(int64_t{});
 }
 
 }  // namespace ssf

@@ -17,84 +17,87 @@
 
 namespace ssf {
 
-// Exact top-k of x.flatten() by magnitude. Returns (values with sign, indices).
-std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x, int64_t k);
-// Per-segment top-k: segment s is flat[offsets[s], offsets[s+1]), ks[s] elements are taken
-// from it; results are concatenated in segment order, indices are positions in flat.
-std::tuple<at::Tensor, at::Tensor> segmented_topk_cpu(const at::Tensor& flat,
-                                                      const at::Tensor& offsets,
-                                                      const at::Tensor& ks);
-// DGC's sampled threshold: the magnitude that keeps about k of x's n elements, estimated from
-// `samples` evenly strided elements (NaN counts as +Inf).
-double sampled_threshold_cpu(const at::Tensor& x, int64_t k, int64_t samples);
-// All elements with |x| >= thr (compared in float64) plus every NaN, in index order.
-std::tuple<at::Tensor, at::Tensor> threshold_select_cpu(const at::Tensor& x, double thr);
-// Number of elements threshold_select_cpu would return.
-int64_t threshold_count_cpu(const at::Tensor& x, double thr);
-
+// Every op below exists for the CPU (name_cpu, csrc/cpu/) and, with SSF_WITH_CUDA, for CUDA
+// (name_cuda, csrc/cuda/), with the same semantics: SSF_DEVICE_OPS(dev) declares one
+// device's set (and bindings.cpp binds it), so the list is written once. In its order:
+//
+// Selection
+//   topk(x, k): exact top-k of x.flatten() by magnitude. Returns (values with sign, indices).
+//   segmented_topk(flat, offsets, ks): per-segment top-k: segment s is
+//     flat[offsets[s], offsets[s+1]), ks[s] elements are taken from it; results are
+//     concatenated in segment order, indices are positions in flat.
+//   sampled_threshold(x, k, samples): DGC's sampled threshold, the magnitude that keeps about
+//     k of x's n elements, estimated from `samples` evenly strided elements (NaN counts as
+//     +Inf).
+//   threshold_select(x, thr): all elements with |x| >= thr (compared in float64) plus every
+//     NaN, in index order.
+//   threshold_count(x, thr): the number of elements threshold_select would return.
+//
 // Sparse record codec. A record of k elements inside a flat 1-D buffer `out` whose dtype is
 // the values' dtype holds k values, zero padding up to index alignment, then k indices
-// stored bit for bit (see record_spans). Returns the offset just past the record.
-int64_t pack_cpu(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,
-                 int64_t offset);
-// dense.view(-1)[indices[j]] += values[j] for j in order (duplicates add, in order).
-void scatter_add_cpu(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices);
-// Decodes the record at `offset` of each of the `nchunks` equal chunks of `gathered`
-// (an allgather of per-rank buffers of chunk_len elements) into dense: chunk 0 first, so
-// every rank accumulates in the same order. Indices must be distinct within one chunk.
-void scatter_add_chunks_cpu(at::Tensor& dense, const at::Tensor& gathered, int64_t nchunks,
-                            int64_t chunk_len, int64_t offset, int64_t k,
-                            at::ScalarType index_dtype);
-
+// stored bit for bit (layout in record.h).
+//   pack(values, indices, out, offset): writes the record at `offset` of out; returns the
+//     offset just past the record.
+//   scatter_add(dense, values, indices): dense.view(-1)[indices[j]] += values[j] for j in
+//     order (duplicates add, in order).
+//   scatter_add_chunks(dense, gathered, nchunks, chunk_len, offset, k, index_dtype): decodes
+//     the record at `offset` of each of the `nchunks` equal chunks of `gathered` (an
+//     allgather of per-rank buffers of chunk_len elements) into dense: chunk 0 first, so
+//     every rank accumulates in the same order. Indices must be distinct within one chunk.
+//
 // ZEN's hierarchical hashing ("ZEN: Empowering Distributed Training with Sparsity-driven
 // Data Synchronization", OSDI'25, §3.2, Algorithm 1); the hash functions are in hash.h.
-// `indices` is 1-D int32/int64 (any values; normally a gradient's selected positions).
-// Index j goes to partition p_j = h_0(indices[j]) in [0, nparts): the same seed gives the
-// same partition on every rank. Each partition has a parallel memory of `table_size` slots
-// and a serial memory without bound. Insertion runs `rounds` rounds: in round i = 1..rounds
-// every index not yet placed tries slot h_i(indices[j]) of its partition; a slot empty at the
-// start of the round goes to the lowest j among the indices trying it, the others stay
-// pending (the paper's read-after-write collision check, made deterministic). Indices still
-// pending after the last round are appended to their partition's serial memory in ascending
-// j (the paper's atomic counter, in input order): nothing is lost, whatever the table size.
-// Returns (order, counts, overflow):
-//   order    int64[m]: the positions j grouped by partition 0..nparts-1; inside partition p
-//            the occupied slots of its parallel memory in slot order, then its serial memory;
-//   counts   int64[nparts]: entries per partition;
-//   overflow int64[nparts]: entries that went to each partition's serial memory.
-// nparts and table_size in [1, 2^31), rounds in [0, 64]; duplicate indices are each placed.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_cpu(const at::Tensor& indices,
-                                                                  int64_t nparts, int64_t seed,
-                                                                  int64_t table_size,
-                                                                  int64_t rounds);
-// h_0 of every index (int32): its partition. {idx : h_0(idx) = p} is the index set I_p that
-// ZEN's hash bitmap (§3.3, Algorithm 2) is laid over.
-at::Tensor hash_owner_cpu(const at::Tensor& indices, int64_t nparts, int64_t seed);
+//   hash_partition(indices, nparts, seed, table_size, rounds):
+//     `indices` is 1-D int32/int64 (any values; normally a gradient's selected positions).
+//     Index j goes to partition p_j = h_0(indices[j]) in [0, nparts): the same seed gives the
+//     same partition on every rank. Each partition has a parallel memory of `table_size`
+//     slots and a serial memory without bound. Insertion runs `rounds` rounds: in round
+//     i = 1..rounds every index not yet placed tries slot h_i(indices[j]) of its partition; a
+//     slot empty at the start of the round goes to the lowest j among the indices trying it,
+//     the others stay pending (the paper's read-after-write collision check, made
+//     deterministic). Indices still pending after the last round are appended to their
+//     partition's serial memory in ascending j (the paper's atomic counter, in input order):
+//     nothing is lost, whatever the table size.
+//     Returns (order, counts, overflow):
+//       order    int64[m]: the positions j grouped by partition 0..nparts-1; inside
+//                partition p the occupied slots of its parallel memory in slot order, then
+//                its serial memory;
+//       counts   int64[nparts]: entries per partition;
+//       overflow int64[nparts]: entries that went to each partition's serial memory.
+//     nparts and table_size in [1, 2^31), rounds in [0, 64]; duplicate indices are each
+//     placed.
+//   hash_owner(indices, nparts, seed): h_0 of every index (int32): its partition.
+//     {idx : h_0(idx) = p} is the index set I_p that ZEN's hash bitmap (§3.3, Algorithm 2)
+//     is laid over.
+#define SSF_DEVICE_OPS(dev)                                                                 \
+  std::tuple<at::Tensor, at::Tensor> topk_##dev(const at::Tensor& x, int64_t k);            \
+  std::tuple<at::Tensor, at::Tensor> segmented_topk_##dev(                                  \
+      const at::Tensor& flat, const at::Tensor& offsets, const at::Tensor& ks);             \
+  double sampled_threshold_##dev(const at::Tensor& x, int64_t k, int64_t samples);          \
+  std::tuple<at::Tensor, at::Tensor> threshold_select_##dev(const at::Tensor& x, double thr); \
+  int64_t threshold_count_##dev(const at::Tensor& x, double thr);                           \
+                                                                                            \
+  int64_t pack_##dev(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,  \
+                     int64_t offset);                                                       \
+  void scatter_add_##dev(at::Tensor& dense, const at::Tensor& values,                       \
+                         const at::Tensor& indices);                                        \
+  void scatter_add_chunks_##dev(at::Tensor& dense, const at::Tensor& gathered,              \
+                                int64_t nchunks, int64_t chunk_len, int64_t offset,         \
+                                int64_t k, at::ScalarType index_dtype);                     \
+                                                                                            \
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_##dev(                      \
+      const at::Tensor& indices, int64_t nparts, int64_t seed, int64_t table_size,          \
+      int64_t rounds);                                                                      \
+  at::Tensor hash_owner_##dev(const at::Tensor& indices, int64_t nparts, int64_t seed);
+
+SSF_DEVICE_OPS(cpu)
+#ifdef SSF_WITH_CUDA
+SSF_DEVICE_OPS(cuda)
+#endif
 
 // Elements of a buffer of dtype `value_dtype` taken by the values (padded) and by the
-// indices of a record of k elements.
+// indices of a record of k elements (record.h's layout, for checked dtypes). Device-free.
 std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
                                           at::ScalarType index_dtype);
-
-#ifdef SSF_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x, int64_t k);
-std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat,
-                                                       const at::Tensor& offsets,
-                                                       const at::Tensor& ks);
-double sampled_threshold_cuda(const at::Tensor& x, int64_t k, int64_t samples);
-std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x, double thr);
-int64_t threshold_count_cuda(const at::Tensor& x, double thr);
-int64_t pack_cuda(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,
-                  int64_t offset);
-void scatter_add_cuda(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices);
-void scatter_add_chunks_cuda(at::Tensor& dense, const at::Tensor& gathered, int64_t nchunks,
-                             int64_t chunk_len, int64_t offset, int64_t k,
-                             at::ScalarType index_dtype);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_cuda(const at::Tensor& indices,
-                                                                   int64_t nparts, int64_t seed,
-                                                                   int64_t table_size,
-                                                                   int64_t rounds);
-at::Tensor hash_owner_cuda(const at::Tensor& indices, int64_t nparts, int64_t seed);
-#endif
 
 }  // namespace ssf

@@ -1,7 +1,8 @@
 // Sparse record codec on the CPU: pack (values, indices) into a flat buffer, scatter-add
-// decode. The record layout is defined once, in record_spans().
+// decode. The record layout is defined once, in ../record.h.
 #include "../ops.h"
 #include "../checks.h"
+#include "../record.h"
 #include "common.h"
 
 #include <c10/util/Exception.h>
@@ -12,16 +13,11 @@ namespace ssf {
 
 std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
                                           at::ScalarType index_dtype) {
-  TORCH_CHECK(index_dtype == at::kInt || index_dtype == at::kLong,
-              "record: indices must be int32 or int64, got ", index_dtype);
+  check_index_dtype(index_dtype, "record");
   const int64_t vb = c10::elementSize(value_dtype), ib = c10::elementSize(index_dtype);
   TORCH_CHECK(ib % vb == 0 || vb % ib == 0, "record: incompatible element sizes");
-  // Values are padded so the indices start on an index-size boundary (given an aligned
-  // record start), which lets decoders read them in place.
-  const int64_t per = ib > vb ? ib / vb : 1;
-  const int64_t vspan = (k + per - 1) / per * per;
-  const int64_t ispan = (k * ib + vb - 1) / vb;
-  return {vspan, ispan};
+  const RecordSpans spans = record_layout(k, vb, ib);
+  return {spans.values, spans.indices};
 }
 
 namespace {
@@ -39,10 +35,8 @@ int64_t pack_cpu(const at::Tensor& values, const at::Tensor& indices, at::Tensor
                  int64_t offset) {
   check_record(values, indices, "pack");
   check_pack_out(values, out, at::kCPU);
+  auto [vspan, ispan] = check_pack_fits(values, indices, out, offset);
   const int64_t k = values.numel();
-  auto [vspan, ispan] = record_spans(k, values.scalar_type(), indices.scalar_type());
-  TORCH_CHECK(offset >= 0 && offset + vspan + ispan <= out.numel(), "pack: record of ", k,
-              " elements at offset ", offset, " does not fit in a buffer of ", out.numel());
   const at::Tensor v = values.contiguous(), ix = indices.contiguous();
   const int64_t vb = out.element_size();
   char* base = static_cast<char*>(out.data_ptr()) + offset * vb;
@@ -53,11 +47,7 @@ int64_t pack_cpu(const at::Tensor& values, const at::Tensor& indices, at::Tensor
 }
 
 void scatter_add_cpu(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
-  check_record(values, indices, "scatter_add");
-  TORCH_CHECK(dense.is_contiguous() && dense.device().is_cpu(),
-              "scatter_add: dense must be a contiguous CPU tensor");
-  TORCH_CHECK(dense.scalar_type() == values.scalar_type(), "scatter_add: dtype mismatch (",
-              dense.scalar_type(), " vs ", values.scalar_type(), ")");
+  check_scatter_add(dense, values, indices, at::kCPU);
   const at::Tensor v = values.contiguous(), ix = indices.contiguous();
   const int64_t n = dense.numel(), k = v.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dense.scalar_type(), "scatter_add", [&] {

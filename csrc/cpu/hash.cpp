@@ -22,7 +22,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <limits>
+#include <tuple>
 #include <vector>
 
 namespace ssf {
@@ -140,24 +140,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_cpu(const at::Tens
   check_hash_args(indices_in, nparts, table_size, rounds, at::kCPU, "hash_partition");
   const at::Tensor indices = indices_in.contiguous();
   const int64_t m = indices.numel();
-  const auto opts = indices.options().dtype(at::kLong);
-  at::Tensor order = at::empty({m}, opts);
-  at::Tensor counts = at::empty({nparts}, opts);
-  at::Tensor overflow = at::empty({nparts}, opts);
+  at::Tensor order, counts, overflow;
+  std::tie(order, counts, overflow) = hash_partition_outputs(indices, nparts);
   const uint64_t s = static_cast<uint64_t>(seed);
-  auto run = [&](auto i_tag, auto j_tag) {
-    using I = decltype(i_tag);
-    using J = decltype(j_tag);
-    hash_partition_impl<I, J>(indices.const_data_ptr<I>(), m, nparts, s, table_size, rounds,
-                              order.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
-                              overflow.data_ptr<int64_t>());
-  };
-  const bool small = m <= std::numeric_limits<int32_t>::max();
-  if (indices.scalar_type() == at::kInt) {
-    if (small) run(int32_t{}, int32_t{}); else run(int32_t{}, int64_t{});
-  } else {
-    if (small) run(int64_t{}, int32_t{}); else run(int64_t{}, int64_t{});
-  }
+  // J, the tables' position type, is the index type of positions in [0, m).
+  dispatch_index(indices.scalar_type(), [&](auto i_tag) {
+    dispatch_index(index_dtype_for(m), [&](auto j_tag) {
+      using I = decltype(i_tag);
+      using J = decltype(j_tag);
+      hash_partition_impl<I, J>(indices.const_data_ptr<I>(), m, nparts, s, table_size, rounds,
+                                order.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+                                overflow.data_ptr<int64_t>());
+    });
+  });
   return {order, counts, overflow};
 }
 
@@ -167,13 +162,10 @@ at::Tensor hash_owner_cpu(const at::Tensor& indices_in, int64_t nparts, int64_t 
   const int64_t m = indices.numel();
   at::Tensor out = at::empty({m}, indices.options().dtype(at::kInt));
   const uint64_t s = static_cast<uint64_t>(seed);
-  if (indices.scalar_type() == at::kInt) {
-    hash_owner_impl<int32_t>(indices.const_data_ptr<int32_t>(), m, nparts, s,
-                             out.data_ptr<int32_t>());
-  } else {
-    hash_owner_impl<int64_t>(indices.const_data_ptr<int64_t>(), m, nparts, s,
-                             out.data_ptr<int32_t>());
-  }
+  dispatch_index(indices.scalar_type(), [&](auto i_tag) {
+    using I = decltype(i_tag);
+    hash_owner_impl<I>(indices.const_data_ptr<I>(), m, nparts, s, out.data_ptr<int32_t>());
+  });
   return out;
 }
 

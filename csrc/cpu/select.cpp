@@ -11,6 +11,7 @@
 // Two reads of the input and work proportional to k + candidates otherwise.
 #include "../ops.h"
 #include "../checks.h"
+#include "../sampling.h"
 #include "common.h"
 
 #include <c10/util/Exception.h>
@@ -157,29 +158,17 @@ void threshold_write(const T* x, const Chunks& ch, double thr, const std::vector
   });
 }
 
-void check_values(const at::Tensor& x, const char* op) { ssf::check_values(x, op, at::kCPU); }
-
-#define SSF_DISPATCH_INDEX(IDX, NAME, ...)                          \
-  [&] {                                                             \
-    if ((IDX) == at::kInt) {                                        \
-      using NAME = int32_t;                                         \
-      return __VA_ARGS__();                                         \
-    }                                                               \
-    using NAME = int64_t;                                           \
-    return __VA_ARGS__();                                           \
-  }()
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x_in, int64_t k) {
-  check_values(x_in, "topk");
-  const at::Tensor x = x_in.reshape({-1});
+  const at::Tensor x = flat_values(x_in, "topk", at::kCPU);
   const int64_t n = x.numel();
-  TORCH_CHECK(k >= 0 && k <= n, "topk: k=", k, " out of range [0, ", n, "]");
+  check_k(k, 0, n, "topk");
   const auto idt = index_dtype_for(n);
   at::Tensor values = at::empty({k}, x.options());
   at::Tensor indices = at::empty({k}, x.options().dtype(idt));
-  SSF_DISPATCH_INDEX(idt, I, [&] {
+  dispatch_index(idt, [&](auto i_tag) {
+    using I = decltype(i_tag);
     if (x.element_size() == 4) {
       topk_bits<uint32_t, I>(static_cast<const uint32_t*>(x.const_data_ptr()), n, k,
                              static_cast<uint32_t*>(values.data_ptr()), indices.data_ptr<I>());
@@ -194,8 +183,7 @@ std::tuple<at::Tensor, at::Tensor> topk_cpu(const at::Tensor& x_in, int64_t k) {
 std::tuple<at::Tensor, at::Tensor> segmented_topk_cpu(const at::Tensor& flat_in,
                                                       const at::Tensor& offsets_in,
                                                       const at::Tensor& ks_in) {
-  check_values(flat_in, "segmented_topk");
-  const at::Tensor flat = flat_in.reshape({-1});
+  const at::Tensor flat = flat_values(flat_in, "segmented_topk", at::kCPU);
   const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
   const at::Tensor ks = ks_in.to(at::kLong).contiguous();
   const int64_t nseg = ks.numel(), n = flat.numel();
@@ -209,7 +197,8 @@ std::tuple<at::Tensor, at::Tensor> segmented_topk_cpu(const at::Tensor& flat_in,
   constexpr int64_t kLarge = int64_t(1) << 20;
   std::vector<int64_t> small, large;
   for (int64_t s = 0; s < nseg; ++s) (off[s + 1] - off[s] >= kLarge ? large : small).push_back(s);
-  SSF_DISPATCH_INDEX(idt, I, [&] {
+  dispatch_index(idt, [&](auto i_tag) {
+    using I = decltype(i_tag);
     auto run = [&](auto tag, int64_t s) {
       using U = decltype(tag);
       const U* x = static_cast<const U*>(flat.const_data_ptr());
@@ -229,14 +218,13 @@ std::tuple<at::Tensor, at::Tensor> segmented_topk_cpu(const at::Tensor& flat_in,
 }
 
 double sampled_threshold_cpu(const at::Tensor& x_in, int64_t k, int64_t samples) {
-  check_values(x_in, "sampled_threshold");
-  const at::Tensor x = x_in.reshape({-1});
+  const at::Tensor x = flat_values(x_in, "sampled_threshold", at::kCPU);
   const int64_t n = x.numel();
-  TORCH_CHECK(k >= 1 && k <= n, "sampled_threshold: k=", k, " out of range [1, ", n, "]");
-  samples = std::max<int64_t>(1, std::min(samples, n));
-  // The k-th largest of n is estimated by the ceil(k * samples / n)-th largest of an evenly
-  // strided sample (deterministic: every rank estimates the same way from the same data).
-  const int64_t kk = std::max<int64_t>(1, (k * samples + n - 1) / n);
+  check_k(k, 1, n, "sampled_threshold");
+  samples = sampling::clamp_samples(n, samples);
+  // The k-th largest of n is estimated by the kk-th largest of an evenly strided sample
+  // (deterministic: every rank estimates the same way from the same data).
+  const int64_t kk = sampling::sample_rank(n, k, samples);
   double thr = 0.0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sampled_threshold", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();
@@ -252,9 +240,7 @@ double sampled_threshold_cpu(const at::Tensor& x_in, int64_t k, int64_t samples)
 }
 
 int64_t threshold_count_cpu(const at::Tensor& x_in, double thr) {
-  check_values(x_in, "threshold_count");
-  TORCH_CHECK(!std::isnan(thr), "threshold_count: threshold is NaN");
-  const at::Tensor x = x_in.reshape({-1});
+  const at::Tensor x = threshold_values(x_in, thr, "threshold_count", at::kCPU);
   const Chunks ch(x.numel());
   int64_t total = 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "threshold_count", [&] {
@@ -265,9 +251,7 @@ int64_t threshold_count_cpu(const at::Tensor& x_in, double thr) {
 }
 
 std::tuple<at::Tensor, at::Tensor> threshold_select_cpu(const at::Tensor& x_in, double thr) {
-  check_values(x_in, "threshold_select");
-  TORCH_CHECK(!std::isnan(thr), "threshold_select: threshold is NaN");
-  const at::Tensor x = x_in.reshape({-1});
+  const at::Tensor x = threshold_values(x_in, thr, "threshold_select", at::kCPU);
   const int64_t n = x.numel();
   const auto idt = index_dtype_for(n);
   const Chunks ch(n);
@@ -278,7 +262,8 @@ std::tuple<at::Tensor, at::Tensor> threshold_select_cpu(const at::Tensor& x_in, 
     const int64_t total = cpu::exclusive_scan(off.data(), ch.count + 1);
     values = at::empty({total}, x.options());
     indices = at::empty({total}, x.options().dtype(idt));
-    SSF_DISPATCH_INDEX(idt, I, [&] {
+    dispatch_index(idt, [&](auto i_tag) {
+      using I = decltype(i_tag);
       threshold_write(px, ch, thr, off, values.data_ptr<scalar_t>(), indices.data_ptr<I>());
     });
   });

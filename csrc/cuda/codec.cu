@@ -14,6 +14,7 @@
 // Adds round like the CPU: float32 adds in float32; float16/bfloat16 convert both operands
 // to float32, add, and round to nearest even (c10::Half / c10::BFloat16 arithmetic).
 #include "kernels.cuh"
+#include "common.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -70,18 +71,6 @@ __device__ __forceinline__ I load_index(const U* __restrict__ words, int64_t j) 
   return static_cast<I>(static_cast<UI>(r));
 }
 
-template <typename U, typename I, int KIND>
-__global__ void chunk_add_kernel(U* __restrict__ dense, int64_t n, const U* __restrict__ vals,
-                                 const U* __restrict__ idx_words, int64_t k) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
-    const I i = load_index<U, I>(idx_words, j);
-    SSF_KERNEL_ASSERT(i >= 0 && int64_t(i) < n);
-    if (i < 0 || int64_t(i) >= n) continue;
-    dense[i] = static_cast<U>(add_bits<KIND>(uint32_t(dense[i]), uint32_t(vals[j])));
-  }
-}
-
 template <int KIND>
 __device__ __forceinline__ float widen(uint16_t u);
 
@@ -95,24 +84,33 @@ __device__ __forceinline__ float widen<int(ValueKind::kBFloat16)>(uint16_t u) {
   return __uint_as_float(uint32_t(u) << 16);
 }
 
-template <typename I, int KIND>
-__global__ void chunk_widen_kernel(float* __restrict__ dense, int64_t n,
-                                   const uint16_t* __restrict__ vals,
-                                   const uint16_t* __restrict__ idx_words, int64_t k) {
+// How scatter_add_chunks adds a record value v into a dense value d.
+template <int KIND>
+struct SameTypeAdd {  // dense of the records' type: raw bits, rounded to it after the add
+  template <typename U>
+  static __device__ __forceinline__ U apply(U d, U v) {
+    return static_cast<U>(add_bits<KIND>(uint32_t(d), uint32_t(v)));
+  }
+};
+template <int KIND>
+struct WidenAdd {  // float32 dense, float16/bfloat16 records: v converted exactly, float32 add
+  static __device__ __forceinline__ float apply(float d, uint16_t v) {
+    return __fadd_rn(d, widen<KIND>(v));
+  }
+};
+
+// One chunk's record into dense (D: the dense element, U: the records' raw bits): indices
+// are distinct within a chunk, so a plain read-add-write per element (Add::apply).
+template <typename Add, typename I, typename D, typename U>
+__global__ void chunk_add_kernel(D* __restrict__ dense, int64_t n, const U* __restrict__ vals,
+                                 const U* __restrict__ idx_words, int64_t k) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
-    const I i = load_index<uint16_t, I>(idx_words, j);
+    const I i = load_index<U, I>(idx_words, j);
     SSF_KERNEL_ASSERT(i >= 0 && int64_t(i) < n);
     if (i < 0 || int64_t(i) >= n) continue;
-    dense[i] = __fadd_rn(dense[i], widen<KIND>(vals[j]));
+    dense[i] = Add::apply(dense[i], vals[j]);
   }
-}
-
-template <typename P>
-__global__ void iota_kernel(P* __restrict__ out, int64_t n) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    out[i] = static_cast<P>(i);
 }
 
 // Sorted by index (stable, so positions ascend within an index): the first position of
@@ -134,11 +132,6 @@ __global__ void run_add_kernel(U* __restrict__ dense, int64_t n, const U* __rest
   }
 }
 
-unsigned int grid_for(int64_t n, int threads, int64_t max_blocks) {
-  const int64_t b = (n + threads - 1) / threads;
-  return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, max_blocks)));
-}
-
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65535;
 
@@ -149,29 +142,33 @@ struct SortLayout {
   long long *pos_in = nullptr, *pos_out = nullptr;
   void* sort_tmp = nullptr;
   size_t sort_bytes = 0;
-  size_t bytes = 0;
 };
 
 template <typename I>
-SortLayout<I> carve_sort(void* ws, int64_t k) {
-  char* base = static_cast<char*>(ws);
-  size_t off = 0;
-  auto take = [&](size_t nbytes) -> void* {
-    off = (off + 255) / 256 * 256;
-    void* p = base ? base + off : nullptr;
-    off += nbytes;
-    return p;
-  };
+SortLayout<I> carve_sort(Carver& c, int64_t k) {
   SortLayout<I> L;
-  L.keys_out = static_cast<I*>(take(size_t(k) * sizeof(I)));
-  L.pos_in = static_cast<long long*>(take(size_t(k) * sizeof(long long)));
-  L.pos_out = static_cast<long long*>(take(size_t(k) * sizeof(long long)));
+  L.keys_out = c.take<I>(size_t(k));
+  L.pos_in = c.take<long long>(size_t(k));
+  L.pos_out = c.take<long long>(size_t(k));
   SSF_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, L.sort_bytes, (const I*)nullptr,
                                                  (I*)nullptr, (const long long*)nullptr,
                                                  (long long*)nullptr, k));
-  L.sort_tmp = take(L.sort_bytes);
-  L.bytes = off;
+  L.sort_tmp = c.take<char>(L.sort_bytes);
   return L;
+}
+
+// The record at element `offset` of each of nchunks chunks of `gathered`, added into dense
+// by chunk_add_kernel<Add>: one launch per chunk, in order on s (the summation order).
+template <typename Add, typename I, typename D, typename U>
+void add_chunks(D* dense, int64_t n, const U* gathered, int64_t nchunks, int64_t chunk_len,
+                int64_t offset, int64_t k, cudaStream_t s) {
+  const int64_t vspan = record_layout(k, sizeof(U), sizeof(I)).values;
+  const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
+  for (int64_t p = 0; p < nchunks; ++p) {
+    const U* rec = gathered + p * chunk_len + offset;
+    chunk_add_kernel<Add, I><<<grid, kThreads, 0, s>>>(dense, n, rec, rec + vspan, k);
+    SSF_CUDA_CHECK_LAUNCH();
+  }
 }
 
 template <typename U, typename I, typename F>
@@ -198,8 +195,8 @@ void dispatch_kind(ValueKind kind, const F& fn) {
 template <typename U, typename I>
 int64_t pack(const U* values, const I* indices, int64_t k, U* out, int64_t offset,
              cudaStream_t s) {
-  int64_t vspan, ispan;
-  record_spans_raw(k, sizeof(U), sizeof(I), &vspan, &ispan);
+  const RecordSpans spans = record_layout(k, sizeof(U), sizeof(I));
+  const int64_t vspan = spans.values;
   U* rec = out + offset;
   if (k > 0) {
     SSF_CUDA_CHECK(cudaMemcpyAsync(rec, values, size_t(k) * sizeof(U), cudaMemcpyDeviceToDevice, s));
@@ -207,21 +204,24 @@ int64_t pack(const U* values, const I* indices, int64_t k, U* out, int64_t offse
                                    cudaMemcpyDeviceToDevice, s));
   }
   if (vspan > k) SSF_CUDA_CHECK(cudaMemsetAsync(rec + k, 0, size_t(vspan - k) * sizeof(U), s));
-  return offset + vspan + ispan;
+  return offset + vspan + spans.indices;
 }
 
 template <typename I>
 size_t scatter_add_workspace_bytes(int64_t k) {
-  return k > 0 ? carve_sort<I>(nullptr, k).bytes : 0;
+  if (k <= 0) return 0;
+  Carver c(nullptr);
+  carve_sort<I>(c, k);
+  return c.off;
 }
 
 template <typename U, typename I>
 void scatter_add(U* dense, int64_t n, ValueKind kind, const U* values, const I* indices,
                  int64_t k, void* workspace, size_t workspace_bytes, cudaStream_t s) {
   if (k <= 0) return;
-  const SortLayout<I> L = carve_sort<I>(workspace, k);
-  if (workspace == nullptr || workspace_bytes < L.bytes)
-    throw std::runtime_error("ssfusion_hvd CUDA scatter_add: workspace too small");
+  Carver c(workspace);
+  const SortLayout<I> L = carve_sort<I>(c, k);
+  c.require(workspace_bytes, "scatter_add");
   const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
   iota_kernel<long long><<<grid, kThreads, 0, s>>>(L.pos_in, k);
   SSF_CUDA_CHECK_LAUNCH();
@@ -241,16 +241,9 @@ void scatter_add_chunks(U* dense, int64_t n, ValueKind kind, const U* gathered,
                         int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k,
                         cudaStream_t s) {
   if (k <= 0 || nchunks <= 0) return;
-  int64_t vspan, ispan;
-  record_spans_raw(k, sizeof(U), sizeof(I), &vspan, &ispan);
-  const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
   dispatch_kind<U, I>(kind, [&](auto kc) {
-    for (int64_t p = 0; p < nchunks; ++p) {  // chunk order is the summation order
-      const U* rec = gathered + p * chunk_len + offset;
-      chunk_add_kernel<U, I, decltype(kc)::value><<<grid, kThreads, 0, s>>>(
-          dense, n, rec, rec + vspan, k);
-      SSF_CUDA_CHECK_LAUNCH();
-    }
+    add_chunks<SameTypeAdd<decltype(kc)::value>, I>(dense, n, gathered, nchunks, chunk_len,
+                                                    offset, k, s);
   });
 }
 
@@ -261,127 +254,26 @@ void scatter_add_chunks_widen(float* dense, int64_t n, ValueKind kind, const uin
   if (k <= 0 || nchunks <= 0) return;
   if (kind == ValueKind::kFloat32)
     throw std::runtime_error("ssfusion_hvd CUDA: widening decode takes float16/bfloat16 records");
-  int64_t vspan, ispan;
-  record_spans_raw(k, sizeof(uint16_t), sizeof(I), &vspan, &ispan);
-  const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
-  for (int64_t p = 0; p < nchunks; ++p) {  // chunk order is the summation order
-    const uint16_t* rec = gathered + p * chunk_len + offset;
-    if (kind == ValueKind::kFloat16)
-      chunk_widen_kernel<I, int(ValueKind::kFloat16)><<<grid, kThreads, 0, s>>>(
-          dense, n, rec, rec + vspan, k);
-    else
-      chunk_widen_kernel<I, int(ValueKind::kBFloat16)><<<grid, kThreads, 0, s>>>(
-          dense, n, rec, rec + vspan, k);
-    SSF_CUDA_CHECK_LAUNCH();
-  }
+  if (kind == ValueKind::kFloat16)
+    add_chunks<WidenAdd<int(ValueKind::kFloat16)>, I>(dense, n, gathered, nchunks, chunk_len,
+                                                      offset, k, s);
+  else
+    add_chunks<WidenAdd<int(ValueKind::kBFloat16)>, I>(dense, n, gathered, nchunks, chunk_len,
+                                                       offset, k, s);
 }
 
-template void scatter_add_chunks_widen<int32_t>(float*, int64_t, ValueKind, const uint16_t*,
-                                                int64_t, int64_t, int64_t, int64_t, cudaStream_t);
-template void scatter_add_chunks_widen<int64_t>(float*, int64_t, ValueKind, const uint16_t*,
-                                                int64_t, int64_t, int64_t, int64_t, cudaStream_t);
-
+#define SSF_INST_I(I)                                                                       \
+  template size_t scatter_add_workspace_bytes<I>(int64_t);                                  \
+  template void scatter_add_chunks_widen<I>(float*, int64_t, ValueKind, const uint16_t*,    \
+                                            int64_t, int64_t, int64_t, int64_t, cudaStream_t);
 #define SSF_INST_UI(U, I)                                                                   \
   template int64_t pack<U, I>(const U*, const I*, int64_t, U*, int64_t, cudaStream_t);      \
   template void scatter_add<U, I>(U*, int64_t, ValueKind, const U*, const I*, int64_t,      \
                                   void*, size_t, cudaStream_t);                             \
   template void scatter_add_chunks<U, I>(U*, int64_t, ValueKind, const U*, int64_t, int64_t, \
                                          int64_t, int64_t, cudaStream_t);
-template size_t scatter_add_workspace_bytes<int32_t>(int64_t);
-template size_t scatter_add_workspace_bytes<int64_t>(int64_t);
-SSF_INST_UI(uint16_t, int32_t)
-SSF_INST_UI(uint16_t, int64_t)
-SSF_INST_UI(uint32_t, int32_t)
-SSF_INST_UI(uint32_t, int64_t)
-#undef SSF_INST_UI
+SSF_FOR_EACH_I(SSF_INST_I)
+SSF_FOR_EACH_UI(SSF_INST_UI)
 
 }  // namespace cuda
 }  // namespace ssf
-
-// ============================================================================ torch glue
-#ifdef SSF_WITH_CUDA
-#include "glue.cuh"
-
-namespace ssf {
-using namespace glue;  // NOLINT: torch-side helpers (glue.cuh)
-
-int64_t pack_cuda(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,
-                  int64_t offset) {
-  check_record(values, indices, "pack");
-  check_pack_out(values, out, at::kCUDA);
-  check_value_dtype(out, "pack");
-  check_same_device(out, values, "pack");
-  check_same_device(out, indices, "pack");
-  const int64_t k = values.numel();
-  auto [vspan, ispan] = record_spans(k, values.scalar_type(), indices.scalar_type());
-  TORCH_CHECK(offset >= 0 && offset + vspan + ispan <= out.numel(), "pack: record of ", k,
-              " elements at offset ", offset, " does not fit in a buffer of ", out.numel());
-  const c10::cuda::CUDAGuard guard(out.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  const at::Tensor v = values.contiguous(), ix = indices.contiguous();
-  int64_t next = 0;
-  dispatch_bits_index(out.element_size(), ix.scalar_type(), [&](auto u, auto i) {
-    using U = decltype(u);
-    using I = decltype(i);
-    next = cuda::pack<U, I>(static_cast<const U*>(v.const_data_ptr()), ix.const_data_ptr<I>(),
-                            k, static_cast<U*>(out.data_ptr()), offset, s);
-  });
-  return next;
-}
-
-void scatter_add_cuda(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
-  check_record(values, indices, "scatter_add");
-  TORCH_CHECK(dense.is_contiguous() && dense.device().is_cuda(),
-              "scatter_add: dense must be a contiguous CUDA tensor");
-  TORCH_CHECK(dense.scalar_type() == values.scalar_type(), "scatter_add: dtype mismatch (",
-              dense.scalar_type(), " vs ", values.scalar_type(), ")");
-  check_value_dtype(dense, "scatter_add");
-  check_same_device(dense, values, "scatter_add");
-  check_same_device(dense, indices, "scatter_add");
-  const int64_t n = dense.numel(), k = values.numel();
-  if (k == 0) return;
-  const c10::cuda::CUDAGuard guard(dense.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  const at::Tensor v = values.contiguous(), ix = indices.contiguous();
-  dispatch_bits_index(dense.element_size(), ix.scalar_type(), [&](auto u, auto i) {
-    using U = decltype(u);
-    using I = decltype(i);
-    const size_t bytes = cuda::scatter_add_workspace_bytes<I>(k);
-    at::Tensor ws = workspace_for(dense, bytes);
-    cuda::scatter_add<U, I>(static_cast<U*>(dense.data_ptr()), n, kind_of(dense.scalar_type()),
-                            static_cast<const U*>(v.const_data_ptr()), ix.const_data_ptr<I>(), k,
-                            ws.data_ptr(), size_t(ws.numel()), s);
-  });
-}
-
-void scatter_add_chunks_cuda(at::Tensor& dense, const at::Tensor& gathered, int64_t nchunks,
-                             int64_t chunk_len, int64_t offset, int64_t k,
-                             at::ScalarType index_dtype) {
-  check_chunks(dense, gathered, nchunks, chunk_len, offset, k, index_dtype, at::kCUDA);
-  if (k == 0 || nchunks == 0) return;
-  const c10::cuda::CUDAGuard guard(dense.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  if (dense.scalar_type() != gathered.scalar_type()) {  // float32 sum of 16-bit records
-    const auto* g = static_cast<const uint16_t*>(gathered.const_data_ptr());
-    if (index_dtype == at::kInt)
-      cuda::scatter_add_chunks_widen<int32_t>(dense.data_ptr<float>(), dense.numel(),
-                                              kind_of(gathered.scalar_type()), g, nchunks,
-                                              chunk_len, offset, k, s);
-    else
-      cuda::scatter_add_chunks_widen<int64_t>(dense.data_ptr<float>(), dense.numel(),
-                                              kind_of(gathered.scalar_type()), g, nchunks,
-                                              chunk_len, offset, k, s);
-    return;
-  }
-  dispatch_bits_index(dense.element_size(), index_dtype, [&](auto u, auto i) {
-    using U = decltype(u);
-    using I = decltype(i);
-    cuda::scatter_add_chunks<U, I>(static_cast<U*>(dense.data_ptr()), dense.numel(),
-                                   kind_of(dense.scalar_type()),
-                                   static_cast<const U*>(gathered.const_data_ptr()), nchunks,
-                                   chunk_len, offset, k, s);
-  });
-}
-
-}  // namespace ssf
-#endif  // SSF_WITH_CUDA

@@ -14,6 +14,7 @@
 //           position, which is exactly the output order; no compaction pass is needed.
 // Memory: two words per slot (table, bids) plus O(m) keys and the sort's storage.
 #include "kernels.cuh"
+#include "common.cuh"
 
 #include "../hash.h"
 
@@ -29,11 +30,6 @@ using ull = unsigned long long;
 constexpr ull kEmpty = ~0ull;  // a free slot / no bid (memset 0xFF)
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65535;
-
-unsigned int grid_for(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, kMaxBlocks)));
-}
 
 template <typename I>
 __global__ void part_kernel(const I* __restrict__ idx, int64_t m, int64_t nparts, uint64_t s0,
@@ -115,39 +111,33 @@ struct HashLayout {
   int32_t* part = nullptr;
   long long* pos = nullptr;
   void* sort_tmp = nullptr;
-  size_t sort_bytes = 0, bytes = 0;
+  size_t sort_bytes = 0;
 };
 
-HashLayout carve_hash(void* ws, int64_t m, int64_t nparts, int64_t r1) {
-  char* base = static_cast<char*>(ws);
-  size_t off = 0;
-  auto take = [&](size_t nbytes) -> void* {
-    off = (off + 255) / 256 * 256;
-    void* p = base ? base + off : nullptr;
-    off += nbytes;
-    return p;
-  };
+HashLayout carve_hash(Carver& c, int64_t m, int64_t nparts, int64_t r1) {
   HashLayout L;
   const size_t slots = size_t(nparts) * size_t(r1);
-  L.table = static_cast<ull*>(take(slots * sizeof(ull)));
-  L.bids = static_cast<ull*>(take(slots * sizeof(ull)));
-  L.part = static_cast<int32_t*>(take(size_t(m) * sizeof(int32_t)));
-  L.key_in = static_cast<ull*>(take(size_t(m) * sizeof(ull)));
-  L.key_out = static_cast<ull*>(take(size_t(m) * sizeof(ull)));
-  L.pos = static_cast<long long*>(take(size_t(m) * sizeof(long long)));
+  L.table = c.take<ull>(slots);
+  L.bids = c.take<ull>(slots);
+  L.part = c.take<int32_t>(size_t(m));
+  L.key_in = c.take<ull>(size_t(m));
+  L.key_out = c.take<ull>(size_t(m));
+  L.pos = c.take<long long>(size_t(m));
   SSF_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, L.sort_bytes, (const ull*)nullptr,
                                                  (ull*)nullptr, (const long long*)nullptr,
                                                  (long long*)nullptr, m, 0,
                                                  key_bits(nparts, r1)));
-  L.sort_tmp = take(L.sort_bytes);
-  L.bytes = off;
+  L.sort_tmp = c.take<char>(L.sort_bytes);
   return L;
 }
 
 }  // namespace
 
 size_t hash_partition_workspace_bytes(int64_t m, int64_t nparts, int64_t table_size) {
-  return m > 0 ? carve_hash(nullptr, m, nparts, table_size).bytes : 0;
+  if (m <= 0) return 0;
+  Carver c(nullptr);
+  carve_hash(c, m, nparts, table_size);
+  return c.off;
 }
 
 template <typename I>
@@ -157,13 +147,13 @@ void hash_partition(const I* idx, int64_t m, int64_t nparts, uint64_t seed, int6
   SSF_CUDA_CHECK(cudaMemsetAsync(counts, 0, size_t(nparts) * sizeof(int64_t), s));
   SSF_CUDA_CHECK(cudaMemsetAsync(overflow, 0, size_t(nparts) * sizeof(int64_t), s));
   if (m <= 0) return;
-  const HashLayout L = carve_hash(workspace, m, nparts, r1);
-  if (workspace == nullptr || workspace_bytes < L.bytes)
-    throw std::runtime_error("ssfusion_hvd CUDA hash_partition: workspace too small");
+  Carver c(workspace);
+  const HashLayout L = carve_hash(c, m, nparts, r1);
+  c.require(workspace_bytes, "hash_partition");
   const size_t slots = size_t(nparts) * size_t(r1);
   SSF_CUDA_CHECK(cudaMemsetAsync(L.table, 0xFF, slots * sizeof(ull), s));
   SSF_CUDA_CHECK(cudaMemsetAsync(L.bids, 0xFF, slots * sizeof(ull), s));
-  const unsigned grid = grid_for(m);
+  const unsigned grid = grid_for(m, kThreads, kMaxBlocks);
   part_kernel<I><<<grid, kThreads, 0, s>>>(idx, m, nparts, hashing::round_seed(seed, 0), r1,
                                            L.part, L.key_in, L.pos,
                                            reinterpret_cast<ull*>(counts));
@@ -188,8 +178,8 @@ template <typename I>
 void hash_owner(const I* idx, int64_t m, int64_t nparts, uint64_t seed, int32_t* out,
                 cudaStream_t s) {
   if (m <= 0) return;
-  owner_kernel<I><<<grid_for(m), kThreads, 0, s>>>(idx, m, nparts, hashing::round_seed(seed, 0),
-                                                   out);
+  const unsigned grid = grid_for(m, kThreads, kMaxBlocks);
+  owner_kernel<I><<<grid, kThreads, 0, s>>>(idx, m, nparts, hashing::round_seed(seed, 0), out);
   SSF_CUDA_CHECK_LAUNCH();
 }
 
@@ -197,61 +187,7 @@ void hash_owner(const I* idx, int64_t m, int64_t nparts, uint64_t seed, int32_t*
   template void hash_partition<I>(const I*, int64_t, int64_t, uint64_t, int64_t, int64_t,      \
                                   int64_t*, int64_t*, int64_t*, void*, size_t, cudaStream_t); \
   template void hash_owner<I>(const I*, int64_t, int64_t, uint64_t, int32_t*, cudaStream_t);
-SSF_INST_I(int32_t)
-SSF_INST_I(int64_t)
-#undef SSF_INST_I
+SSF_FOR_EACH_I(SSF_INST_I)
 
 }  // namespace cuda
 }  // namespace ssf
-
-// ============================================================================ torch glue
-#ifdef SSF_WITH_CUDA
-#include "glue.cuh"
-
-namespace ssf {
-using namespace glue;  // NOLINT: torch-side helpers (glue.cuh)
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_cuda(const at::Tensor& indices_in,
-                                                                   int64_t nparts, int64_t seed,
-                                                                   int64_t table_size,
-                                                                   int64_t rounds) {
-  check_hash_args(indices_in, nparts, table_size, rounds, at::kCUDA, "hash_partition");
-  const at::Tensor indices = indices_in.contiguous();
-  const int64_t m = indices.numel();
-  const auto opts = indices.options().dtype(at::kLong);
-  at::Tensor order = at::empty({m}, opts);
-  at::Tensor counts = at::empty({nparts}, opts);
-  at::Tensor overflow = at::empty({nparts}, opts);
-  const c10::cuda::CUDAGuard guard(indices.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  at::Tensor ws =
-      workspace_for(indices, cuda::hash_partition_workspace_bytes(m, nparts, table_size));
-  auto run = [&](auto tag) {
-    using I = decltype(tag);
-    cuda::hash_partition<I>(indices.const_data_ptr<I>(), m, nparts, static_cast<uint64_t>(seed),
-                            table_size, rounds, order.data_ptr<int64_t>(),
-                            counts.data_ptr<int64_t>(), overflow.data_ptr<int64_t>(),
-                            ws.data_ptr(), size_t(ws.numel()), s);
-  };
-  if (indices.scalar_type() == at::kInt) run(int32_t{}); else run(int64_t{});
-  return {order, counts, overflow};
-}
-
-at::Tensor hash_owner_cuda(const at::Tensor& indices_in, int64_t nparts, int64_t seed) {
-  check_hash_args(indices_in, nparts, 1, 0, at::kCUDA, "hash_owner");
-  const at::Tensor indices = indices_in.contiguous();
-  const int64_t m = indices.numel();
-  at::Tensor out = at::empty({m}, indices.options().dtype(at::kInt));
-  const c10::cuda::CUDAGuard guard(indices.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  auto run = [&](auto tag) {
-    using I = decltype(tag);
-    cuda::hash_owner<I>(indices.const_data_ptr<I>(), m, nparts, static_cast<uint64_t>(seed),
-                        out.data_ptr<int32_t>(), s);
-  };
-  if (indices.scalar_type() == at::kInt) run(int32_t{}); else run(int64_t{});
-  return out;
-}
-
-}  // namespace ssf
-#endif  // SSF_WITH_CUDA

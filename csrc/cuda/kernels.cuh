@@ -1,7 +1,7 @@
 // Raw CUDA API of the ssfusion_hvd kernels: plain pointers + cudaStream_t, no torch.
 //
-// The torch glue (select.cu / codec.cu under SSF_WITH_CUDA) validates tensors and calls
-// these; without SSF_WITH_CUDA the .cu files still build with nvcc alone (CI compile check).
+// The torch glue (glue.cu, under SSF_WITH_CUDA) validates tensors and calls these; without
+// SSF_WITH_CUDA the .cu files still build with nvcc alone (CI compile check).
 //
 // Conventions (the same as csrc/ops.h and the CPU kernels in csrc/cpu/):
 //   * Values are handled as raw bits U: uint32_t for float32, uint16_t for float16/bfloat16.
@@ -20,6 +20,8 @@
 //   * Bad indices (scatter ops) cannot be reported without a sync: they fail a device-side
 //     assertion (like torch's own index kernels) and are never written.
 #pragma once
+
+#include "../record.h"  // the record layout of the codec ops
 
 #include <cuda_runtime.h>
 
@@ -44,16 +46,6 @@ inline void check(cudaError_t err, const char* what, const char* file, int line)
 #define SSF_CUDA_CHECK(expr) ::ssf::cuda::check((expr), #expr, __FILE__, __LINE__)
 // After a kernel launch: launch-configuration errors surface here, not later.
 #define SSF_CUDA_CHECK_LAUNCH() ::ssf::cuda::check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
-
-// Record layout (same as ssf::record_spans in csrc/cpu/codec.cpp): k values, zero padding
-// up to a multiple of index_bytes/value_bytes values, then the k indices bit for bit.
-// Spans are counted in value elements.
-inline void record_spans_raw(int64_t k, int64_t value_bytes, int64_t index_bytes,
-                             int64_t* vspan, int64_t* ispan) {
-  const int64_t per = index_bytes > value_bytes ? index_bytes / value_bytes : 1;
-  *vspan = (k + per - 1) / per * per;
-  *ispan = (k * index_bytes + value_bytes - 1) / value_bytes;
-}
 
 // ----------------------------------------------------------------------------- selection
 

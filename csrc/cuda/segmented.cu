@@ -32,11 +32,13 @@
 // i.e. exactly the float nth_element finds on the CPU. Its value is copied to the host:
 // the one sync this op has (it returns a number to the host).
 #include "kernels.cuh"
+#include "common.cuh"
+#include "radix.cuh"
+
+#include "../sampling.h"
 
 #include <cuda_fp16.h>
 
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
 #include <cub/device/device_scan.cuh>
 
 #include <algorithm>
@@ -53,18 +55,6 @@ constexpr int kTileItems = 8;                     // per thread, consecutive (st
 constexpr int64_t kTile = int64_t(kThreads) * kTileItems;
 constexpr int64_t kHistChunk = 16384;             // elements per histogram block
 constexpr int kPivotThreads = 128;
-
-template <typename U>
-struct SegKey {
-  static constexpr uint32_t kMask = (uint32_t(1) << (int(sizeof(U)) * 8 - 1)) - 1;
-  static constexpr int kMaxBins = sizeof(U) == 4 ? 2048 : 256;  // widest digit's bins
-};
-
-struct SegState {
-  uint32_t prefix;  // digits found so far; after the last pass the segment's k-th key
-  uint32_t unused;
-  long long k_rem;  // rank of the k-th key among the prefix-matching keys
-};
 
 // Device views of the plan (layout of segmented_plan): all int64, back to back.
 struct Meta {
@@ -94,36 +84,21 @@ __device__ __forceinline__ int64_t segment_of(const int64_t* __restrict__ start,
   return lo;
 }
 
-// Carves 256-byte aligned regions out of a workspace (base == nullptr: sizes only).
-struct Carver {
-  char* base;
-  size_t off = 0;
-  explicit Carver(void* b) : base(static_cast<char*>(b)) {}
-  template <typename T>
-  T* take(size_t count) {
-    off = (off + 255) / 256 * 256;
-    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
-    off += count * sizeof(T);
-    return p;
-  }
-};
-
 template <typename U>
 struct SegLayout {
-  SegState* st = nullptr;
-  unsigned long long* hist = nullptr;  // nseg x SegKey<U>::kMaxBins, reused by every pass
+  RadixState* st = nullptr;
+  unsigned long long* hist = nullptr;  // nseg x KeyOf<U>::kMaxBins, reused by every pass
   long long *gcnt = nullptr, *goff = nullptr, *tcnt = nullptr, *toff = nullptr;
   void* scan_tmp = nullptr;
   size_t scan_bytes = 0;
-  size_t bytes = 0;
 };
 
 // with_tiles: the compaction's arrays too (sampled_threshold only runs the passes).
 template <typename U>
 SegLayout<U> carve_seg(Carver& c, const SegmentedPlan& p, bool with_tiles) {
   SegLayout<U> L;
-  L.st = c.take<SegState>(size_t(std::max<int64_t>(p.nseg, 1)));
-  L.hist = c.take<unsigned long long>(size_t(p.nseg) * SegKey<U>::kMaxBins);
+  L.st = c.take<RadixState>(size_t(std::max<int64_t>(p.nseg, 1)));
+  L.hist = c.take<unsigned long long>(size_t(p.nseg) * KeyOf<U>::kMaxBins);
   if (with_tiles) {
     const size_t m = size_t(p.tiles) + 1;  // the extra zero entry makes goff[tiles] a total
     L.gcnt = c.take<long long>(m);
@@ -133,20 +108,14 @@ SegLayout<U> carve_seg(Carver& c, const SegmentedPlan& p, bool with_tiles) {
     SSF_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, L.scan_bytes, L.gcnt, L.goff, int(m)));
     L.scan_tmp = c.take<char>(L.scan_bytes);
   }
-  L.bytes = c.off;
   return L;
-}
-
-unsigned int grid_for(int64_t n, int threads, int64_t max_blocks) {
-  const int64_t b = (n + threads - 1) / threads;
-  return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, max_blocks)));
 }
 
 // ------------------------------------------------------------------ radix passes
 
 // Segments with radix blocks start from {0, k}; the others select all (k == len: every
 // key is > 0 or a tie with 0, and need = len) or nothing (k == 0: no key reaches ~0u).
-__global__ void seg_init_kernel(Meta m, int64_t nseg, SegState* __restrict__ st) {
+__global__ void seg_init_kernel(Meta m, int64_t nseg, RadixState* __restrict__ st) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s < nseg; s += stride) {
     const long long k = m.ks[s];
@@ -160,7 +129,7 @@ __global__ void seg_init_kernel(Meta m, int64_t nseg, SegState* __restrict__ st)
 template <typename U, int BITS>
 __global__ void __launch_bounds__(kThreads)
     seg_hist_kernel(const U* __restrict__ x, Meta m, int64_t nseg, int shift,
-                    const SegState* __restrict__ st, unsigned long long* __restrict__ hist) {
+                    const RadixState* __restrict__ st, unsigned long long* __restrict__ hist) {
   constexpr int kBins = 1 << BITS;
   __shared__ unsigned int sh[kBins];  // counts of one chunk: <= kHistChunk, fits 32 bits
   for (int b = threadIdx.x; b < kBins; b += blockDim.x) sh[b] = 0;
@@ -171,11 +140,11 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t want = st[s].prefix >> above;
   __syncthreads();
   for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const uint32_t key = uint32_t(x[i]) & SegKey<U>::kMask;
+    const uint32_t key = uint32_t(x[i]) & KeyOf<U>::kMask;
     if ((key >> above) == want) atomicAdd(&sh[(key >> shift) & (kBins - 1)], 1u);
   }
   __syncthreads();
-  unsigned long long* h = hist + s * SegKey<U>::kMaxBins;
+  unsigned long long* h = hist + s * KeyOf<U>::kMaxBins;
   for (int b = threadIdx.x; b < kBins; b += blockDim.x)
     if (sh[b]) atomicAdd(&h[b], (unsigned long long)sh[b]);
 }
@@ -184,43 +153,23 @@ __global__ void __launch_bounds__(kThreads)
 // (suffix sums from the top digit down), and zeroes the histogram for the next pass.
 template <int BITS, int MAX_BINS>
 __global__ void __launch_bounds__(kPivotThreads)
-    seg_pivot_kernel(Meta m, int shift, SegState* __restrict__ st,
+    seg_pivot_kernel(Meta m, int shift, RadixState* __restrict__ st,
                      unsigned long long* __restrict__ hist) {
-  constexpr int kBins = 1 << BITS;
-  constexpr int kItems = kBins / kPivotThreads;
-  static_assert(kBins % kPivotThreads == 0, "bins must split evenly over the block");
-  using Scan = cub::BlockScan<unsigned long long, kPivotThreads>;
-  __shared__ typename Scan::TempStorage tmp;
   const int64_t s = blockIdx.x;
   if (m.hstart[s + 1] == m.hstart[s]) return;  // no radix passes for this segment
-  unsigned long long* h = hist + s * MAX_BINS;
   const uint32_t prefix = st[s].prefix;
   const unsigned long long krem = (unsigned long long)st[s].k_rem;
-  unsigned long long cnt[kItems], incl[kItems];
-  for (int it = 0; it < kItems; ++it) {
-    const int b = kBins - 1 - (threadIdx.x * kItems + it);
-    cnt[it] = h[b];
-    h[b] = 0;  // each bin is read and cleared by the same thread
-  }
-  Scan(tmp).InclusiveSum(cnt, incl);
-  __syncthreads();  // every thread has read st[s] before the winner overwrites it
-  for (int it = 0; it < kItems; ++it) {
-    const unsigned long long above = incl[it] - cnt[it];
-    if (above < krem && incl[it] >= krem) {  // exactly one (digit, thread) matches
-      const uint32_t digit = uint32_t(kBins - 1 - (threadIdx.x * kItems + it));
-      st[s].prefix = prefix | (digit << shift);
-      st[s].k_rem = (long long)(krem - above);
-    }
-  }
+  radix_pivot<BITS, kPivotThreads, /*CLEAR=*/true>(hist + s * MAX_BINS, shift, prefix, krem,
+                                                   st + s);
 }
 
 template <typename U, int BITS>
-void seg_pass(const U* x, const SegmentedPlan& p, const Meta& m, int shift, SegState* st,
+void seg_pass(const U* x, const SegmentedPlan& p, const Meta& m, int shift, RadixState* st,
               unsigned long long* hist, cudaStream_t s) {
   seg_hist_kernel<U, BITS><<<unsigned(p.hist_blocks), kThreads, 0, s>>>(x, m, p.nseg, shift, st,
                                                                         hist);
   SSF_CUDA_CHECK_LAUNCH();
-  seg_pivot_kernel<BITS, SegKey<U>::kMaxBins><<<unsigned(p.nseg), kPivotThreads, 0, s>>>(
+  seg_pivot_kernel<BITS, KeyOf<U>::kMaxBins><<<unsigned(p.nseg), kPivotThreads, 0, s>>>(
       m, shift, st, hist);
   SSF_CUDA_CHECK_LAUNCH();
 }
@@ -233,7 +182,7 @@ void seg_radix(const U* x, const SegmentedPlan& p, const Meta& m, const SegLayou
   SSF_CUDA_CHECK_LAUNCH();
   if (p.hist_blocks == 0) return;
   SSF_CUDA_CHECK(cudaMemsetAsync(
-      L.hist, 0, size_t(p.nseg) * SegKey<U>::kMaxBins * sizeof(unsigned long long), s));
+      L.hist, 0, size_t(p.nseg) * KeyOf<U>::kMaxBins * sizeof(unsigned long long), s));
   if constexpr (sizeof(U) == 4) {  // 31-bit key: digits 30..20, 19..9, 8..0
     seg_pass<U, 11>(x, p, m, 20, L.st, L.hist, s);
     seg_pass<U, 11>(x, p, m, 9, L.st, L.hist, s);
@@ -246,36 +195,18 @@ void seg_radix(const U* x, const SegmentedPlan& p, const Meta& m, const SegLayou
 
 // ------------------------------------------------------------------ compaction
 
-// Class of an element: 0 dropped, 1 selected (key > kth), 2 tie (key == kth).
-__device__ __forceinline__ int seg_class(uint32_t key, uint32_t kth) {
-  return key > kth ? 1 : (key == kth ? 2 : 0);
-}
-
 // Per tile: (#greater, #ties), packed as low/high 32 bits (a tile has kTile elements).
 template <typename U>
 __global__ void __launch_bounds__(kThreads)
     seg_tile_count_kernel(const U* __restrict__ x, Meta m, int64_t nseg,
-                          const SegState* __restrict__ st, long long* __restrict__ gcnt,
+                          const RadixState* __restrict__ st, long long* __restrict__ gcnt,
                           long long* __restrict__ tcnt) {
-  using Reduce = cub::BlockReduce<unsigned long long, kThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
   const int64_t s = segment_of(m.tstart, nseg, blockIdx.x);
   const int64_t base = m.off[s] + (int64_t(blockIdx.x) - m.tstart[s]) * kTile;
-  const int64_t end = m.off[s + 1];
   const uint32_t kth = st[s].prefix;
-  unsigned long long packed = 0;
-  for (int it = 0; it < kTileItems; ++it) {  // striped: coalesced, order is irrelevant here
-    const int64_t i = base + int64_t(it) * kThreads + threadIdx.x;
-    if (i < end) {
-      const int c = seg_class(uint32_t(x[i]) & SegKey<U>::kMask, kth);
-      packed += c == 1 ? 1ull : (c == 2 ? (1ull << 32) : 0ull);
-    }
-  }
-  const unsigned long long total = Reduce(tmp).Sum(packed);
-  if (threadIdx.x == 0) {
-    gcnt[blockIdx.x] = (long long)(total & 0xffffffffull);
-    tcnt[blockIdx.x] = (long long)(total >> 32);
-  }
+  count_tile<kThreads, kTileItems>(x, base, m.off[s + 1],
+                                   [&](uint32_t key) { return topk_class(key, kth); }, gcnt,
+                                   tcnt);
 }
 
 // Stable write: each thread owns kTileItems consecutive elements, so a block scan of the
@@ -283,11 +214,9 @@ __global__ void __launch_bounds__(kThreads)
 template <typename U, typename I>
 __global__ void __launch_bounds__(kThreads)
     seg_tile_write_kernel(const U* __restrict__ x, Meta m, int64_t nseg,
-                          const SegState* __restrict__ st, const long long* __restrict__ goff,
+                          const RadixState* __restrict__ st, const long long* __restrict__ goff,
                           const long long* __restrict__ toff, U* __restrict__ out_v,
                           I* __restrict__ out_i) {
-  using Scan = cub::BlockScan<unsigned long long, kThreads>;
-  __shared__ typename Scan::TempStorage tmp;
   const int64_t s = segment_of(m.tstart, nseg, blockIdx.x);
   const int64_t tile0 = m.tstart[s];
   const int64_t first = m.off[s] + (int64_t(blockIdx.x) - tile0) * kTile +
@@ -297,34 +226,14 @@ __global__ void __launch_bounds__(kThreads)
   const long long need = st[s].k_rem;
   U v[kTileItems];
   int cls[kTileItems];
-  unsigned long long packed = 0;
-  for (int it = 0; it < kTileItems; ++it) {
-    const int64_t i = first + it;
-    v[it] = i < end ? x[i] : U(0);
-    cls[it] = i < end ? seg_class(uint32_t(v[it]) & SegKey<U>::kMask, kth) : 0;
-    packed += cls[it] == 1 ? 1ull : (cls[it] == 2 ? (1ull << 32) : 0ull);
-  }
-  unsigned long long pre;
-  Scan(tmp).ExclusiveSum(packed, pre);
+  const unsigned long long pre = rank_items<kThreads>(
+      x, first, end, [&](uint32_t key) { return topk_class(key, kth); }, v, cls);
   // Counts before this thread's first element within the segment (scan minus the scan at
   // the segment's first tile), then the segment's place in the output.
   long long g = goff[blockIdx.x] - goff[tile0] + (long long)(pre & 0xffffffffull);
   long long t = toff[blockIdx.x] - toff[tile0] + (long long)(pre >> 32);
   const long long base = m.out_off[s];
-  for (int it = 0; it < kTileItems; ++it) {
-    long long pos = -1;
-    if (cls[it] == 1) {
-      pos = g + (t < need ? t : need);  // ties before it that are taken
-      ++g;
-    } else if (cls[it] == 2) {
-      if (t < need) pos = g + t;
-      ++t;
-    }
-    if (pos >= 0) {
-      out_v[base + pos] = v[it];
-      out_i[base + pos] = static_cast<I>(first + it);
-    }
-  }
+  place_items(v, cls, first, g, t, need, out_v + base, out_i + base);
 }
 
 // ------------------------------------------------------------------ sampled threshold
@@ -353,10 +262,6 @@ __global__ void sample_gather_kernel(const U* __restrict__ x, int64_t n, int64_t
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < samples; j += stride)
     mag[j] = magnitude_bits<KIND>(uint32_t(x[(j * n) / samples]));  // the CPU's positions
-}
-
-int64_t clamp_samples(int64_t n, int64_t samples) {
-  return std::max<int64_t>(1, std::min(samples, n));
 }
 
 }  // namespace
@@ -399,7 +304,8 @@ SegmentedPlan segmented_plan(const int64_t* offsets, const int64_t* ks, int64_t 
 template <typename U>
 size_t segmented_topk_workspace_bytes(const SegmentedPlan& plan) {
   Carver c(nullptr);
-  return carve_seg<U>(c, plan, /*with_tiles=*/true).bytes;
+  carve_seg<U>(c, plan, /*with_tiles=*/true);
+  return c.off;
 }
 
 template <typename U, typename I>
@@ -408,8 +314,7 @@ void segmented_topk(const U* x, const SegmentedPlan& p, const int64_t* meta, U* 
   if (p.nseg == 0 || p.k_total == 0) return;
   Carver c(workspace);
   const SegLayout<U> L = carve_seg<U>(c, p, true);
-  if (workspace == nullptr || workspace_bytes < L.bytes)
-    throw std::runtime_error("ssfusion_hvd CUDA segmented_topk: workspace too small");
+  c.require(workspace_bytes, "segmented_topk");
   const Meta m = meta_views(meta, p.nseg);
   seg_radix<U>(x, p, m, L, s);
   const size_t mt = size_t(p.tiles) + 1;
@@ -433,16 +338,11 @@ SegmentedPlan sample_plan(int64_t samples, int64_t kk, int64_t* meta) {
   const int64_t off[2] = {0, samples};
   return segmented_plan(off, &kk, 1, meta, /*radix_all=*/true);  // kk == samples: the min
 }
-
-int64_t sample_rank(int64_t n, int64_t k, int64_t samples) {
-  // The CPU's ceil(k * samples / n)-th largest sample estimates the k-th largest of n.
-  return std::max<int64_t>(1, (k * samples + n - 1) / n);
-}
 }  // namespace
 
 size_t sampled_threshold_workspace_bytes(int64_t n, int64_t samples) {
   if (n <= 0) return 0;
-  samples = clamp_samples(n, samples);
+  samples = sampling::clamp_samples(n, samples);
   std::vector<int64_t> meta(segmented_meta_len(1));
   const SegmentedPlan p = sample_plan(samples, 1, meta.data());
   Carver c(nullptr);
@@ -457,16 +357,15 @@ double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, Valu
                          void* workspace, size_t workspace_bytes, cudaStream_t s) {
   if (n <= 0 || k < 1 || k > n)
     throw std::runtime_error("ssfusion_hvd CUDA sampled_threshold: k out of range");
-  samples = clamp_samples(n, samples);
-  const int64_t kk = sample_rank(n, k, samples);
+  samples = sampling::clamp_samples(n, samples);
+  const int64_t kk = sampling::sample_rank(n, k, samples);
   std::vector<int64_t> meta(segmented_meta_len(1));  // alive until the sync below
   const SegmentedPlan p = sample_plan(samples, kk, meta.data());
   Carver c(workspace);
   uint32_t* mag = c.take<uint32_t>(size_t(samples));
   int64_t* meta_dev = c.take<int64_t>(meta.size());
   const SegLayout<uint32_t> L = carve_seg<uint32_t>(c, p, false);
-  if (workspace == nullptr || workspace_bytes < c.off)
-    throw std::runtime_error("ssfusion_hvd CUDA sampled_threshold: workspace too small");
+  c.require(workspace_bytes, "sampled_threshold");
   SSF_CUDA_CHECK(cudaMemcpyAsync(meta_dev, meta.data(), meta.size() * sizeof(int64_t),
                                  cudaMemcpyHostToDevice, s));
   const unsigned grid = grid_for(samples, 256, 4096);
@@ -498,83 +397,8 @@ double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, Valu
 #define SSF_INST_UI(U, I)                                                                    \
   template void segmented_topk<U, I>(const U*, const SegmentedPlan&, const int64_t*, U*, I*, \
                                      void*, size_t, cudaStream_t);
-SSF_INST_U(uint16_t)
-SSF_INST_U(uint32_t)
-SSF_INST_UI(uint16_t, int32_t)
-SSF_INST_UI(uint16_t, int64_t)
-SSF_INST_UI(uint32_t, int32_t)
-SSF_INST_UI(uint32_t, int64_t)
-#undef SSF_INST_U
-#undef SSF_INST_UI
+SSF_FOR_EACH_U(SSF_INST_U)
+SSF_FOR_EACH_UI(SSF_INST_UI)
 
 }  // namespace cuda
 }  // namespace ssf
-
-// ============================================================================ torch glue
-#ifdef SSF_WITH_CUDA
-#include "glue.cuh"
-
-namespace ssf {
-using namespace glue;  // NOLINT: torch-side helpers (glue.cuh)
-
-std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat_in,
-                                                       const at::Tensor& offsets_in,
-                                                       const at::Tensor& ks_in) {
-  check_values(flat_in, "segmented_topk", at::kCUDA);
-  const at::Tensor flat = flat_in.reshape({-1});
-  // The plan is made on the host from CPU offsets/ks (ops.py passes CPU tensors).
-  const at::Tensor offsets = offsets_in.to(at::kCPU, at::kLong).contiguous();
-  const at::Tensor ks = ks_in.to(at::kCPU, at::kLong).contiguous();
-  const int64_t nseg = ks.numel(), n = flat.numel();
-  const int64_t* off = offsets.const_data_ptr<int64_t>();
-  const int64_t* kp = ks.const_data_ptr<int64_t>();
-  check_segments(offsets, ks, n);
-  const auto idt = index_dtype_for(n);
-  const c10::cuda::CUDAGuard guard(flat.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  // Pinned, so the copy below is truly asynchronous; torch's caching host allocator keeps
-  // the block alive until the copy has run on the stream.
-  at::Tensor meta_host = at::empty({cuda::segmented_meta_len(nseg)},
-                                   at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  const cuda::SegmentedPlan plan =
-      cuda::segmented_plan(off, kp, nseg, meta_host.data_ptr<int64_t>(), /*radix_all=*/false);
-  at::Tensor values = at::empty({plan.k_total}, flat.options());
-  at::Tensor indices = at::empty({plan.k_total}, flat.options().dtype(idt));
-  if (plan.k_total == 0) return {values, indices};
-  const at::Tensor meta = meta_host.to(flat.device(), at::kLong, /*non_blocking=*/true);
-  auto run = [&](auto u, auto i) {
-    using U = decltype(u);
-    using I = decltype(i);
-    at::Tensor ws = workspace_for(flat, cuda::segmented_topk_workspace_bytes<U>(plan));
-    cuda::segmented_topk<U, I>(static_cast<const U*>(flat.const_data_ptr()), plan,
-                               meta.const_data_ptr<int64_t>(), static_cast<U*>(values.data_ptr()),
-                               indices.data_ptr<I>(), ws.data_ptr(), size_t(ws.numel()), s);
-  };
-  if (flat.element_size() == 4) {
-    if (idt == at::kInt) run(uint32_t{}, int32_t{}); else run(uint32_t{}, int64_t{});
-  } else {
-    if (idt == at::kInt) run(uint16_t{}, int32_t{}); else run(uint16_t{}, int64_t{});
-  }
-  return {values, indices};
-}
-
-double sampled_threshold_cuda(const at::Tensor& x_in, int64_t k, int64_t samples) {
-  check_values(x_in, "sampled_threshold", at::kCUDA);
-  const at::Tensor x = x_in.reshape({-1});
-  const int64_t n = x.numel();
-  TORCH_CHECK(k >= 1 && k <= n, "sampled_threshold: k=", k, " out of range [1, ", n, "]");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  const cuda::ValueKind kind = x.scalar_type() == at::kFloat  ? cuda::ValueKind::kFloat32
-                               : x.scalar_type() == at::kHalf ? cuda::ValueKind::kFloat16
-                                                              : cuda::ValueKind::kBFloat16;
-  at::Tensor ws = workspace_for(x, cuda::sampled_threshold_workspace_bytes(n, samples));
-  if (x.element_size() == 4)
-    return cuda::sampled_threshold<uint32_t>(static_cast<const uint32_t*>(x.const_data_ptr()), n,
-                                             k, samples, kind, ws.data_ptr(), size_t(ws.numel()), s);
-  return cuda::sampled_threshold<uint16_t>(static_cast<const uint16_t*>(x.const_data_ptr()), n, k,
-                                           samples, kind, ws.data_ptr(), size_t(ws.numel()), s);
-}
-
-}  // namespace ssf
-#endif  // SSF_WITH_CUDA

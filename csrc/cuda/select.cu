@@ -18,9 +18,9 @@
 // Threshold select is the same compaction with one class: key >= key_min, where key_min
 // is the smallest key satisfying isnan(v) || (double)|v| >= thr (threshold_key).
 #include "kernels.cuh"
+#include "common.cuh"
+#include "radix.cuh"
 
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
 #include <cub/device/device_scan.cuh>
 
 #include <algorithm>
@@ -39,43 +39,10 @@ constexpr int kHistThreads = 256;
 constexpr int kHistMaxBlocks = 1024;  // per-block counts stay < 2^32 up to n = 2^42
 constexpr int kPivotThreads = 128;
 
-template <typename U>
-struct KeyOf {
-  static constexpr int kBits = int(sizeof(U)) * 8 - 1;
-  static constexpr uint32_t kMask = (uint32_t(1) << kBits) - 1;
-};
-
-// Result of the radix passes, kept on the device (no host round trip between passes).
-struct RadixState {
-  uint32_t prefix;   // key digits found so far; after the last pass the k-th key
-  uint32_t unused;
-  long long k_rem;   // rank of the k-th key among the keys matching the prefix
-};
-
 // Which elements a tile kernel selects: top-k mode when `st` is set, else key >= key_min.
 struct TileRule {
   uint32_t key_min;
   const RadixState* st;
-};
-
-// Class of an element: 0 dropped, 1 selected, 2 tie (key == kth; top-k only).
-__device__ __forceinline__ int classify(uint32_t key, bool topk, uint32_t lo, uint32_t kth) {
-  if (topk) return key > kth ? 1 : (key == kth ? 2 : 0);
-  return key >= lo ? 1 : 0;
-}
-
-// Carves 256-byte aligned regions out of a workspace (base == nullptr: sizes only).
-struct Carver {
-  char* base;
-  size_t off = 0;
-  explicit Carver(void* b) : base(static_cast<char*>(b)) {}
-  template <typename T>
-  T* take(size_t count) {
-    off = (off + 255) / 256 * 256;
-    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
-    off += count * sizeof(T);
-    return p;
-  }
 };
 
 // Tile counts and their scans; the same layout for top-k and threshold (top-k adds more
@@ -132,40 +99,35 @@ __global__ void __launch_bounds__(kHistThreads)
 }
 
 // One block: suffix sums of the histogram (from the top digit down) locate the digit
-// holding the k_rem-th largest key among the prefix-matching ones.
+// holding the k_rem-th largest key among the prefix-matching ones (the first pass starts
+// from prefix 0 and k).
 template <int BITS>
 __global__ void __launch_bounds__(kPivotThreads)
     radix_pivot_kernel(const unsigned long long* __restrict__ hist, int shift, int pass,
                        long long k, RadixState* st) {
-  constexpr int kBins = 1 << BITS;
-  constexpr int kItems = kBins / kPivotThreads;
-  static_assert(kBins % kPivotThreads == 0, "bins must split evenly over the block");
-  using Scan = cub::BlockScan<unsigned long long, kPivotThreads>;
-  __shared__ typename Scan::TempStorage tmp;
   const uint32_t prefix = pass ? st->prefix : 0u;
   const unsigned long long krem = (unsigned long long)(pass ? st->k_rem : k);
-  unsigned long long cnt[kItems], incl[kItems];
-  for (int it = 0; it < kItems; ++it) cnt[it] = hist[kBins - 1 - (threadIdx.x * kItems + it)];
-  Scan(tmp).InclusiveSum(cnt, incl);
-  __syncthreads();  // every thread has read *st before the winner overwrites it
-  for (int it = 0; it < kItems; ++it) {
-    const unsigned long long above = incl[it] - cnt[it];
-    if (above < krem && incl[it] >= krem) {  // exactly one (digit, thread) matches
-      const uint32_t digit = uint32_t(kBins - 1 - (threadIdx.x * kItems + it));
-      st->prefix = prefix | (digit << shift);
-      st->k_rem = (long long)(krem - above);
-    }
-  }
+  radix_pivot<BITS, kPivotThreads, /*CLEAR=*/false>(hist, shift, prefix, krem, st);
 }
 
 // ------------------------------------------------------------------ tile compaction
 
-__device__ __forceinline__ void load_rule(const TileRule& r, bool& topk, uint32_t& lo,
-                                          uint32_t& kth, long long& need) {
-  topk = r.st != nullptr;
-  lo = r.key_min;
-  kth = topk ? r.st->prefix : 0u;
-  need = topk ? r.st->k_rem : 0;
+// A TileRule as a tile kernel reads it: in top-k mode, the k-th key and how many of its
+// ties to take from the radix state; in threshold mode, key_min.
+struct LoadedRule {
+  bool topk;
+  uint32_t lo, kth;
+  long long need;
+};
+
+__device__ __forceinline__ LoadedRule load_rule(const TileRule& r) {
+  const bool topk = r.st != nullptr;
+  return {topk, r.key_min, topk ? r.st->prefix : 0u, topk ? r.st->k_rem : 0};
+}
+
+// Class of an element: 0 dropped, 1 selected, 2 tie (key == kth; top-k only).
+__device__ __forceinline__ int classify(uint32_t key, const LoadedRule& r) {
+  return r.topk ? topk_class(key, r.kth) : (key >= r.lo ? 1 : 0);
 }
 
 // Per tile: (#selected, #ties), packed as low/high 32 bits (a tile has 2048 elements).
@@ -173,26 +135,10 @@ template <typename U>
 __global__ void __launch_bounds__(kTileThreads)
     tile_count_kernel(const U* __restrict__ x, int64_t n, TileRule rule,
                       long long* __restrict__ gcnt, long long* __restrict__ tcnt) {
-  using Reduce = cub::BlockReduce<unsigned long long, kTileThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
-  bool topk;
-  uint32_t lo, kth;
-  long long need;
-  load_rule(rule, topk, lo, kth, need);
-  const int64_t base = int64_t(blockIdx.x) * kTile;
-  unsigned long long packed = 0;
-  for (int it = 0; it < kTileItems; ++it) {  // striped: coalesced, order is irrelevant here
-    const int64_t i = base + int64_t(it) * kTileThreads + threadIdx.x;
-    if (i < n) {
-      const int c = classify(uint32_t(x[i]) & KeyOf<U>::kMask, topk, lo, kth);
-      packed += c == 1 ? 1ull : (c == 2 ? (1ull << 32) : 0ull);
-    }
-  }
-  const unsigned long long total = Reduce(tmp).Sum(packed);
-  if (threadIdx.x == 0) {
-    gcnt[blockIdx.x] = (long long)(total & 0xffffffffull);
-    if (tcnt) tcnt[blockIdx.x] = (long long)(total >> 32);
-  }
+  const LoadedRule r = load_rule(rule);
+  count_tile<kTileThreads, kTileItems>(x, int64_t(blockIdx.x) * kTile, n,
+                                       [&](uint32_t key) { return classify(key, r); }, gcnt,
+                                       tcnt);
 }
 
 // Stable write: each thread owns kTileItems consecutive elements (blocked order), so a
@@ -202,52 +148,15 @@ __global__ void __launch_bounds__(kTileThreads)
     tile_write_kernel(const U* __restrict__ x, int64_t n, TileRule rule,
                       const long long* __restrict__ goff, const long long* __restrict__ toff,
                       U* __restrict__ out_v, I* __restrict__ out_i) {
-  using Scan = cub::BlockScan<unsigned long long, kTileThreads>;
-  __shared__ typename Scan::TempStorage tmp;
-  bool topk;
-  uint32_t lo, kth;
-  long long need;
-  load_rule(rule, topk, lo, kth, need);
+  const LoadedRule r = load_rule(rule);
   const int64_t first = int64_t(blockIdx.x) * kTile + int64_t(threadIdx.x) * kTileItems;
   U v[kTileItems];
   int cls[kTileItems];
-  unsigned long long packed = 0;
-  for (int it = 0; it < kTileItems; ++it) {
-    const int64_t i = first + it;
-    v[it] = i < n ? x[i] : U(0);
-    cls[it] = i < n ? classify(uint32_t(v[it]) & KeyOf<U>::kMask, topk, lo, kth) : 0;
-    packed += cls[it] == 1 ? 1ull : (cls[it] == 2 ? (1ull << 32) : 0ull);
-  }
-  unsigned long long pre;
-  Scan(tmp).ExclusiveSum(packed, pre);
+  const unsigned long long pre = rank_items<kTileThreads>(
+      x, first, n, [&](uint32_t key) { return classify(key, r); }, v, cls);
   long long g = goff[blockIdx.x] + (long long)(pre & 0xffffffffull);  // selected before
   long long t = (toff ? toff[blockIdx.x] : 0) + (long long)(pre >> 32);  // ties before
-  for (int it = 0; it < kTileItems; ++it) {
-    long long pos = -1;
-    if (cls[it] == 1) {
-      pos = g + (t < need ? t : need);  // ties before it that are taken
-      ++g;
-    } else if (cls[it] == 2) {
-      if (t < need) pos = g + t;
-      ++t;
-    }
-    if (pos >= 0) {
-      out_v[pos] = v[it];
-      out_i[pos] = static_cast<I>(first + it);
-    }
-  }
-}
-
-template <typename I>
-__global__ void iota_kernel(I* __restrict__ out, int64_t n) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    out[i] = static_cast<I>(i);
-}
-
-unsigned int grid_for(int64_t n, int threads, int64_t max_blocks) {
-  const int64_t b = (n + threads - 1) / threads;
-  return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, max_blocks)));
+  place_items(v, cls, first, g, t, r.need, out_v, out_i);
 }
 
 // Scans the tile counts and writes the compaction (shared by top-k and threshold).
@@ -275,18 +184,15 @@ struct TopkLayout {
   RadixState* state = nullptr;
   unsigned long long* hist = nullptr;  // all passes' histograms, back to back
   size_t hist_bins = 0;
-  size_t bytes = 0;
 };
 
 template <typename U>
-TopkLayout<U> carve_topk(void* ws, int64_t n) {
-  Carver c(ws);
+TopkLayout<U> carve_topk(Carver& c, int64_t n) {
   TopkLayout<U> L;
   L.tiles = carve_tiles(c, n, /*with_ties=*/true);
   L.state = c.take<RadixState>(1);
   L.hist_bins = sizeof(U) == 4 ? (2048 + 2048 + 512) : (256 + 128);
   L.hist = c.take<unsigned long long>(L.hist_bins);
-  L.bytes = c.off;
   return L;
 }
 
@@ -306,7 +212,9 @@ void radix_pass(const U* x, int64_t n, int64_t k, int shift, int pass, RadixStat
 
 template <typename U>
 size_t topk_workspace_bytes(int64_t n, int64_t /*k*/) {
-  return carve_topk<U>(nullptr, n).bytes;
+  Carver c(nullptr);
+  carve_topk<U>(c, n);
+  return c.off;
 }
 
 template <typename U, typename I>
@@ -320,9 +228,9 @@ void topk(const U* x, int64_t n, int64_t k, U* out_v, I* out_i, void* workspace,
     SSF_CUDA_CHECK_LAUNCH();
     return;
   }
-  const TopkLayout<U> L = carve_topk<U>(workspace, n);
-  if (workspace == nullptr || workspace_bytes < L.bytes)
-    throw std::runtime_error("ssfusion_hvd CUDA topk: workspace too small");
+  Carver c(workspace);
+  const TopkLayout<U> L = carve_topk<U>(c, n);
+  c.require(workspace_bytes, "topk");
   SSF_CUDA_CHECK(cudaMemsetAsync(L.hist, 0, L.hist_bins * sizeof(unsigned long long), s));
   if constexpr (sizeof(U) == 4) {  // 31-bit key: digits 30..20, 19..9, 8..0
     radix_pass<U, 11>(x, n, k, 20, 0, L.state, L.hist, s);
@@ -394,8 +302,7 @@ void threshold_prepare(const U* x, int64_t n, uint32_t key_min, void* workspace,
                        size_t workspace_bytes, cudaStream_t s) {
   Carver c(workspace);
   const TileLayout L = carve_tiles(c, n, false);
-  if (workspace == nullptr || workspace_bytes < c.off)
-    throw std::runtime_error("ssfusion_hvd CUDA threshold: workspace too small");
+  c.require(workspace_bytes, "threshold");
   tile_count_and_scan<U>(x, n, TileRule{key_min, nullptr}, L, s);
 }
 
@@ -429,93 +336,8 @@ void threshold_write(const U* x, int64_t n, uint32_t key_min, U* out_v, I* out_i
   template void topk<U, I>(const U*, int64_t, int64_t, U*, I*, void*, size_t, cudaStream_t); \
   template void threshold_write<U, I>(const U*, int64_t, uint32_t, U*, I*, const void*,   \
                                       cudaStream_t);
-SSF_INST_U(uint16_t)
-SSF_INST_U(uint32_t)
-SSF_INST_UI(uint16_t, int32_t)
-SSF_INST_UI(uint16_t, int64_t)
-SSF_INST_UI(uint32_t, int32_t)
-SSF_INST_UI(uint32_t, int64_t)
-#undef SSF_INST_U
-#undef SSF_INST_UI
+SSF_FOR_EACH_U(SSF_INST_U)
+SSF_FOR_EACH_UI(SSF_INST_UI)
 
 }  // namespace cuda
 }  // namespace ssf
-
-// ============================================================================ torch glue
-#ifdef SSF_WITH_CUDA
-#include "glue.cuh"
-
-namespace ssf {
-using namespace glue;  // NOLINT: torch-side helpers (glue.cuh)
-
-
-std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k) {
-  check_values(x_in, "topk", at::kCUDA);
-  const at::Tensor x = x_in.reshape({-1});
-  const int64_t n = x.numel();
-  TORCH_CHECK(k >= 0 && k <= n, "topk: k=", k, " out of range [0, ", n, "]");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  const auto idt = index_dtype_for(n);
-  at::Tensor values = at::empty({k}, x.options());
-  at::Tensor indices = at::empty({k}, x.options().dtype(idt));
-  dispatch_bits_index(x.element_size(), idt, [&](auto u, auto i) {
-    using U = decltype(u);
-    using I = decltype(i);
-    const size_t bytes = (k == 0 || k == n) ? 0 : cuda::topk_workspace_bytes<U>(n, k);
-    at::Tensor ws = workspace_for(x, bytes);
-    cuda::topk<U, I>(static_cast<const U*>(x.const_data_ptr()), n, k,
-                     static_cast<U*>(values.data_ptr()), indices.data_ptr<I>(), ws.data_ptr(),
-                     size_t(ws.numel()), s);
-  });
-  return {values, indices};
-}
-
-int64_t threshold_count_cuda(const at::Tensor& x_in, double thr) {
-  check_values(x_in, "threshold_count", at::kCUDA);
-  TORCH_CHECK(!std::isnan(thr), "threshold_count: threshold is NaN");
-  const at::Tensor x = x_in.reshape({-1});
-  const int64_t n = x.numel();
-  if (n == 0) return 0;
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  const uint32_t key_min = cuda::threshold_key(thr, kind_of(x.scalar_type()));
-  int64_t total = 0;
-  dispatch_bits_index(x.element_size(), at::kInt, [&](auto u, auto) {
-    using U = decltype(u);
-    at::Tensor ws = workspace_for(x, cuda::threshold_workspace_bytes<U>(n));
-    cuda::threshold_prepare<U>(static_cast<const U*>(x.const_data_ptr()), n, key_min,
-                               ws.data_ptr(), size_t(ws.numel()), s);
-    total = cuda::threshold_count_result(ws.data_ptr(), n, s);
-  });
-  return total;
-}
-
-std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x_in, double thr) {
-  check_values(x_in, "threshold_select", at::kCUDA);
-  TORCH_CHECK(!std::isnan(thr), "threshold_select: threshold is NaN");
-  const at::Tensor x = x_in.reshape({-1});
-  const int64_t n = x.numel();
-  const auto idt = index_dtype_for(n);
-  if (n == 0) return {at::empty({0}, x.options()), at::empty({0}, x.options().dtype(idt))};
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  const uint32_t key_min = cuda::threshold_key(thr, kind_of(x.scalar_type()));
-  at::Tensor values, indices;
-  dispatch_bits_index(x.element_size(), idt, [&](auto u, auto i) {
-    using U = decltype(u);
-    using I = decltype(i);
-    const U* px = static_cast<const U*>(x.const_data_ptr());
-    at::Tensor ws = workspace_for(x, cuda::threshold_workspace_bytes<U>(n));
-    cuda::threshold_prepare<U>(px, n, key_min, ws.data_ptr(), size_t(ws.numel()), s);
-    const int64_t total = cuda::threshold_count_result(ws.data_ptr(), n, s);
-    values = at::empty({total}, x.options());
-    indices = at::empty({total}, x.options().dtype(idt));
-    cuda::threshold_write<U, I>(px, n, key_min, static_cast<U*>(values.data_ptr()),
-                                indices.data_ptr<I>(), ws.data_ptr(), s);
-  });
-  return {values, indices};
-}
-
-}  // namespace ssf
-#endif  // SSF_WITH_CUDA

@@ -1,0 +1,279 @@
+// Torch glue of the CUDA ops (the *_cuda functions of ../ops.h): validates tensors (the rules
+// of ../checks.h, shared with the CPU ops), allocates outputs and workspaces from torch's
+// caching allocator and runs the raw kernels of kernels.cuh on torch's current stream.
+// Compiled only with SSF_WITH_CUDA (torch has CUDA); without it the raw kernels in
+// select.cu, segmented.cu, codec.cu and hash.cu still build with nvcc alone.
+#ifdef SSF_WITH_CUDA
+#include "../checks.h"
+#include "../ops.h"
+#include "kernels.cuh"
+
+// c10::cuda::getCurrentCUDAStream is what at::cuda::getCurrentCUDAStream forwards to;
+// ATen/cuda/CUDAContext.h would also pull in cuBLAS/cuSPARSE headers the kernels do not need.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <tuple>
+
+namespace ssf {
+namespace {
+
+// The op's device scope: makes `t`'s device current until the op returns and names torch's
+// current stream there, which all of the op's work goes to.
+struct OnDevice {
+  const c10::cuda::CUDAGuard guard;
+  const cudaStream_t stream;
+  explicit OnDevice(const at::Tensor& t)
+      : guard(t.device()), stream(c10::cuda::getCurrentCUDAStream().stream()) {}
+};
+
+inline cuda::ValueKind kind_of(at::ScalarType t) {
+  return t == at::kFloat ? cuda::ValueKind::kFloat32
+                         : (t == at::kHalf ? cuda::ValueKind::kFloat16 : cuda::ValueKind::kBFloat16);
+}
+
+// Scratch memory for a kernel, from torch's caching allocator on x's device.
+inline at::Tensor workspace_for(const at::Tensor& x, size_t bytes) {
+  return at::empty({int64_t(std::max<size_t>(bytes, 1))}, x.options().dtype(at::kByte));
+}
+
+inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op) {
+  TORCH_CHECK(b.device() == a.device(), op, ": expected all tensors on ", a.device(), ", got ",
+              b.device());
+}
+
+// Calls fn(U{}, I{}) with the raw bits type of values of `value_bytes` bytes and the index type.
+template <typename F>
+void dispatch_bits_index(int64_t value_bytes, at::ScalarType idt, const F& fn) {
+  dispatch_index(idt, [&](auto i) {
+    if (value_bytes == 4) fn(uint32_t{}, i); else fn(uint16_t{}, i);
+  });
+}
+
+}  // namespace
+
+// --------------------------------------------------------------------- selection (select.cu)
+
+std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k) {
+  const at::Tensor x = flat_values(x_in, "topk", at::kCUDA);
+  const int64_t n = x.numel();
+  check_k(k, 0, n, "topk");
+  const OnDevice on(x);
+  const auto idt = index_dtype_for(n);
+  at::Tensor values = at::empty({k}, x.options());
+  at::Tensor indices = at::empty({k}, x.options().dtype(idt));
+  dispatch_bits_index(x.element_size(), idt, [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    const size_t bytes = (k == 0 || k == n) ? 0 : cuda::topk_workspace_bytes<U>(n, k);
+    at::Tensor ws = workspace_for(x, bytes);
+    cuda::topk<U, I>(static_cast<const U*>(x.const_data_ptr()), n, k,
+                     static_cast<U*>(values.data_ptr()), indices.data_ptr<I>(), ws.data_ptr(),
+                     size_t(ws.numel()), on.stream);
+  });
+  return {values, indices};
+}
+
+int64_t threshold_count_cuda(const at::Tensor& x_in, double thr) {
+  const at::Tensor x = threshold_values(x_in, thr, "threshold_count", at::kCUDA);
+  const int64_t n = x.numel();
+  if (n == 0) return 0;
+  const OnDevice on(x);
+  const uint32_t key_min = cuda::threshold_key(thr, kind_of(x.scalar_type()));
+  int64_t total = 0;
+  dispatch_bits_index(x.element_size(), at::kInt, [&](auto u, auto) {
+    using U = decltype(u);
+    at::Tensor ws = workspace_for(x, cuda::threshold_workspace_bytes<U>(n));
+    cuda::threshold_prepare<U>(static_cast<const U*>(x.const_data_ptr()), n, key_min,
+                               ws.data_ptr(), size_t(ws.numel()), on.stream);
+    total = cuda::threshold_count_result(ws.data_ptr(), n, on.stream);
+  });
+  return total;
+}
+
+std::tuple<at::Tensor, at::Tensor> threshold_select_cuda(const at::Tensor& x_in, double thr) {
+  const at::Tensor x = threshold_values(x_in, thr, "threshold_select", at::kCUDA);
+  const int64_t n = x.numel();
+  const auto idt = index_dtype_for(n);
+  if (n == 0) return {at::empty({0}, x.options()), at::empty({0}, x.options().dtype(idt))};
+  const OnDevice on(x);
+  const uint32_t key_min = cuda::threshold_key(thr, kind_of(x.scalar_type()));
+  at::Tensor values, indices;
+  dispatch_bits_index(x.element_size(), idt, [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    const U* px = static_cast<const U*>(x.const_data_ptr());
+    at::Tensor ws = workspace_for(x, cuda::threshold_workspace_bytes<U>(n));
+    cuda::threshold_prepare<U>(px, n, key_min, ws.data_ptr(), size_t(ws.numel()), on.stream);
+    const int64_t total = cuda::threshold_count_result(ws.data_ptr(), n, on.stream);
+    values = at::empty({total}, x.options());
+    indices = at::empty({total}, x.options().dtype(idt));
+    cuda::threshold_write<U, I>(px, n, key_min, static_cast<U*>(values.data_ptr()),
+                                indices.data_ptr<I>(), ws.data_ptr(), on.stream);
+  });
+  return {values, indices};
+}
+
+// ------------------------------------------------------------------ segmented (segmented.cu)
+
+std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat_in,
+                                                       const at::Tensor& offsets_in,
+                                                       const at::Tensor& ks_in) {
+  const at::Tensor flat = flat_values(flat_in, "segmented_topk", at::kCUDA);
+  // The plan is made on the host from CPU offsets/ks (ops.py passes CPU tensors).
+  const at::Tensor offsets = offsets_in.to(at::kCPU, at::kLong).contiguous();
+  const at::Tensor ks = ks_in.to(at::kCPU, at::kLong).contiguous();
+  const int64_t nseg = ks.numel(), n = flat.numel();
+  const int64_t* off = offsets.const_data_ptr<int64_t>();
+  const int64_t* kp = ks.const_data_ptr<int64_t>();
+  check_segments(offsets, ks, n);
+  const auto idt = index_dtype_for(n);
+  const OnDevice on(flat);
+  // Pinned, so the copy below is truly asynchronous; torch's caching host allocator keeps
+  // the block alive until the copy has run on the stream.
+  at::Tensor meta_host = at::empty({cuda::segmented_meta_len(nseg)},
+                                   at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  const cuda::SegmentedPlan plan =
+      cuda::segmented_plan(off, kp, nseg, meta_host.data_ptr<int64_t>(), /*radix_all=*/false);
+  at::Tensor values = at::empty({plan.k_total}, flat.options());
+  at::Tensor indices = at::empty({plan.k_total}, flat.options().dtype(idt));
+  if (plan.k_total == 0) return {values, indices};
+  const at::Tensor meta = meta_host.to(flat.device(), at::kLong, /*non_blocking=*/true);
+  dispatch_bits_index(flat.element_size(), idt, [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    at::Tensor ws = workspace_for(flat, cuda::segmented_topk_workspace_bytes<U>(plan));
+    cuda::segmented_topk<U, I>(static_cast<const U*>(flat.const_data_ptr()), plan,
+                               meta.const_data_ptr<int64_t>(), static_cast<U*>(values.data_ptr()),
+                               indices.data_ptr<I>(), ws.data_ptr(), size_t(ws.numel()),
+                               on.stream);
+  });
+  return {values, indices};
+}
+
+double sampled_threshold_cuda(const at::Tensor& x_in, int64_t k, int64_t samples) {
+  const at::Tensor x = flat_values(x_in, "sampled_threshold", at::kCUDA);
+  const int64_t n = x.numel();
+  check_k(k, 1, n, "sampled_threshold");
+  const OnDevice on(x);
+  at::Tensor ws = workspace_for(x, cuda::sampled_threshold_workspace_bytes(n, samples));
+  double thr = 0.0;
+  dispatch_bits_index(x.element_size(), at::kInt, [&](auto u, auto) {
+    using U = decltype(u);
+    thr = cuda::sampled_threshold<U>(static_cast<const U*>(x.const_data_ptr()), n, k, samples,
+                                     kind_of(x.scalar_type()), ws.data_ptr(), size_t(ws.numel()),
+                                     on.stream);
+  });
+  return thr;
+}
+
+// -------------------------------------------------------------------------- codec (codec.cu)
+
+int64_t pack_cuda(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,
+                  int64_t offset) {
+  check_record(values, indices, "pack");
+  check_pack_out(values, out, at::kCUDA);
+  check_value_dtype(out, "pack");
+  check_same_device(out, values, "pack");
+  check_same_device(out, indices, "pack");
+  check_pack_fits(values, indices, out, offset);
+  const int64_t k = values.numel();
+  const OnDevice on(out);
+  const at::Tensor v = values.contiguous(), ix = indices.contiguous();
+  int64_t next = 0;
+  dispatch_bits_index(out.element_size(), ix.scalar_type(), [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    next = cuda::pack<U, I>(static_cast<const U*>(v.const_data_ptr()), ix.const_data_ptr<I>(),
+                            k, static_cast<U*>(out.data_ptr()), offset, on.stream);
+  });
+  return next;
+}
+
+void scatter_add_cuda(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
+  check_scatter_add(dense, values, indices, at::kCUDA);
+  check_value_dtype(dense, "scatter_add");
+  check_same_device(dense, values, "scatter_add");
+  check_same_device(dense, indices, "scatter_add");
+  const int64_t n = dense.numel(), k = values.numel();
+  if (k == 0) return;
+  const OnDevice on(dense);
+  const at::Tensor v = values.contiguous(), ix = indices.contiguous();
+  dispatch_bits_index(dense.element_size(), ix.scalar_type(), [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    const size_t bytes = cuda::scatter_add_workspace_bytes<I>(k);
+    at::Tensor ws = workspace_for(dense, bytes);
+    cuda::scatter_add<U, I>(static_cast<U*>(dense.data_ptr()), n, kind_of(dense.scalar_type()),
+                            static_cast<const U*>(v.const_data_ptr()), ix.const_data_ptr<I>(), k,
+                            ws.data_ptr(), size_t(ws.numel()), on.stream);
+  });
+}
+
+void scatter_add_chunks_cuda(at::Tensor& dense, const at::Tensor& gathered, int64_t nchunks,
+                             int64_t chunk_len, int64_t offset, int64_t k,
+                             at::ScalarType index_dtype) {
+  check_chunks(dense, gathered, nchunks, chunk_len, offset, k, index_dtype, at::kCUDA);
+  if (k == 0 || nchunks == 0) return;
+  const OnDevice on(dense);
+  if (dense.scalar_type() != gathered.scalar_type()) {  // float32 sum of 16-bit records
+    const auto* g = static_cast<const uint16_t*>(gathered.const_data_ptr());
+    dispatch_index(index_dtype, [&](auto i) {
+      cuda::scatter_add_chunks_widen<decltype(i)>(dense.data_ptr<float>(), dense.numel(),
+                                                  kind_of(gathered.scalar_type()), g, nchunks,
+                                                  chunk_len, offset, k, on.stream);
+    });
+    return;
+  }
+  dispatch_bits_index(dense.element_size(), index_dtype, [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    cuda::scatter_add_chunks<U, I>(static_cast<U*>(dense.data_ptr()), dense.numel(),
+                                   kind_of(dense.scalar_type()),
+                                   static_cast<const U*>(gathered.const_data_ptr()), nchunks,
+                                   chunk_len, offset, k, on.stream);
+  });
+}
+
+// ---------------------------------------------------------------------------- hash (hash.cu)
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_cuda(const at::Tensor& indices_in,
+                                                                   int64_t nparts, int64_t seed,
+                                                                   int64_t table_size,
+                                                                   int64_t rounds) {
+  check_hash_args(indices_in, nparts, table_size, rounds, at::kCUDA, "hash_partition");
+  const at::Tensor indices = indices_in.contiguous();
+  const int64_t m = indices.numel();
+  at::Tensor order, counts, overflow;
+  std::tie(order, counts, overflow) = hash_partition_outputs(indices, nparts);
+  const OnDevice on(indices);
+  at::Tensor ws =
+      workspace_for(indices, cuda::hash_partition_workspace_bytes(m, nparts, table_size));
+  dispatch_index(indices.scalar_type(), [&](auto tag) {
+    using I = decltype(tag);
+    cuda::hash_partition<I>(indices.const_data_ptr<I>(), m, nparts, static_cast<uint64_t>(seed),
+                            table_size, rounds, order.data_ptr<int64_t>(),
+                            counts.data_ptr<int64_t>(), overflow.data_ptr<int64_t>(),
+                            ws.data_ptr(), size_t(ws.numel()), on.stream);
+  });
+  return {order, counts, overflow};
+}
+
+at::Tensor hash_owner_cuda(const at::Tensor& indices_in, int64_t nparts, int64_t seed) {
+  check_hash_args(indices_in, nparts, 1, 0, at::kCUDA, "hash_owner");
+  const at::Tensor indices = indices_in.contiguous();
+  const int64_t m = indices.numel();
+  at::Tensor out = at::empty({m}, indices.options().dtype(at::kInt));
+  const OnDevice on(indices);
+  dispatch_index(indices.scalar_type(), [&](auto tag) {
+    using I = decltype(tag);
+    cuda::hash_owner<I>(indices.const_data_ptr<I>(), m, nparts, static_cast<uint64_t>(seed),
+                        out.data_ptr<int32_t>(), on.stream);
+  });
+  return out;
+}
+
+}  // namespace ssf
+#endif  // SSF_WITH_CUDA
