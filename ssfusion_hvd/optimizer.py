@@ -104,9 +104,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def cost_model(self):
-        """The :class:`ssfusion_hvd.plan.CostModel` the plan was built from (measured on
-        rank 0 and broadcast, so identical on every rank; None for schemes without a plan
-        and during warm-up)."""
+        """The :class:`ssfusion_hvd.plan.CostModel` of the plan (None for schemes without a
+        plan and during warm-up). Measured fits are rank 0's, broadcast; the plan itself is
+        always rank 0's. With ``profile=`` whose backward times do not fit the model, each
+        rank fills in its own measured backward times (only rank 0's shape the plan)."""
         return self._scheme.cost
 
     def stats(self) -> dict:

@@ -23,11 +23,11 @@ FORMULA_SCHEMES = ("spardl", "zen", "exdyna")
 def collectives(scheme: str, world_size: int) -> int:
     """Collective calls one iteration of a formula scheme makes in this package (each pays
     the framework's fixed cost once, e.g. a Horovod cycle): SparDL ``⌈log2 P⌉``
-    Spar-Reduce-Scatter steps plus one allgather (d = 1); ZEN a push alltoall and a pull
-    allgather; ExDyna an allgather of indices and an allreduce of values."""
+    Spar-Reduce-Scatter steps plus one allgather (d = 1); ZEN a push alltoall and two pull
+    allgathers (bitmaps, values); ExDyna an allgather of indices and an allreduce of values."""
     if world_size <= 1:
         return 0
-    return {"spardl": math.ceil(math.log2(world_size)) + 1, "zen": 2, "exdyna": 2}[scheme]
+    return {"spardl": math.ceil(math.log2(world_size)) + 1, "zen": 3, "exdyna": 2}[scheme]
 
 
 def message_cost(cost: CostModel) -> tuple[float, float]:
