@@ -3,14 +3,16 @@
 #
 #   bash scripts/install.sh            # create/refresh .venv, build what is missing
 #
-# Steps: venv -> torch==2.13.0 -> Python deps -> Horovod 0.28.1 (patched for C++17,
-# built once as a wheel and cached under ~/.cache/ssfusion-hvd/) -> this package in
-# editable mode (which builds the ssfusion_hvd._C extension with CMake).
+# Steps: venv -> torch==2.13.0 -> Python deps -> OpenMPI (Debian, when missing and root)
+# and mpi4py -> Horovod 0.28.1 with Gloo and MPI (patched for C++17, built once as a wheel
+# and cached under ~/.cache/ssfusion-hvd/) -> this package in editable mode (which builds
+# the ssfusion_hvd._C extension with CMake).
 #
 # Environment knobs:
 #   PYTHON            interpreter used to create the venv (default: python3)
 #   SSFUSION_CACHE    wheel cache (default: ~/.cache/ssfusion-hvd)
 #   MAKEFLAGS         parallelism of the Horovod build (default: -j$(nproc))
+#   SSFUSION_NO_MPI   1: do not install OpenMPI (Horovod then has Gloo only)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -66,9 +68,31 @@ if [[ -n "$missing" ]]; then
     "${PIP[@]}" install -q $missing
 fi
 
-# ---------------------------------------------------------------- 4. horovod
+# ---------------------------------------------------------------- 4. MPI (for Horovod's MPI controller and mpi4py)
+# Debian's OpenMPI is installed when missing (needs root and apt-get; SSFUSION_NO_MPI=1
+# skips it). Without an MPI everything works with Gloo; one line says so.
+if ! command -v mpicxx >/dev/null 2>&1 && [[ "${SSFUSION_NO_MPI:-0}" != 1 ]]; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        step "installing OpenMPI (Debian: openmpi-bin libopenmpi-dev)"
+        apt_mpi() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+                        openmpi-bin libopenmpi-dev >> "$VENV/.apt-mpi.log" 2>&1; }
+        if ! apt_mpi; then
+            DEBIAN_FRONTEND=noninteractive apt-get update -q >> "$VENV/.apt-mpi.log" 2>&1 || true
+            apt_mpi || true
+        fi
+    fi
+    command -v mpicxx >/dev/null 2>&1 \
+        || echo "[install] no MPI could be installed (needs root and apt-get; log: $VENV/.apt-mpi.log): Horovod is built with Gloo only, MPI tests are skipped"
+fi
 with_mpi=0
 command -v mpicxx >/dev/null 2>&1 && with_mpi=1
+if [[ $with_mpi == 1 ]] && ! "$PY" -c 'import mpi4py' 2>/dev/null; then
+    step "installing mpi4py (built against $(mpicxx --showme:version 2>/dev/null | head -n 1 || echo MPI))"
+    "${PIP[@]}" install -q mpi4py \
+        || echo "[install] mpi4py could not be installed: its tests are skipped (Horovod's MPI controller is unaffected)"
+fi
+
+# ---------------------------------------------------------------- 5. horovod
 key="py${PYVER}-torch${TORCH_VERSION}-hvd${HOROVOD_VERSION}-$([[ $with_mpi == 1 ]] && echo gloo-mpi || echo gloo)"
 wheel_dir="$CACHE/$key"
 have_hvd="$("$PY" -c 'from importlib.metadata import version; print(version("horovod"))' 2>/dev/null || true)"
@@ -115,8 +139,11 @@ fi
     || { cat "$VENV/.horovod-check" >&2; die "horovodrun --check-build failed"; }
 grep -q '\[X\] PyTorch' "$VENV/.horovod-check" || { cat "$VENV/.horovod-check"; die "Horovod lacks PyTorch"; }
 grep -q '\[X\] Gloo' "$VENV/.horovod-check" || { cat "$VENV/.horovod-check"; die "Horovod lacks Gloo"; }
+if [[ $with_mpi == 1 ]]; then
+    grep -q '\[X\] MPI' "$VENV/.horovod-check" || { cat "$VENV/.horovod-check"; die "Horovod lacks MPI"; }
+fi
 
-# ---------------------------------------------------------------- 5. this package
+# ---------------------------------------------------------------- 6. this package
 step "building ssfusion_hvd (editable; CMake extension)"
 (cd "$REPO" && "${PIP[@]}" install -q --no-build-isolation --no-deps -e .) \
     || die "building ssfusion_hvd failed (see output above)"

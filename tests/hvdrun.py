@@ -26,10 +26,22 @@ class WorkerError(RuntimeError):
     pass
 
 
-def launch(args, np: int, timeout: float, env=None):
-    """Runs ``horovodrun -np N --gloo <args>``; returns (returncode, output)."""
-    cmd = [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", "--gloo"] + list(args)
+def mpi_built() -> bool:
+    """Whether this Horovod has its MPI controller (scripts/install.sh builds it when it
+    could install OpenMPI)."""
+    import horovod.torch as hvd
+
+    return bool(hvd.mpi_built())
+
+
+def launch(args, np: int, timeout: float, env=None, controller: str = "gloo"):
+    """Runs ``horovodrun -np N --gloo|--mpi <args>``; returns (returncode, output)."""
+    if controller not in ("gloo", "mpi"):
+        raise ValueError(f"controller must be 'gloo' or 'mpi', got {controller!r}")
+    cmd = [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", f"--{controller}"] + list(args)
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if controller == "mpi":  # Open MPI refuses root unless told twice (CI runs as root)
+        full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     full_env.update(env or {})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, start_new_session=True)
@@ -42,10 +54,11 @@ def launch(args, np: int, timeout: float, env=None):
     return proc.returncode, out
 
 
-def run_workers(target: str, np: int = 2, timeout: float = 180, env=None, **kwargs):
+def run_workers(target: str, np: int = 2, timeout: float = 180, env=None,
+                controller: str = "gloo", **kwargs):
     with tempfile.TemporaryDirectory(prefix="ssf-workers-") as outdir:
         rc, out = launch([sys.executable, str(TESTS / "_worker.py"), target, outdir,
-                          json.dumps(kwargs)], np, timeout, env)
+                          json.dumps(kwargs)], np, timeout, env, controller)
         if rc != 0:
             raise WorkerError(f"horovodrun exited {rc}:\n{out[-6000:]}")
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)

@@ -4,6 +4,8 @@ Each run records, per step and per rank, what the reference needs: the local gra
 (after backward, before synchronization), the residuals before the step, the synchronized
 gradients and the plan in use. The test rebuilds the synchronized gradient from these alone.
 """
+import os
+
 import horovod.torch as hvd
 import torch
 import torch.nn as nn
@@ -35,7 +37,10 @@ def _model(dtype):
 
 
 def _batch(step, micro, dtype):
-    g = torch.Generator().manual_seed(1000 * hvd.rank() + 10 * step + micro)  # differs per rank
+    # differs per rank: the MPI world rank where one exists (sub-communicator jobs must not
+    # see the same data as their sibling job), else Horovod's rank
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", hvd.rank()))
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
     return torch.randn(16, 12, generator=g).to(DTYPES[dtype]), torch.randint(0, 3, (16,), generator=g)
 
 
@@ -136,7 +141,6 @@ def _checkpoint_opt(model, scheme, sparsifier):
 
 def checkpoint_run(scheme, sparsifier, ckpt_dir, save_at=4, total=8):
     """Uninterrupted run that also saves (model, optimizer) on every rank at ``save_at``."""
-    import os
     model = _model("float32")
     opt = _checkpoint_opt(model, scheme, sparsifier)
     _train_steps(model, opt, range(save_at))
@@ -148,7 +152,6 @@ def checkpoint_run(scheme, sparsifier, ckpt_dir, save_at=4, total=8):
 
 def checkpoint_resume(scheme, sparsifier, ckpt_dir, save_at=4, total=8):
     """A new job: restores every rank's checkpoint and runs the remaining steps."""
-    import os
     torch.manual_seed(99)  # different initial weights: everything must come from the file
     model = Net()
     opt = _checkpoint_opt(model, scheme, sparsifier)
