@@ -74,10 +74,10 @@ fi
 if ! command -v mpicxx >/dev/null 2>&1 && [[ "${SSFUSION_NO_MPI:-0}" != 1 ]]; then
     if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
         step "installing OpenMPI (Debian: openmpi-bin libopenmpi-dev)"
-        apt_mpi() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-                        openmpi-bin libopenmpi-dev >> "$VENV/.apt-mpi.log" 2>&1; }
+        apt_mpi() { DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -q \
+                        --no-install-recommends openmpi-bin libopenmpi-dev >> "$VENV/.apt-mpi.log" 2>&1; }
         if ! apt_mpi; then
-            DEBIAN_FRONTEND=noninteractive apt-get update -q >> "$VENV/.apt-mpi.log" 2>&1 || true
+            DEBIAN_FRONTEND=noninteractive timeout 600 apt-get update -q >> "$VENV/.apt-mpi.log" 2>&1 || true
             apt_mpi || true
         fi
     fi
