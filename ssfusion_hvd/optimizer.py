@@ -49,6 +49,11 @@ def _horovod_broadcast_frame():
     return None
 
 
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
 def _same(a, b) -> bool:
     """Deep equality of plain values and tensors (shared scheme states)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -83,8 +88,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._check = None  # this step's agreement allreduce (see _submit)
         self._hook_handles = []
         if config.process_set.included():
+            # the hooks reach the optimizer through a weak reference, so parameters that
+            # outlive it do not keep it (and its scheme, buffers, worker thread) alive;
+            # its hooks go with it
+            on_ready = weakref.WeakMethod(self._on_grad_ready)
+
+            def hook(p):
+                method = on_ready()
+                if method is not None:
+                    method(p)
+
             for p in self._requires_update:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+            weakref.finalize(self, _remove_hooks, list(self._hook_handles))
 
     # ------------------------------------------------------------------ hooks
     @property
@@ -414,6 +430,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped = cls(optimizer.param_groups, config, scheme, backward_passes_per_step)
     if optimizer.state:
         super(cls, wrapped).load_state_dict(optimizer.state_dict())  # nothing lost
-    # the scheme's resources (SSFusion-O's worker thread) go with the optimizer
-    weakref.finalize(wrapped, wrapped._scheme.close)
     return wrapped

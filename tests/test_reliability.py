@@ -176,3 +176,11 @@ def test_scheme_options_are_validated_and_agreed_on_every_rank():
         assert "('blocks_per_worker', 32)" in m["differs"]
         assert "setup differs across ranks" in m["scheme_differs"]
         assert m["same"] is None
+
+
+@pytest.mark.multiworker
+def test_a_dropped_optimizer_and_its_offload_thread_are_released():
+    for r in run_workers("workers_reliability:released", np=2, timeout=180):
+        assert r["workers_during"] == 1
+        assert not r["optimizer_alive"]
+        assert r["workers_after"] == 0

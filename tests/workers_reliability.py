@@ -118,6 +118,42 @@ def train(scheme, kill_rank, kill_step, steps=1000, stacks_after=50.0):
     print(f"rank {hvd.rank()} finished {steps} steps", flush=True)
 
 
+def released():
+    """Builds and trains an ssfusion_oi optimizer whose plan offloads (so it starts the
+    worker thread), then drops the model and the optimizer (the parameters' gradient hooks
+    point at the optimizer, as Horovod's do): the optimizer, its scheme and the thread must
+    all go (nothing else may keep a finished optimizer alive)."""
+    import gc
+    import threading
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = ssfusion_hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(), scheme="ssfusion_oi",
+        plan=_offload_plan("ssfusion_oi"), log_plan=False)
+    for step in range(3):
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+
+    def workers():
+        return sum(t.name.startswith("ssf-offload") and t.is_alive() for t in threading.enumerate())
+
+    during = workers()
+    ref = weakref.ref(opt)
+    del opt, model
+    gc.collect()
+    for _ in range(100):  # the pool's thread exits once it notices its executor is gone
+        if workers() == 0:
+            break
+        time.sleep(0.05)
+    return {"workers_during": during, "optimizer_alive": ref() is not None,
+            "workers_after": workers()}
+
+
 if __name__ == "__main__":
     if sys.argv[1] != "train":
         raise SystemExit(f"unknown command {sys.argv[1]!r}")

@@ -37,6 +37,7 @@ class FlatLayout:
         self.sizes = [math.prod(s) for s in self.shapes]
         self.bounds = [0] + list(itertools.accumulate(self.sizes))
         self.numel = self.bounds[-1]
+        self._inner = {}  # device -> inner bounds as a tensor (made once per device)
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -51,7 +52,7 @@ class FlatLayout:
         if out is None:
             return torch.cat(flat) if flat else torch.empty(0)
         if flat:
-            torch.cat(flat, out=out[:self.numel] if out.numel() != self.numel else out)
+            torch.cat(flat, out=out[:self.numel])
         return out
 
     def scatter(self, flat: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
@@ -61,7 +62,10 @@ class FlatLayout:
 
     def owner(self, indices: torch.Tensor) -> torch.Tensor:
         """The tensor each flat index belongs to."""
-        inner = torch.tensor(self.bounds[1:-1], dtype=torch.int64, device=indices.device)
+        inner = self._inner.get(indices.device)
+        if inner is None:
+            inner = self._inner[indices.device] = torch.tensor(
+                self.bounds[1:-1], dtype=torch.int64, device=indices.device)
         return torch.bucketize(indices.long(), inner, right=True)
 
     def missing(self, indices: torch.Tensor) -> torch.Tensor:

@@ -138,8 +138,8 @@ class Scheme:
         """Forget submitted-but-unfinished work (used by ``load_state_dict``)."""
 
     def close(self) -> None:
-        """Releases what the scheme holds beyond memory (a worker thread); called when
-        the optimizer is collected."""
+        """Releases what the scheme holds beyond memory (a worker thread) now; without a
+        call it is released when the scheme is collected."""
 
     #: the last finished step's metrics (a scheme replaces it in ``finish()``)
     last_stats: StepStats = StepStats()

@@ -61,6 +61,8 @@ class PlannedPhase:
         self._pos = {p: i for i, p in enumerate(self.params)}
         self._group_of = plan.group_of()
         self.sparse_set = frozenset(p for p, sp in zip(self.params, plan.sparse) if sp)
+        self._elements = sum(plan.sizes)
+        self._dense_elements = sum(n for n, sp in zip(plan.sizes, plan.sparse) if not sp)
         # build_group asks for (part key, plan index or None for a whole buffer)
         self._sparsifier_for = lambda key, i: sparsifier_for(key if i is None else plan.names[i])
         self._prescale, self._postscale = transport.scales()
@@ -92,16 +94,15 @@ class PlannedPhase:
                                    offload_device=torch.device("cpu") if offload else None,
                                    acc_dtype=self.memory.acc_dtype(self.dtype))
                        for gi in range(len(active.groups))]
-        for part in self._sparse_parts():
+        self._sparse = [part for gb in self.groups for part in gb.parts
+                        if isinstance(part, SparsePart)]
+        for part in self._sparse:
             self.memory.register(part.key, [active.names[i] for i in part.tensors],
                                  [shapes[i] for i in part.tensors], part.stage.device)
         self._offload_part = {part.tensors[0]: part for gb in self.groups for part in gb.offloaded}
         if offload and self._worker is None:
             self._worker = OffloadWorker(self.device)
         self.reset()
-
-    def _sparse_parts(self):
-        return [part for gb in self.groups for part in gb.parts if isinstance(part, SparsePart)]
 
     def close(self) -> None:
         if self._worker is not None:
@@ -121,7 +122,7 @@ class PlannedPhase:
             if not self._primed:
                 # the local rules take over the wrapped optimizer's state here, on this
                 # thread, after its last dense step (not on the offload worker)
-                for part in self._sparse_parts():
+                for part in self._sparse:
                     self.memory.prime(part.key, part.stage)
                 self._primed = True
         i = self._pos[p]
@@ -200,13 +201,9 @@ class PlannedPhase:
         return stats
 
     def _stats(self, iteration: int, outputs) -> StepStats:
-        plan = self.plan
-        sent = sum(n for n, s in zip(plan.sizes, plan.sparse) if not s)
-        missing = []
-        for part in self._sparse_parts():
-            result = self._results[part.key]
-            sent += result.values.numel()
-            missing.append(part.missing(result))
+        results = [self._results[part.key] for part in self._sparse]
+        sent = self._dense_elements + sum(r.values.numel() for r in results)
+        missing = [part.missing(r) for part, r in zip(self._sparse, results)]
 
         def nonfinite():  # a full pass over the outputs: taken when stats() is read
             return sum(int(torch.isfinite(o).logical_not_().sum()) for o in outputs)
@@ -215,9 +212,9 @@ class PlannedPhase:
             phase="planned", iteration=iteration,
             allreduce_bytes=self.transport.sent["allreduce"],
             allgather_bytes=self.transport.sent["allgather"],
-            tensors_dense=sum(1 for s in plan.sparse if not s),
-            tensors_sparse=sum(1 for s in plan.sparse if s),
-            elements=sum(plan.sizes), elements_sent=sent, density_target=self.active.density,
+            tensors_dense=len(self.params) - len(self.sparse_set),
+            tensors_sparse=len(self.sparse_set),
+            elements=self._elements, elements_sent=sent, density_target=self.active.density,
             tensors_missing=missing, nonfinite=nonfinite, sparsify_s=self._sparsify_s,
             offload_s=self._worker.seconds if self._worker is not None else 0.0)
 
