@@ -3,10 +3,11 @@
 #
 #   bash scripts/install.sh            # create/refresh .venv, build what is missing
 #
-# Steps: venv -> torch==2.13.0 -> Python deps -> OpenMPI (Debian, when missing and root)
-# and mpi4py -> Horovod 0.28.1 with Gloo and MPI (patched for C++17, built once as a wheel
-# and cached under ~/.cache/ssfusion-hvd/) -> this package in editable mode (which builds
-# the ssfusion_hvd._C extension with CMake).
+# Steps: venv -> torch==2.13.0 -> Python deps -> Debian packages when missing and root
+# (OpenMPI; iproute2 and openssh for scripts/cluster.py) and mpi4py -> Horovod 0.28.1
+# with Gloo and MPI (patched for C++17, built once as a wheel and cached under
+# ~/.cache/ssfusion-hvd/) -> this package in editable mode (which builds the
+# ssfusion_hvd._C extension with CMake).
 #
 # Environment knobs:
 #   PYTHON            interpreter used to create the venv (default: python3)
@@ -68,21 +69,34 @@ if [[ -n "$missing" ]]; then
     "${PIP[@]}" install -q $missing
 fi
 
-# ---------------------------------------------------------------- 4. MPI (for Horovod's MPI controller and mpi4py)
-# Debian's OpenMPI is installed when missing (needs root and apt-get; SSFUSION_NO_MPI=1
-# skips it). Without an MPI everything works with Gloo; one line says so.
+# ---------------------------------------------------------------- 4. system packages
+# Debian packages, installed when missing (needs root and apt-get): OpenMPI for Horovod's
+# MPI controller and mpi4py (SSFUSION_NO_MPI=1 skips it), and iproute2 + openssh for
+# scripts/cluster.py's namespaced hosts. Without them everything else works (Gloo, one
+# host); one line says what is missing, and the tests that need it are skipped.
+apt_pkgs=()
 if ! command -v mpicxx >/dev/null 2>&1 && [[ "${SSFUSION_NO_MPI:-0}" != 1 ]]; then
+    apt_pkgs+=(openmpi-bin libopenmpi-dev)
+fi
+{ command -v ip && command -v tc; } >/dev/null 2>&1 || apt_pkgs+=(iproute2)
+{ command -v ssh && command -v ssh-keygen; } >/dev/null 2>&1 || apt_pkgs+=(openssh-client)
+[[ -x /usr/sbin/sshd ]] || command -v sshd >/dev/null 2>&1 || apt_pkgs+=(openssh-server)
+if [[ ${#apt_pkgs[@]} -gt 0 ]]; then
     if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
-        step "installing OpenMPI (Debian: openmpi-bin libopenmpi-dev)"
-        apt_mpi() { DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -q \
-                        --no-install-recommends openmpi-bin libopenmpi-dev >> "$VENV/.apt-mpi.log" 2>&1; }
-        if ! apt_mpi; then
-            DEBIAN_FRONTEND=noninteractive timeout 600 apt-get update -q >> "$VENV/.apt-mpi.log" 2>&1 || true
-            apt_mpi || true
+        step "installing Debian packages: ${apt_pkgs[*]}"
+        apt_install() { DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -q \
+                            --no-install-recommends "${apt_pkgs[@]}" >> "$VENV/.apt.log" 2>&1; }
+        if ! apt_install; then
+            DEBIAN_FRONTEND=noninteractive timeout 600 apt-get update -q >> "$VENV/.apt.log" 2>&1 || true
+            apt_install || true
         fi
     fi
-    command -v mpicxx >/dev/null 2>&1 \
-        || echo "[install] no MPI could be installed (needs root and apt-get; log: $VENV/.apt-mpi.log): Horovod is built with Gloo only, MPI tests are skipped"
+    if ! command -v mpicxx >/dev/null 2>&1 && [[ "${SSFUSION_NO_MPI:-0}" != 1 ]]; then
+        echo "[install] no MPI could be installed (needs root and apt-get; log: $VENV/.apt.log): Horovod is built with Gloo only, MPI tests are skipped"
+    fi
+    if ! { [[ -x /usr/sbin/sshd ]] || command -v sshd; } >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
+        echo "[install] no sshd/iproute2 could be installed (log: $VENV/.apt.log): scripts/cluster.py and its tests are unavailable"
+    fi
 fi
 with_mpi=0
 command -v mpicxx >/dev/null 2>&1 && with_mpi=1

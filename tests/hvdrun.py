@@ -20,6 +20,10 @@ import torch
 
 TESTS = Path(__file__).resolve().parent
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
+CLUSTER = TESTS.parent / "scripts" / "cluster.py"
+#: namespace prefix of the clusters tests start (not cluster.py's default, so a test never
+#: meets a user's running cluster)
+CLUSTER_PREFIX = "ssfct"
 
 
 class WorkerError(RuntimeError):
@@ -34,11 +38,21 @@ def mpi_built() -> bool:
     return bool(hvd.mpi_built())
 
 
-def launch(args, np: int, timeout: float, env=None, controller: str = "gloo"):
-    """Runs ``horovodrun -np N --gloo|--mpi <args>``; returns (returncode, output)."""
+def launch(args, np: int, timeout: float, env=None, controller: str = "gloo", hosts: int = 1):
+    """Runs ``horovodrun -np N --gloo|--mpi <args>``; returns (returncode, output).
+
+    ``hosts > 1``: the job runs through ``scripts/cluster.py`` as ``np / hosts`` ranks on
+    each of ``hosts`` namespaced hosts over ssh (needs root; see test_cluster.py)."""
     if controller not in ("gloo", "mpi"):
         raise ValueError(f"controller must be 'gloo' or 'mpi', got {controller!r}")
-    cmd = [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", f"--{controller}"] + list(args)
+    if hosts > 1:
+        if np % hosts:
+            raise ValueError(f"np={np} is not a multiple of hosts={hosts}")
+        cmd = [sys.executable, str(CLUSTER), "--hosts", str(hosts), "--slots", str(np // hosts),
+               "--prefix", CLUSTER_PREFIX, "--timeout", str(timeout)] \
+            + (["--mpi"] if controller == "mpi" else []) + ["--"] + list(args)
+    else:
+        cmd = [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", f"--{controller}"] + list(args)
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if controller == "mpi":  # Open MPI refuses root unless told twice (CI runs as root)
         full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -46,19 +60,27 @@ def launch(args, np: int, timeout: float, env=None, controller: str = "gloo"):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        # cluster.py enforces the timeout itself and then removes its namespaces; the
+        # margin lets it, and SIGTERM (which it handles) comes before SIGKILL
+        out, _ = proc.communicate(timeout=timeout + (60 if hosts > 1 else 0))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        raise WorkerError(f"workers did not finish within {timeout}s:\n{out[-6000:]}")
+    if hosts > 1 and proc.returncode == 124:
         raise WorkerError(f"workers did not finish within {timeout}s:\n{out[-6000:]}")
     return proc.returncode, out
 
 
 def run_workers(target: str, np: int = 2, timeout: float = 180, env=None,
-                controller: str = "gloo", **kwargs):
+                controller: str = "gloo", hosts: int = 1, **kwargs):
     with tempfile.TemporaryDirectory(prefix="ssf-workers-") as outdir:
         rc, out = launch([sys.executable, str(TESTS / "_worker.py"), target, outdir,
-                          json.dumps(kwargs)], np, timeout, env, controller)
+                          json.dumps(kwargs)], np, timeout, env, controller, hosts)
         if rc != 0:
             raise WorkerError(f"horovodrun exited {rc}:\n{out[-6000:]}")
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
