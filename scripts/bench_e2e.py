@@ -12,6 +12,13 @@ All worker traffic stays on the namespace's loopback; note that this is one shar
 the workers share ``--rate`` between them, like hosts behind one slow uplink, rather than
 each having a link of its own.
 
+``--hosts H --slots S`` runs every job on a ``scripts/cluster.py`` cluster instead: H
+namespaced hosts with S ranks each, each host with its own ``--rate`` link, launched over
+ssh with ``horovodrun -H h1:S,...``. ``--controller mpi`` uses Horovod's MPI controller,
+``--hierarchical`` sets ``HOROVOD_HIERARCHICAL_ALLREDUCE`` and ``HOROVOD_HIERARCHICAL_ALLGATHER``.
+Runs of different topologies and settings merge into one file (``--merge``) and get their
+own tables; ratios are against the dense run of the same topology and setting.
+
 Output under ``--out`` (default ``docs/results``): ``e2e.json`` (every run, the shaping and
 link measurement, machine and versions; rewritten after each run so a partial sweep
 survives), ``e2e.md`` (one table per model and worker count: samples/s as the median of
@@ -35,6 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "scripts"))
+from cluster import Cluster, ClusterError, measure_link, shape  # noqa: E402
 from ssfusion_hvd.registry import SCHEMES  # noqa: E402  (display order: the registry's)
 #: model -> (untimed iterations, timed iterations); sparse schemes profile 2 of the former
 ITERATIONS = {"gpt2": (4, 7), "resnet": (5, 10), "demo": (6, 30)}
@@ -45,7 +54,14 @@ def parse_args(argv=None):
     p.add_argument("--rate", default="1gbit", help="tc rate of the namespace loopback")
     p.add_argument("--delay", default="100us", help="one-way delay (netem); '0' for none")
     p.add_argument("--models", default="gpt2,resnet,demo")
-    p.add_argument("--workers", default="2,4")
+    p.add_argument("--workers", default="2,4", help="worker counts (one host; with --hosts: H*S)")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="> 1: a scripts/cluster.py cluster of this many hosts, each with its own "
+                        "--rate link, instead of one shared loopback")
+    p.add_argument("--slots", type=int, default=1, help="ranks per host (with --hosts)")
+    p.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="set HOROVOD_HIERARCHICAL_ALLREDUCE=1 and HOROVOD_HIERARCHICAL_ALLGATHER=1")
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--sparsifier", default="topk")
@@ -57,7 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--netns", default=f"ssfbench{os.getpid()}", help="namespace name")
     p.add_argument("--merge", action="store_true",
                    help="keep the runs already in <out>/<name>.json; the runs of this call replace "
-                        "those of the same (model, workers, scheme)")
+                        "those of the same (model, workers, hosts, scheme, controller, hierarchical)")
     return p.parse_args(argv)
 
 
@@ -95,24 +111,32 @@ class ShapedNamespace:
             raise SystemExit("bench_e2e needs root to create a network namespace (run with sudo)")
         sh("ip", "netns", "add", self.name)
         try:
-            tc = self.exec_prefix() + ["tc", "qdisc", "add", "dev", "lo"]
             sh(*self.exec_prefix(), "ip", "link", "set", "lo", "up")
-            tbf = ["tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms"]
-            if self.delay not in ("", "0", "0us", "0ms"):
-                r = sh(*tc, "root", "handle", "1:", "netem", "delay", self.delay, check=False)
-                if r.returncode == 0:
-                    sh(*tc, "parent", "1:", "handle", "2:", *tbf)
-                    self.delay_applied = True
-                else:
-                    print(f"[bench_e2e] netem unavailable ({r.stderr.strip()}): delay {self.delay} "
-                          "NOT applied; shaping the rate only", flush=True)
-            if not self.delay_applied:
-                sh(*tc, "root", *tbf)
-            self.shaping = sh(*self.exec_prefix(), "tc", "qdisc", "show", "dev", "lo").stdout.strip()
+            self.shaping, self.delay_applied = shape(self.exec_prefix(), "lo", self.rate, self.delay)
+            if not self.delay_applied and self.delay not in ("", "0", "0us", "0ms"):
+                print(f"[bench_e2e] netem unavailable: delay {self.delay} NOT applied; shaping "
+                      "the rate only", flush=True)
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def command(self, argv: list, np: int, controller: str = "gloo", env=None) -> list:
+        """argv running ``horovodrun -np N -H localhost:N`` inside the namespace."""
+        env = dict(env or {})
+        if controller == "mpi":
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        venv_bin = Path(sys.executable).parent
+        horovodrun = shutil.which("horovodrun", path=str(venv_bin)) or shutil.which("horovodrun")
+        return (self.exec_prefix() + ["env", *(f"{k}={v}" for k, v in env.items()), horovodrun,
+                                      "-np", str(np), "-H", f"localhost:{np}", f"--{controller}"]
+                + list(argv))
+
+    def measure_link(self) -> dict:
+        return measure_link(self.exec_prefix(), self.exec_prefix(), "127.0.0.1")
+
+    def describe(self) -> str:
+        return f"namespace {self.name}, one shared loopback: {self.shaping}"
 
     def __exit__(self, *exc) -> None:
         # kill anything left in the namespace, then delete it
@@ -125,40 +149,6 @@ class ShapedNamespace:
         sh("ip", "netns", "del", self.name, check=False)
 
 
-_LINK_PROBE = r"""
-import socket, threading, time, statistics
-N = 64 << 20
-srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
-port = srv.getsockname()[1]
-def sink():
-    c, _ = srv.accept()
-    while True:
-        b = c.recv(1 << 20)
-        if not b: break
-        if b == b"p": c.sendall(b"q")
-    c.close()
-threading.Thread(target=sink, daemon=True).start()
-s = socket.create_connection(("127.0.0.1", port))
-s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-rtt = []
-for _ in range(50):
-    t = time.perf_counter(); s.sendall(b"p"); s.recv(1); rtt.append(time.perf_counter() - t)
-buf = b"\0" * (1 << 20)
-t = time.perf_counter()
-for _ in range(N >> 20): s.sendall(buf)
-s.shutdown(socket.SHUT_WR); s.recv(1)
-dt = time.perf_counter() - t
-print(8 * N / dt / 1e9, statistics.median(rtt) * 1e6)
-"""
-
-
-def measure_link(ns: ShapedNamespace) -> dict:
-    """TCP throughput of a 64 MiB transfer and the median small-message round trip."""
-    out = subprocess.run(ns.exec_prefix() + [sys.executable, "-c", _LINK_PROBE], check=True,
-                         capture_output=True, text=True, timeout=120).stdout.split()
-    return {"tcp_gbit_s": float(out[0]), "rtt_us": float(out[1])}
-
-
 # ------------------------------------------------------------------ runs
 _child: subprocess.Popen | None = None
 
@@ -167,23 +157,37 @@ def _on_sigterm(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_one(ns: ShapedNamespace, args, model: str, workers: int, scheme: str, logs: Path) -> dict:
+def setting(args) -> dict:
+    """What distinguishes this call's runs besides (model, workers, scheme)."""
+    return {"hosts": args.hosts, "slots": args.slots if args.hosts > 1 else None,
+            "controller": args.controller, "hierarchical": args.hierarchical}
+
+
+def run_key(r: dict) -> tuple:
+    return (r["model"], r["workers"], r.get("hosts", 1), r["scheme"], r.get("controller", "gloo"),
+            r.get("hierarchical", False))
+
+
+def run_one(topo, args, model: str, workers: int, scheme: str, logs: Path) -> dict:
     global _child
     warmup, iters = ITERATIONS.get(model, (5, 10))
     warmup, iters = args.warmup or warmup, args.iters or iters
-    tmp = logs / f"{model}-{workers}-{scheme}.json"
+    where = setting(args)
+    stem = "-".join([model, str(workers), scheme]
+                    + ([f"{args.hosts}x{args.slots}"] if args.hosts > 1 else [])
+                    + ([args.controller] if args.controller != "gloo" else [])
+                    + (["hier"] if args.hierarchical else []))
+    tmp = logs / f"{stem}.json"
     tmp.unlink(missing_ok=True)
-    venv_bin = Path(sys.executable).parent
-    horovodrun = shutil.which("horovodrun", path=str(venv_bin)) or shutil.which("horovodrun")
-    env = [f"OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // workers)}",
-           "HOROVOD_CYCLE_TIME=1", "HOROVOD_FUSION_THRESHOLD=67108864",
-           f"PYTHONPATH={REPO}"]
-    cmd = ns.exec_prefix() + ["env", *env, horovodrun, "-np", str(workers), "-H",
-                              f"localhost:{workers}", "--gloo", sys.executable, "-m",
-                              "ssfusion_hvd.examples.bench", "--model", model, "--scheme", scheme,
-                              "--density", str(args.density), "--sparsifier", args.sparsifier,
-                              "--warmup", str(warmup), "--iters", str(iters), "--json", str(tmp)]
-    log = logs / f"{model}-{workers}-{scheme}.log"
+    env = {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // workers), "HOROVOD_CYCLE_TIME": 1,
+           "HOROVOD_FUSION_THRESHOLD": 67108864, "PYTHONPATH": REPO}
+    if args.hierarchical:
+        env.update(HOROVOD_HIERARCHICAL_ALLREDUCE=1, HOROVOD_HIERARCHICAL_ALLGATHER=1)
+    cmd = topo.command([sys.executable, "-m", "ssfusion_hvd.examples.bench", "--model", model,
+                        "--scheme", scheme, "--density", str(args.density), "--sparsifier",
+                        args.sparsifier, "--warmup", str(warmup), "--iters", str(iters),
+                        "--json", str(tmp)], np=workers, controller=args.controller, env=env)
+    log = logs / f"{stem}.log"
     t0 = time.time()
     with open(log, "w") as f:
         _child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -198,10 +202,10 @@ def run_one(ns: ShapedNamespace, args, model: str, workers: int, scheme: str, lo
             _child = None
     if rc == 0 and tmp.exists():
         res = json.loads(tmp.read_text())
-        res["run_s"] = time.time() - t0
+        res.update(where, run_s=time.time() - t0)
         return res
     tail = log.read_text().splitlines()[-15:]
-    return {"model": model, "workers": workers, "scheme": scheme,
+    return {"model": model, "workers": workers, "scheme": scheme, **where,
             "error": f"exit {rc}", "log_tail": tail, "run_s": time.time() - t0}
 
 
@@ -227,35 +231,62 @@ def environment() -> dict:
 
 
 # ------------------------------------------------------------------ report
-def ratio_table(rows: list, model: str, workers: int) -> str:
-    """One markdown table: the runs of (model, workers), ratios against its dense run."""
+def variant(r: dict) -> tuple:
+    """(controller, hierarchical) of a run; runs before these fields existed were Gloo, flat."""
+    return r.get("controller", "gloo"), bool(r.get("hierarchical", False))
+
+
+def label(r: dict) -> str:
+    ctrl, hier = variant(r)
+    extra = ([ctrl] if ctrl != "gloo" else []) + (["hierarchical"] if hier else [])
+    return r["scheme"] + (f" [{', '.join(extra)}]" if extra else "")
+
+
+def group(rows: list, model: str, workers: int, hosts: int = 1) -> list:
+    """The runs of (model, workers, hosts), in variant then registry order."""
     order = {s: i for i, s in enumerate(SCHEMES)}
-    mine = sorted((r for r in rows if r["model"] == model and r["workers"] == workers),
-                  key=lambda r: order.get(r["scheme"], len(order)))
+    return sorted((r for r in rows if r["model"] == model and r["workers"] == workers
+                   and r.get("hosts", 1) == hosts),
+                  key=lambda r: (variant(r), order.get(r["scheme"], len(order))))
+
+
+def topology_name(workers: int, hosts: int) -> str:
+    return f"{workers} workers" + (f" on {hosts} hosts x {workers // hosts} slots" if hosts > 1 else "")
+
+
+def ratio_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
+    """One markdown table: the runs of (model, workers, hosts), each against the dense run of
+    the same controller and collective setting."""
+    mine = group(rows, model, workers, hosts)
     if not mine:
         return ""
-    dense = next((r for r in mine if r["scheme"] == "dense" and "error" not in r), None)
-    head = (f"**{model}, {workers} workers**\n\n"
+    dense = {variant(r): r for r in mine if r["scheme"] == "dense" and "error" not in r}
+    head = (f"**{model}, {topology_name(workers, hosts)}**\n\n"
             "| scheme | samples/s | x dense | iteration ms | comm window % | blocked % | "
             "wire MB/iter | density | missing rate |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in mine:
         if "error" in r:
-            lines.append(f"| {r['scheme']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {label(r)} | failed: {r['error']} | | | | | | | |")
             continue
-        x = f"{r['samples_per_s'] / dense['samples_per_s']:.2f}x" if dense else "n/a"
+        d = dense.get(variant(r))
+        x = f"{r['samples_per_s'] / d['samples_per_s']:.2f}x" if d else "n/a"
         it = r["iteration_s"]
         lines.append(
-            f"| {r['scheme']} | {r['samples_per_s']:.2f} | {x} | {1e3 * it:.0f} | "
+            f"| {label(r)} | {r['samples_per_s']:.2f} | {x} | {1e3 * it:.0f} | "
             f"{100 * min(r['communicate_s'] / it, 1):.0f} | {100 * r['wait_share']:.0f} | "
             f"{r['wire_bytes'] / 1e6:.1f} | {r['achieved_density']:.4f} | {r['missing_rate']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
-def speedups(rows: list, model: str, workers: int) -> dict:
-    """scheme -> samples/s ratio against the dense run of (model, workers)."""
-    mine = {r["scheme"]: r for r in rows if r["model"] == model and r["workers"] == workers
-            and "error" not in r}
+def _flat_gloo(rows: list, model: str, workers: int, hosts: int) -> dict:
+    return {r["scheme"]: r for r in group(rows, model, workers, hosts)
+            if "error" not in r and variant(r) == ("gloo", False)}
+
+
+def speedups(rows: list, model: str, workers: int, hosts: int = 1) -> dict:
+    """scheme -> samples/s ratio against the dense run of (model, workers, hosts), Gloo, flat."""
+    mine = _flat_gloo(rows, model, workers, hosts)
     if "dense" not in mine:
         return {}
     return {s: r["samples_per_s"] / mine["dense"]["samples_per_s"] for s, r in mine.items()}
@@ -265,13 +296,13 @@ def speedups(rows: list, model: str, workers: int) -> dict:
 TARGETS = (("dense", 1.5), ("per_tensor", 1.2), ("multi_tensor", 1.2))
 
 
-def targets(rows: list, model: str = "gpt2", workers: int = 4, ours: str = "ssfusion_oi") -> str:
+def targets(rows: list, model: str = "gpt2", workers: int = 4, ours: str = "ssfusion_oi",
+            hosts: int = 1) -> str:
     """The targets as met / missed lines (empty if the runs are not in ``rows``)."""
-    runs = {r["scheme"]: r for r in rows if r["model"] == model and r["workers"] == workers
-            and "error" not in r}
+    runs = _flat_gloo(rows, model, workers, hosts)
     if ours not in runs:
         return ""
-    out = [f"Targets ({model}, {workers} workers, {ours}):\n"]
+    out = [f"Targets ({model}, {topology_name(workers, hosts)}, {ours}):\n"]
     for base, want in TARGETS:
         if base in runs:
             got = runs[ours]["samples_per_s"] / runs[base]["samples_per_s"]
@@ -281,24 +312,23 @@ def targets(rows: list, model: str = "gpt2", workers: int = 4, ours: str = "ssfu
     return "\n".join(out) + "\n"
 
 
-def breakdown(rows: list, model: str = "gpt2", workers: int = 4) -> str:
-    """Rank 0's median iteration split (seconds) of every run of (model, workers)."""
-    order = {s: i for i, s in enumerate(SCHEMES)}
-    mine = sorted((r for r in rows if r["model"] == model and r["workers"] == workers
-                   and "error" not in r and "forward_s" in r), key=lambda r: order.get(r["scheme"], 99))
+def breakdown(rows: list, model: str = "gpt2", workers: int = 4, hosts: int = 1) -> str:
+    """Rank 0's median iteration split (seconds) of every run of (model, workers, hosts)."""
+    mine = [r for r in group(rows, model, workers, hosts) if "error" not in r and "forward_s" in r]
     if not mine:
         return ""
-    lines = [f"Where the time goes ({model}, {workers} workers; rank 0, medians, seconds):\n",
+    lines = [f"Where the time goes ({model}, {topology_name(workers, hosts)}; rank 0, medians, seconds):\n",
              "| scheme | iteration | forward | backward (+ hooks) | step | of which blocked | "
              "selection inline | selection offloaded |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in mine:
-        lines.append(f"| {r['scheme']} | {r['iteration_s']:.2f} | {r['forward_s']:.2f} | "
+        lines.append(f"| {label(r)} | {r['iteration_s']:.2f} | {r['forward_s']:.2f} | "
                      f"{r['backward_s']:.2f} | {r['step_s']:.2f} | {r['wait_s']:.2f} | "
                      f"{r['sparsify_s']:.2f} | {r['offload_s']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list, model: str, workers: list, path: Path) -> None:
+def plot(rows: list, model: str, topologies: list, path: Path) -> None:
+    """Bars of every scheme's speedup (Gloo, flat) per (workers, hosts) of ``topologies``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -306,13 +336,13 @@ def plot(rows: list, model: str, workers: list, path: Path) -> None:
 
     schemes = [s for s in SCHEMES if any(r["scheme"] == s and r["model"] == model for r in rows)]
     fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / max(len(workers), 1)
-    for j, w in enumerate(workers):
-        sp = speedups(rows, model, w)
+    width = 0.8 / max(len(topologies), 1)
+    for j, (w, h) in enumerate(topologies):
+        sp = speedups(rows, model, w, h)
         ax.bar([i + j * width for i in range(len(schemes))], [sp.get(s, 0) for s in schemes],
-               width, label=f"{w} workers")
+               width, label=topology_name(w, h))
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([i + width * (len(workers) - 1) / 2 for i in range(len(schemes))], schemes,
+    ax.set_xticks([i + width * (len(topologies) - 1) / 2 for i in range(len(schemes))], schemes,
                   rotation=30, ha="right")
     ax.set_ylabel("samples/s relative to dense")
     ax.set_title(f"{model}: throughput on the shaped network (median of timed iterations)")
@@ -322,25 +352,59 @@ def plot(rows: list, model: str, workers: list, path: Path) -> None:
     plt.close(fig)
 
 
+def cost_table(rows: list, model: str, scheme: str = "ssfusion_oi") -> str:
+    """The cost model each ``scheme`` run of ``model`` measured at start-up, in the job's own
+    topology and setting: what its planner believed the network costs."""
+    mine = sorted((r for r in rows if r["model"] == model and r["scheme"] == scheme
+                   and r.get("cost_model")), key=lambda r: (r["workers"], r.get("hosts", 1), variant(r)))
+    if not mine:
+        return ""
+    mib = float(1 << 20)
+    lines = [f"Cost model measured inside each {scheme} job ({model}; g(x) = α + β·x, x = bytes "
+             "one worker contributes):\n",
+             "| topology | setting | allreduce α ms | allreduce 16 MiB ms | allgather α ms | "
+             "allgather 1 MiB each ms |", "|---|---|---:|---:|---:|---:|"]
+    for r in mine:
+        ar, ag = r["cost_model"]["allreduce"], r["cost_model"]["allgather"]
+        ctrl, hier = variant(r)
+        lines.append(f"| {topology_name(r['workers'], r.get('hosts', 1))} | {ctrl}"
+                     f"{', hierarchical' if hier else ''} | {1e3 * ar[0]:.2f} | "
+                     f"{1e3 * (ar[0] + 16 * mib * ar[1]):.0f} | {1e3 * ag[0]:.2f} | "
+                     f"{1e3 * (ag[0] + mib * ag[1]):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def network_line(net: dict) -> str:
+    link = net.get("link", {})
+    shaping = f"`{net['shaping']}`"
+    if isinstance(net["shaping"], dict):  # a cluster: every host's link is shaped alike, both ways
+        shaping = f"`{next(iter(net['shaping'].values()))['uplink']}` on each host's link, each way"
+    return (f"{net.get('topology', '')}; shaping {shaping} (delay "
+            f"{'applied' if net['delay_applied'] else 'NOT applied: no netem'}); measured TCP "
+            f"{link.get('tcp_gbit_s', float('nan')):.2f} Gbit/s, round trip "
+            f"{link.get('rtt_us', float('nan')):.0f} us")
+
+
 def report(doc: dict, out: Path, name: str) -> str:
     rows = doc["runs"]
     models = [m for m in ITERATIONS if any(r["model"] == m for r in rows)]
-    workers = sorted({r["workers"] for r in rows})
-    link = doc.get("link", {})
-    parts = [f"Shaping: `{doc['shaping']}` (delay {'applied' if doc['delay_applied'] else 'NOT applied: no netem'}); "
-             f"measured TCP {link.get('tcp_gbit_s', float('nan')):.2f} Gbit/s, "
-             f"round trip {link.get('rtt_us', float('nan')):.0f} us. Density {doc['density']}, "
-             f"sparsifier {doc['sparsifier']}.\n"]
+    topologies = sorted({(r["workers"], r.get("hosts", 1)) for r in rows})
+    networks = doc.get("networks") or {"1": doc}  # files before --hosts: one namespace
+    parts = ["Network: " + "; ".join(f"{network_line(n)}" for n in networks.values())
+             + f". Density {doc['density']}, sparsifier {doc['sparsifier']}.\n"]
     for m in models:
-        for w in workers:
-            parts.append(ratio_table(rows, m, w))
+        for w, h in topologies:
+            parts.append(ratio_table(rows, m, w, h))
+        parts.append(cost_table(rows, m))
         try:
-            plot(rows, m, workers, out / f"{name}_{m}.png")
+            plot(rows, m, topologies, out / f"{name}_{m}.png")
             parts.append(f"![{m}]({name}_{m}.png)\n")
         except ImportError:
             pass
-    parts.append(targets(rows))
-    parts.append(breakdown(rows))
+    for w, h in topologies:
+        if w == 4:
+            parts.append(targets(rows, hosts=h))
+            parts.append(breakdown(rows, hosts=h))
     text = "\n".join(parts)
     (out / f"{name}.md").write_text(text)
     return text
@@ -351,6 +415,8 @@ def main(argv=None) -> None:
     models = choices(args.models, ITERATIONS, "model")
     workers = [int(w) for w in args.workers.split(",") if w]
     schemes = choices(args.schemes, SCHEMES, "scheme")
+    if args.hosts > 1:
+        workers = [args.hosts * args.slots]
     out = Path(args.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -360,24 +426,33 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGINT, _on_sigterm)
     doc = {"command": "sudo .venv/bin/python scripts/bench_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "rate": args.rate, "delay": args.delay, "density": args.density,
-           "sparsifier": args.sparsifier, "environment": environment(), "runs": []}
+           "sparsifier": args.sparsifier, "environment": environment(), "networks": {}, "runs": []}
     previous = out / f"{args.name}.json"
     if args.merge and previous.exists():
-        doc["runs"] = json.loads(previous.read_text())["runs"]
+        old = json.loads(previous.read_text())
+        doc["runs"] = old["runs"]
+        doc["networks"] = old.get("networks", {})
+    if args.hosts > 1:
+        topo_cm = Cluster(args.hosts, args.slots, args.rate, args.delay)
+    else:
+        topo_cm = ShapedNamespace(args.netns, args.rate, args.delay)
     try:
-        with ShapedNamespace(args.netns, args.rate, args.delay) as ns:
-            doc.update(shaping=ns.shaping, delay_applied=ns.delay_applied, link=measure_link(ns))
-            print(f"[bench_e2e] namespace {ns.name}: {ns.shaping}; link {doc['link']}", flush=True)
+        with topo_cm as topo:
+            net = {"topology": topo.describe(), "shaping": topo.shaping,
+                   "delay_applied": topo.delay_applied, "link": topo.measure_link()}
+            doc["networks"][f"{args.hosts}x{args.slots}" if args.hosts > 1 else "1"] = net
+            print(f"[bench_e2e] {network_line(net)}", flush=True)
             for model in models:
                 for w in workers:
                     for scheme in schemes:
-                        res = run_one(ns, args, model, w, scheme, logs)
-                        key = (model, w, scheme)
-                        doc["runs"] = [r for r in doc["runs"]
-                                       if (r["model"], r["workers"], r["scheme"]) != key] + [res]
+                        res = run_one(topo, args, model, w, scheme, logs)
+                        doc["runs"] = [r for r in doc["runs"] if run_key(r) != run_key(res)] + [res]
                         status = res.get("error") or f"{res['samples_per_s']:.2f} samples/s"
-                        print(f"[bench_e2e] {model} x{w} {scheme}: {status} ({res['run_s']:.0f} s)", flush=True)
+                        print(f"[bench_e2e] {model} x{w} {label(res)}: {status} ({res['run_s']:.0f} s)",
+                              flush=True)
                         (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
+    except ClusterError as e:
+        raise SystemExit(f"[bench_e2e] {e}")
     except KeyboardInterrupt:
         if _child is not None and _child.poll() is None:
             os.killpg(_child.pid, signal.SIGKILL)

@@ -60,6 +60,30 @@ def test_e2e_ratios_are_against_the_dense_run_of_the_same_model_and_workers():
     assert "- tensor missing rate 0: 0.000 (multi_tensor: 0.200)" in t
 
 
+def test_e2e_topologies_and_controllers_get_their_own_dense_baseline():
+    """Runs on a cluster (hosts > 1) and under MPI / hierarchical collectives are compared
+    with the dense run of the same topology and setting, never with another's."""
+    rows = [_row("m", 4, "dense", 10.0), _row("m", 4, "ssfusion_oi", 20.0),
+            _row("m", 4, "dense", 8.0, hosts=2, slots=2),
+            _row("m", 4, "ssfusion_oi", 24.0, hosts=2, slots=2),
+            _row("m", 4, "dense", 4.0, hosts=2, slots=2, controller="mpi"),
+            _row("m", 4, "ssfusion_oi", 6.0, hosts=2, slots=2, controller="mpi"),
+            _row("m", 4, "ssfusion_oi", 5.0, hosts=2, slots=2, controller="mpi", hierarchical=True)]
+    assert bench_e2e.speedups(rows, "m", 4) == {"dense": 1.0, "ssfusion_oi": 2.0}
+    assert bench_e2e.speedups(rows, "m", 4, hosts=2) == {"dense": 1.0, "ssfusion_oi": 3.0}
+    table = bench_e2e.ratio_table(rows, "m", 4, hosts=2)
+    assert table.startswith("**m, 4 workers on 2 hosts x 2 slots**")
+    assert "| ssfusion_oi | 24.00 | 3.00x |" in table
+    assert "| ssfusion_oi [mpi] | 6.00 | 1.50x |" in table
+    assert "| ssfusion_oi [mpi, hierarchical] | 5.00 | n/a |" in table  # no dense of its own
+    assert "| ssfusion_oi | 20.00 |" not in table  # the one-host run is another table
+    assert bench_e2e.run_key(rows[3]) != bench_e2e.run_key(rows[1])
+    cm = {"allreduce": [1e-3, 1e-8], "allgather": [2e-3, 2e-8]}
+    costs = bench_e2e.cost_table([dict(rows[3], cost_model=cm)], "m")
+    # 16 MiB allreduce: 1 ms + 16777216 B x 10 ns = 168.8 ms; 1 MiB allgather: 2 + 21.0 ms
+    assert "| 4 workers on 2 hosts x 2 slots | gloo | 1.00 | 169 | 2.00 | 23.0 |" in costs
+
+
 def test_convergence_table_mean_std_and_difference_to_dense():
     def run(scheme, seed, acc, missing):
         return {"task": "digits", "scheme": scheme, "seed": seed, "metric": "test_acc",
@@ -118,8 +142,9 @@ def test_e2e_runs_inside_a_shaped_namespace_and_removes_it(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert name not in _namespaces()
     doc = json.loads((tmp_path / "e2e.json").read_text())
-    assert "tbf" in doc["shaping"] and "rate 1Gbit" in doc["shaping"]
-    assert doc["link"]["tcp_gbit_s"] < 1.5  # the shaping holds (unshaped loopback: ~20 Gbit/s)
+    net = doc["networks"]["1"]
+    assert "tbf" in net["shaping"] and "rate 1Gbit" in net["shaping"]
+    assert net["link"]["tcp_gbit_s"] < 1.5  # the shaping holds (unshaped loopback: ~20 Gbit/s)
     assert [(r["scheme"], "error" in r) for r in doc["runs"]] == [("dense", False), ("ssfusion_oi", False)]
     # every byte went over the namespace's loopback: the counter saw the traffic
     dense, ours = doc["runs"]
