@@ -261,9 +261,12 @@ def ratio_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
     if not mine:
         return ""
     dense = {variant(r): r for r in mine if r["scheme"] == "dense" and "error" not in r}
+    # one host: every worker's bytes cross the one loopback, counted there; a cluster: the
+    # bytes each worker hands to its collectives (rank 0's host counters see only its own)
+    volume = "wire MB/iter" if hosts == 1 else "sent MB/iter/worker"
     head = (f"**{model}, {topology_name(workers, hosts)}**\n\n"
             "| scheme | samples/s | x dense | iteration ms | comm window % | blocked % | "
-            "wire MB/iter | density | missing rate |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            f"{volume} | density | missing rate |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in mine:
         if "error" in r:
@@ -275,7 +278,8 @@ def ratio_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
         lines.append(
             f"| {label(r)} | {r['samples_per_s']:.2f} | {x} | {1e3 * it:.0f} | "
             f"{100 * min(r['communicate_s'] / it, 1):.0f} | {100 * r['wait_share']:.0f} | "
-            f"{r['wire_bytes'] / 1e6:.1f} | {r['achieved_density']:.4f} | {r['missing_rate']:.3f} |")
+            f"{(r['wire_bytes'] if hosts == 1 else r['payload_bytes']) / 1e6:.1f} | "
+            f"{r['achieved_density']:.4f} | {r['missing_rate']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
