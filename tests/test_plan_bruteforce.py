@@ -35,16 +35,20 @@ def random_sizes(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(1, 5000) if rng.random() < 0.5 else rng.randint(10**4, 5 * 10**6) for _ in range(n)]
 
 
-def random_cost(rng: random.Random, n: int) -> CostModel:
+def random_cost(rng: random.Random, n: int, decode: bool = False) -> CostModel:
+    """Random fits; "topk" (one segmented call per group) and "dgc" (one call per tensor)
+    share them. ``decode``: a random decode fit (the fusion DP is exact without one)."""
     def ab(alpha_max, beta_max):
         return (rng.choice([0.0, rng.uniform(0, alpha_max)]), rng.uniform(0, beta_max))
+    fits = {"gpu": ab(2e-3, 2e-10), "cpu": ab(4e-3, 2e-9)}
     return CostModel(
         world_size=rng.choice([2, 4, 8, 16, 64]),
         allreduce=ab(2e-3, 2e-9),
         allgather=ab(4e-3, 1e-8),
-        sparsify={"dgc": {"gpu": ab(2e-3, 2e-10), "cpu": ab(4e-3, 2e-9)}},
+        sparsify={"dgc": fits, "topk": fits},
         backward_s=[rng.choice([0.0, rng.uniform(0, 3e-3)]) for _ in range(n)],
         forward_s=rng.uniform(0, 1e-2),
+        decode=ab(1e-4, 1e-10) if decode else (0.0, 0.0),
     )
 
 
@@ -68,11 +72,12 @@ def test_optimal_fusion_matches_brute_force(seed):
     density = rng.choice([0.001, 0.01, 0.05, 0.3, 1.0])
     sizes = random_sizes(rng, n)
     cost = random_cost(rng, n)
+    sparsifier = rng.choice(["dgc", "topk"])
 
-    plan = optimal_fusion(sizes, cost, sparsification, density)
+    plan = optimal_fusion(sizes, cost, sparsification, density, sparsifier=sparsifier)
     got = simulate(plan, cost).iteration_s
-    brute = min(simulate(fused_plan(sizes, b, sparsification, density, "brute"), cost).iteration_s
-                for b in partitions(n))
+    brute = min(simulate(fused_plan(sizes, b, sparsification, density, "brute", sparsifier=sparsifier),
+                         cost).iteration_s for b in partitions(n))
     assert math.isclose(got, brute, rel_tol=1e-12, abs_tol=1e-15), (got, brute)
 
 
@@ -99,6 +104,7 @@ def one_group_split(plan: Plan, group: Group, dense: set[int], ks) -> Plan:
         [i not in dense for i in idx],
         [plan.sizes[i] if i in dense else ks[i] for i in idx],
         [ALLREDUCE if i in dense else ALLGATHER for i in idx], [False] * len(idx), plan.density,
+        plan.sparsifier,
     )
 
 
@@ -109,11 +115,12 @@ def test_split_objective_is_the_one_group_timeline(seed):
     rng = random.Random(1000 + seed)
     n = rng.randint(1, 24)
     sizes = random_sizes(rng, n)
-    cost = random_cost(rng, n)
+    cost = random_cost(rng, n, decode=True)
     density = rng.choice([0.001, 0.01, 0.1])
     cuts = sorted(rng.sample(range(1, n), min(n - 1, rng.randint(0, 3)))) if n > 1 else []
     bounds = list(zip([0] + cuts, cuts + [n]))
-    plan = fused_plan(sizes, bounds, "per_tensor", density, "fused")
+    plan = fused_plan(sizes, bounds, "per_tensor", density, "fused",
+                      sparsifier=rng.choice(["dgc", "topk"]))
     ks = [rng.randint(1, x) for x in sizes]
     for gi, g in enumerate(plan.groups):
         cand = [i for i in g.indices() if rng.random() < 0.6]

@@ -7,8 +7,9 @@ tensors (Cupcake Table 1). This module finds the same optimum in polynomial time
 
 Why a DP is exact. Let the groups covering tensors ``[0, e)`` be ``m`` groups. With
 compression on the compute stream costing ``a`` per group plus ``c_t`` per tensor (a
-group's cost ``h(x) = α_h + β_h·x`` is affine in bytes, so multi-tensor sparsification has
-``a = α_h``; per-tensor sparsification and dense groups have ``a = 0``), the compute
+group's cost ``h(x) = α_h + β_h·x`` is affine in bytes, so a group selected in one call —
+a multi-tensor buffer, or per-tensor top-k by one segmented call — has ``a = α_h``;
+per-tensor calls and dense groups have ``a = 0``), the compute
 cursor after those groups is ``A + Σ_{t<e} (T_b + c_t) + m·a``: it depends on ``(e, m)``
 only. The rest of the timeline depends on the past only through that cursor and through
 the time ``E`` the link becomes free, and it is non-decreasing in both. So for each
@@ -22,6 +23,9 @@ Dominance pruning: a pair ``(m, E)`` at ``e`` is dropped when some ``(m', E')`` 
 the Pareto front with ``E`` strictly falling in ``m`` is expanded; with ``a = 0`` the front
 is a single pair. Each expansion is one numpy pass over all ``e'``; the cost is
 ``O(Σ_e |front(e)| · (N - e))``.
+
+The objective is the simulator's (``plan/timeline.py``) without decode: exact when
+``cost.decode`` is zero; with a decode fit, the partition that frees the link first.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from .cost import CostModel, index_size, nominal_k
+from .cost import SEGMENTED_SPARSIFIERS, CostModel, index_size, nominal_k
 from .plan import ALLGATHER, ALLREDUCE, Group, Plan
 
 __all__ = ["SPARSIFICATIONS", "fused_plan", "optimal_fusion"]
@@ -123,11 +127,13 @@ def optimal_fusion(
     compute = np.asarray(cost.backward_s, dtype=np.float64)
     per_group = 0.0
     if sparsification != "none":
+        # the engine selects a group once it is complete: one call per group (a fusion
+        # buffer, or a segmented sparsifier's per-tensor top-k), else one per tensor
         alpha_h, beta_h = cost.sparsify_fit(sparsifier, "gpu")
-        if sparsification == "per_tensor":
-            compute = compute + (alpha_h + beta_h * (sizes_arr * es))
+        compute = compute + beta_h * (sizes_arr * es)
+        if sparsification == "per_tensor" and sparsifier not in SEGMENTED_SPARSIFIERS:
+            compute = compute + alpha_h
         else:
-            compute = compute + beta_h * (sizes_arr * es)
             per_group = alpha_h
     cursor = cost.forward_s + np.concatenate(([0.0], np.cumsum(compute)))
     comm = _interval_comm(sizes_arr, cost, sparsification, density)
