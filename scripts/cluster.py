@@ -244,6 +244,11 @@ class Cluster:
         if missing:
             raise ClusterError(f"cluster.py needs the Debian packages {', '.join(missing)} "
                                "(scripts/install.sh installs them when run as root)")
+        probe = f"ssfprobe{os.getpid()}"  # root is not always enough (e.g. a container)
+        made = sh("ip", "netns", "add", probe, check=False)
+        sh("ip", "netns", "del", probe, check=False)
+        if made.returncode != 0:
+            raise ClusterError(f"cannot create network namespaces here: {made.stderr.strip()}")
 
     def _build(self) -> None:
         self.state = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-cluster-"))
