@@ -83,12 +83,25 @@ def test_offloaded_tensors_run_on_one_fifo_cpu_worker():
 
 def test_interleaved_group_allgather_waits_for_allreduce_and_sparse_tensors():
     p = plan([100, 100], [(0, 2)], [False, True], [100, 1], [ALLREDUCE, ALLGATHER])
-    t = simulate(p, cost([1.0, 1.0], ar=(0.5, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0)))
-    g = t.groups[0]
+    c = cost([1.0, 1.0], ar=(0.5, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0))
+    g = simulate(p, c, check=False).groups[0]
     assert (g.ar_start, g.ar_end) == (1.0, 1.5)
     assert (g.ag_start, g.ag_end) == (2.25, 3.25)
-    p_slow_ar = simulate(p, cost([1.0, 1.0], ar=(2.0, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0)))
-    assert (p_slow_ar.groups[0].ag_start, p_slow_ar.iteration_s) == (3.0, 4.0)
+    slow = simulate(p, cost([1.0, 1.0], ar=(2.0, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0)), check=False)
+    assert (slow.groups[0].ag_start, slow.iteration_s) == (3.0, 4.0)
+    # the optimizer's agreement allreduce, submitted with the first gradient, goes first
+    g = simulate(p, c).groups[0]
+    assert (g.ar_start, g.ar_end, g.ag_start) == (1.5, 2.0, 2.25)
+
+
+def test_packing_a_group_costs_a_memory_pass_on_the_compute_thread():
+    # decode's per-byte rate, 1/400 s per byte: packing the allreduce part (400 B) when t0
+    # is done, 1-2; t1's backward 2-3; its 400 B staged 3-4, selected 4-4.25
+    p = plan([100, 100], [(0, 2)], [False, True], [100, 1], [ALLREDUCE, ALLGATHER])
+    t = simulate(p, _model([1.0, 1.0], ar=(0.5, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0),
+                           decode=(0.0, 1 / 400)), check=False)
+    g = t.groups[0]
+    assert (g.ar_start, g.backward_end, g.ag_start, t.compute_end) == (2.0, 3.0, 4.25, 4.25)
 
 
 def test_multi_tensor_buffer_is_sparsified_once_after_its_last_backward():
@@ -133,11 +146,14 @@ def test_the_allreduce_part_leaves_when_its_last_tensor_is_ready():
 
 
 def test_decode_runs_after_backward_group_by_group():
-    # the dense groups of the first test; decoding 1024 B costs 0.25 + 1: group 0 waits for
-    # backward to end (6), group 1 for its allreduce (7.5), and ends the iteration
+    # the dense groups of the first test, 1024 B each; a memory pass costs 1 s per 1024 B,
+    # a decode 0.25 more. Group 0: backward 0-3, packed 3-4, allreduce 4-5.5; group 1:
+    # backward 4-7, packed 7-8, allreduce 8-9.5. Decode: group 0 waits for backward's end
+    # (8): 8-9.25; group 1 for its allreduce: 9.5-10.75, the end of the iteration
     p = plan([128, 128, 256], [(0, 2), (2, 3)], [False] * 3, [128, 128, 256], [ALLREDUCE] * 3)
     t = simulate(p, _model([1.0, 2.0, 3.0], ar=(0.5, 1 / 1024), decode=(0.25, 1 / 1024)))
-    assert [g.decode_end for g in t.groups] == [7.25, 8.75] and t.iteration_s == 8.75
+    assert [(g.ar_start, g.ar_end) for g in t.groups] == [(4.0, 5.5), (8.0, 9.5)]
+    assert [g.decode_end for g in t.groups] == [9.25, 10.75] and t.iteration_s == 10.75
     # a sparse group's decode touches its output and the P gathered records: 400 + 4 x 8 B
     sparse = plan([100], [(0, 1)], [True], [1])
     assert decode_bytes(sparse, 0, 4, 4) == 432
@@ -340,6 +356,18 @@ def test_every_scheme_on_resnet50(resnet50):
     assert times["ssfusion_o"] <= times["ssfusion"]
     assert times["ssfusion_oi"] <= times["ssfusion_i"]
     assert any(x == ALLREDUCE for x in plans["ssfusion_i"].collective)
+
+
+def test_dense_groups_follow_horovods_cycle_and_threshold():
+    """Horovod fuses what became ready in one cycle (1 ms), up to the threshold."""
+    from ssfusion_hvd.plan.schemes import horovod_groups
+    c = CostModel(4, (0, 0), (0, 0), {}, [0.4e-3, 0.4e-3, 0.4e-3, 0.9e-3, 0.1e-3])
+    # ready at 0.4, 0.8 | 1.2 | 2.1, 2.2 ms
+    assert horovod_groups([10] * 5, c, 1 << 20) == [(0, 2), (2, 3), (3, 5)]
+    assert horovod_groups([10] * 5, c, 60) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert horovod_groups([10] * 5, c, 1 << 20, cycle_s=0) == [(0, 5)]
+    plan = build_plan("dense", [10] * 5, c)
+    assert [(g.start, g.end) for g in plan.groups] == [(0, 2), (2, 3), (3, 5)]
 
 
 def test_threshold_groups():

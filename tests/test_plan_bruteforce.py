@@ -84,14 +84,29 @@ def test_optimal_fusion_matches_brute_force(seed):
 def test_optimal_fusion_extremes():
     """Comm as long as a backward step but no start-up cost: one group per tensor; pure
     start-up cost: a single group."""
-    sizes = [1, 1, 1, 1]
-    per_byte = CostModel(4, (0.0, 0.0625), (0.0, 0.0625), {"dgc": {"gpu": (0.0, 0.0)}}, [1.0] * 4)
+    sizes = [16, 16, 16, 16]  # 64 B: 0.25 s each; the 32 B agreement allreduce 0.125 s
+    per_byte = CostModel(4, (0.0, 1 / 256), (0.0, 1 / 256), {"dgc": {"gpu": (0.0, 0.0)}}, [1.0] * 4)
     plan = optimal_fusion(sizes, per_byte, "none")
     assert [(g.start, g.end) for g in plan.groups] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert simulate(plan, per_byte).iteration_s == 4.25
     latency_bound = CostModel(4, (1.0, 0.0), (1.0, 0.0), {"dgc": {"gpu": (0.0, 0.0)}}, [0.0] * 4)
     for mode in SPARSIFICATIONS:
         assert [(g.start, g.end) for g in optimal_fusion(sizes, latency_bound, mode).groups] == [(0, 4)]
+
+
+def test_optimal_fusion_charges_the_last_groups_decode():
+    """Three 1 KiB tensors, 0.1 s of backward each, allreduce 2 s + 0.25 s/KiB, decode and
+    packing 1 s/KiB. One group frees the link first, then decodes all 3 KiB after it; the
+    DP, charging the last group's decode, splits and matches brute force."""
+    sizes = [256, 256, 256]
+    c = CostModel(4, (2.0, 0.25 / 1024), (0.0, 0.0), {"dgc": {"gpu": (0.0, 0.0)}},
+                  [0.1] * 3, decode=(0.0, 1 / 1024))
+    runs = {tuple(b): simulate(fused_plan(sizes, b, "none", 1.0, "b"), c) for b in partitions(3)}
+    link_first = min(runs, key=lambda b: runs[b].groups[-1].ar_end)
+    assert link_first == ((0, 3),)
+    dp = simulate(optimal_fusion(sizes, c, "none"), c).iteration_s
+    best = min(t.iteration_s for t in runs.values())
+    assert math.isclose(dp, best) and dp < runs[link_first].iteration_s - 1.0
 
 
 def one_group_split(plan: Plan, group: Group, dense: set[int], ks) -> Plan:
@@ -127,8 +142,8 @@ def test_split_objective_is_the_one_group_timeline(seed):
         alone = cost.with_backward(cost.backward_s[g.start:g.end])
         alone.forward_s = 0.0
         by_size = sorted(cand, key=lambda j: (sizes[j], j))
-        simulated = [simulate(one_group_split(plan, g, set(by_size[:cut]), ks), alone).iteration_s
-                     for cut in range(len(cand) + 1)]
+        simulated = [simulate(one_group_split(plan, g, set(by_size[:cut]), ks), alone,
+                              check=False).iteration_s for cut in range(len(cand) + 1)]
         np.testing.assert_allclose(split_objective(plan, cost, gi, ks, cand), simulated,
                                    rtol=1e-12, atol=1e-15)
     # defaults: every tensor a candidate, k = ceil(density n)
@@ -137,8 +152,8 @@ def test_split_objective_is_the_one_group_timeline(seed):
     alone.forward_s = 0.0
     by_size = sorted(g.indices(), key=lambda j: (sizes[j], j))
     nominal = [nominal_k(x, density) for x in sizes]
-    simulated = [simulate(one_group_split(plan, g, set(by_size[:cut]), nominal), alone).iteration_s
-                 for cut in range(len(g) + 1)]
+    simulated = [simulate(one_group_split(plan, g, set(by_size[:cut]), nominal), alone,
+                          check=False).iteration_s for cut in range(len(g) + 1)]
     np.testing.assert_allclose(split_objective(plan, cost, 0), simulated, rtol=1e-12, atol=1e-15)
 
 

@@ -44,18 +44,21 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the result here (rank 0)")
+    p.add_argument("--interfaces", default="lo",
+                   help="network interfaces whose sent bytes count as wire bytes (every host's "
+                        "first rank counts its own; e.g. lo,eth0 on a multi-host job)")
     return p.parse_args(argv)
 
 
-def host_tx_bytes() -> int:
-    """Bytes sent by every interface of this process's network namespace (its host): the
+def host_tx_bytes(interfaces=("lo",)) -> int:
+    """Bytes sent by ``interfaces`` of this process's network namespace (its host): the
     loopback, and on a multi-host job its link too (0 if unreadable)."""
     total = 0
     try:
         with open("/proc/self/net/dev") as f:
             for line in f:
                 name, sep, rest = line.partition(":")
-                if sep:
+                if sep and name.strip() in interfaces:
                     total += int(rest.split()[8])
     except (OSError, ValueError, IndexError):
         return 0
@@ -85,11 +88,12 @@ def main(argv=None) -> dict:
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
 
     times, per_iter = [], []
+    ifaces = tuple(args.interfaces.split(","))
     tx0 = 0
     for step in range(args.warmup + args.iters):
         if step == args.warmup:
             _barrier()
-            tx0 = host_tx_bytes()
+            tx0 = host_tx_bytes(ifaces)
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = loss_fn(step)
@@ -108,7 +112,7 @@ def main(argv=None) -> dict:
                 "elements", "nonfinite", "density_target")})
     _barrier()
     # every host counts once (its first local rank): all workers' bytes, over all links
-    tx = float(host_tx_bytes() - tx0) if hvd.local_rank() == 0 else 0.0
+    tx = float(host_tx_bytes(ifaces) - tx0) if hvd.local_rank() == 0 else 0.0
     tx = float(hvd.allreduce(torch.tensor([tx], dtype=torch.float64), op=hvd.Sum,
                              name="bench.tx")[0])
     everyone = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times")

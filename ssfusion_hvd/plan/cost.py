@@ -11,7 +11,8 @@ Every time the planner reasons about is an affine function of bytes:
   "computation time"), plus a constant forward time ``A`` (Cupcake Eq. 1);
 * decode ``d(x) = α_d + β_d·x`` of one group after its collectives (the copy out of the
   allreduce part, the sums and scatter-adds of the gathered records); ``x`` is the bytes
-  the decode touches (:func:`~ssfusion_hvd.plan.timeline.decode_bytes`);
+  the decode touches (:func:`~ssfusion_hvd.plan.timeline.decode_bytes`). Packing a
+  group's buffers before they are sent is charged ``β_d`` per byte too (``copy_s``);
 * ``shared_cores``: whether the offload worker competes with backward for the same cores
   (a CPU-only job), so that offloading frees nothing.
 
@@ -188,6 +189,10 @@ class CostModel(JsonFile):
 
     def decode_s(self, nbytes: float) -> float:
         return self.decode[0] + self.decode[1] * nbytes
+
+    def copy_s(self, nbytes: float) -> float:
+        """A memory pass over ``nbytes`` (packing a fusion buffer): decode's per-byte rate."""
+        return self.decode[1] * nbytes
 
     def sparsify_fit(self, sparsifier: str, device: str) -> tuple[float, float]:
         try:

@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Sequence
 
@@ -31,10 +32,13 @@ from .timeline import simulate
 
 from ..registry import PLANNERS
 
-__all__ = ["PLANNERS", "DEFAULT_FUSION_THRESHOLD", "build_plan", "choose_plan", "threshold_groups"]
+__all__ = ["PLANNERS", "DEFAULT_CYCLE_S", "DEFAULT_FUSION_THRESHOLD", "build_plan", "choose_plan",
+           "horovod_groups", "threshold_groups"]
 
 #: Horovod's default ``HOROVOD_FUSION_THRESHOLD`` (64 MiB).
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
+#: Horovod's default ``HOROVOD_CYCLE_TIME`` (1 ms; ``operations.cc``).
+DEFAULT_CYCLE_S = 1e-3
 
 
 def threshold_groups(sizes: Sequence[int], threshold_bytes: int, element_size: int = 4) -> list[tuple[int, int]]:
@@ -48,6 +52,23 @@ def threshold_groups(sizes: Sequence[int], threshold_bytes: int, element_size: i
         filled += nbytes
     if len(sizes):
         bounds.append((start, len(sizes)))
+    return bounds
+
+
+def horovod_groups(sizes: Sequence[int], cost: CostModel,
+                   threshold_bytes: int = DEFAULT_FUSION_THRESHOLD,
+                   cycle_s: float = DEFAULT_CYCLE_S) -> list[tuple[int, int]]:
+    """The fusion buffers Horovod's own dense allreduce forms: every ``cycle_s`` its
+    background loop fuses the tensors that became ready since the last cycle (backward
+    order, ``cost.backward_s``), up to ``threshold_bytes`` per buffer."""
+    bounds, start, t = [], 0, cost.forward_s
+    cycle = lambda x: int(x // cycle_s) if cycle_s > 0 else 0  # noqa: E731
+    for i, b in enumerate(cost.backward_s):
+        t += b
+        if i + 1 == len(sizes) or cycle(t) != cycle(t + cost.backward_s[i + 1]):
+            bounds += [(start + s, start + e) for s, e in
+                       threshold_groups(sizes[start:i + 1], threshold_bytes, cost.element_size)]
+            start = i + 1
     return bounds
 
 
@@ -68,8 +89,8 @@ def build_plan(
     if scheme == "auto":
         return choose_plan(sizes, cost, density, names, sparsifier, fusion_threshold_bytes)
     n = len(sizes)
-    if scheme == "dense":
-        bounds = threshold_groups(sizes, fusion_threshold_bytes, cost.element_size)
+    if scheme == "dense":  # what hvd.DistributedOptimizer sends
+        bounds = horovod_groups(sizes, cost, fusion_threshold_bytes)
         return fused_plan(sizes, bounds, "none", density, scheme, names, sparsifier)
     if scheme == "per_tensor":
         return fused_plan(sizes, [(i, i + 1) for i in range(n)], "per_tensor", density, scheme, names, sparsifier)
@@ -84,12 +105,11 @@ def build_plan(
     if scheme in ("ssfusion_o", "ssfusion_oi"):
         plan = choose_offload(plan, cost, scheme=scheme)
     # SSFusion's premise is to sparsify only where it pays: a plan predicted slower than
-    # Horovod's own dense buckets is not run; those buckets are (every rank decides alike:
-    # the cost model is rank 0's).
-    dense = fused_plan(sizes, threshold_groups(sizes, fusion_threshold_bytes, cost.element_size),
-                       "none", density, scheme, names, sparsifier)
+    # Horovod's own dense allreduce is not run; those buffers are (every rank decides
+    # alike: the cost model is rank 0's)
+    dense = build_plan("dense", sizes, cost, density, names, sparsifier, fusion_threshold_bytes)
     if simulate(dense, cost).iteration_s < simulate(plan, cost).iteration_s:
-        return dense
+        return dataclasses.replace(dense, scheme=scheme)
     return plan
 
 
@@ -105,8 +125,10 @@ def choose_plan(
     buckets) included, simulated on ``cost``; the fastest wins, ties to dense. The plan's
     ``scheme`` is the winner's; ``notes["chosen_by"] = "auto"`` and
     ``notes["predicted_s"]`` (JSON: scheme -> simulated iteration seconds) say why."""
+    # the offloading schemes need a CPU fit (a live profile always has one)
+    offload_ok = "cpu" in cost.sparsify.get(sparsifier, {})
     plans = {s: build_plan(s, sizes, cost, density, names, sparsifier, fusion_threshold_bytes)
-             for s in PLANNERS if s != "auto"}
+             for s in PLANNERS if s != "auto" and (offload_ok or not s.startswith("ssfusion_o"))}
     predicted = {s: simulate(p, cost).iteration_s for s, p in plans.items()}
     best = min(predicted, key=lambda s: (predicted[s], s != "dense"))
     plan = plans[best]

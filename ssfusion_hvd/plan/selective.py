@@ -84,8 +84,8 @@ def select_sparsified(plan: Plan, cost: CostModel, scheme: str = "ssfusion") -> 
         if prev_comm is not None:
             chosen = [i for i in idx if sparse[i]]
             remaining = len(chosen)
-            compute = sum(bwd[i] for i in idx) + cost.select_s(
-                plan.sparsifier, "gpu", [plan.sizes[i] * es for i in chosen])
+            compute = sum(bwd[i] for i in idx) + cost.copy_s(sum(plan.sizes[i] for i in idx) * es) \
+                + cost.select_s(plan.sparsifier, "gpu", [plan.sizes[i] * es for i in chosen])
             for i in sorted(idx, key=lambda j: (plan.sizes[j], j)):
                 cut = saved(i, remaining)
                 dense_extra = plan.sizes[i] * es - k[i] * (es + index_size(plan.sizes[i]))
@@ -232,10 +232,11 @@ def split_objective(plan: Plan, cost: CostModel, group: int, ks=None, candidates
     allreduce (``Buffer_AR``) and sparsifies every other tensor of the group into the
     allgather (``Buffer_AG``) with ``ks[i]`` elements (default ``ceil(density · n)``).
     As the engine runs it (``plan/timeline.py``): ``T1`` is the backward up to the last
-    dense tensor, when ``Buffer_AR`` is submitted; the group's selection runs after its
-    last backward; ``Buffer_AG`` goes when the selection is done and the allreduce has
-    left the link; then the group is decoded. The result is the time the group takes on
-    its own, what :func:`simulate` gives for a one-group plan.
+    dense tensor plus packing ``Buffer_AR``, when it is submitted; the group's packing
+    and selection run after its last backward; ``Buffer_AG`` goes when the selection is
+    done and the allreduce has left the link; then the group is decoded. The result is
+    the time the group takes on its own from the start of its backward: what
+    ``simulate(..., check=False)`` gives for a one-group plan, less ``forward_s``.
     """
     g = plan.groups[group]
     es = cost.element_size
@@ -259,11 +260,12 @@ def split_objective(plan: Plan, cost: CostModel, group: int, ks=None, candidates
     sparse = ~dense
     calls = (sparse.any(axis=1) if plan.sparsifier in SEGMENTED_SPARSIFIERS
              else sparse.sum(axis=1))
-    compute = bwd_end[-1] + calls * alpha_h + beta_h * np.where(sparse, sizes * es, 0).sum(axis=1)
+    compute = (bwd_end[-1] + cost.copy_s(int(sizes.sum()) * es) + calls * alpha_h
+               + beta_h * np.where(sparse, sizes * es, 0).sum(axis=1))
     last_dense = np.where(dense, np.arange(n)[None, :], -1).max(axis=1)
-    t1 = bwd_end[np.maximum(last_dense, 0)]
     sparse_bytes = kk * (es + np.where(sizes < 2**31, 4, 8))
     ar_bytes = np.where(dense, sizes * es, 0).sum(axis=1)
+    t1 = bwd_end[np.maximum(last_dense, 0)] + cost.copy_s(ar_bytes)
     ag_bytes = np.where(dense, 0, sparse_bytes).sum(axis=1)
     t_ar = cost.allreduce[0] + cost.allreduce[1] * ar_bytes
     t_ag = cost.allgather[0] + cost.allgather[1] * ag_bytes

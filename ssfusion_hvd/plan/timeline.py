@@ -6,10 +6,12 @@ SSFusion Eq. 2–4 use the same timelines. This module models the engine as it r
 (``schemes/engine.py``; docs/design.md "How a plan is made"), resource by resource:
 
 * **compute** (the training thread): every tensor's backward ``T_b`` in backward order.
-  When a group's last tensor is done, the same thread packs the group and selects its
-  inline sparsified tensors: ONE call for the whole group with a segmented sparsifier
-  (top-k: ``α_h + β_h·Σ bytes``), one call per tensor otherwise, one call over the whole
-  fusion buffer for a multi-tensor group (Cupcake) — :meth:`CostModel.select_s`.
+  When a group's last allreduce tensor is done, the thread packs the allreduce part
+  (``CostModel.copy_s`` of its bytes); when the group's last tensor is done, it packs the
+  rest and selects the inline sparsified tensors: ONE call for the whole group with a
+  segmented sparsifier (top-k: ``α_h + β_h·Σ bytes``), one call per tensor otherwise, one
+  call over the whole fusion buffer for a multi-tensor group (Cupcake) —
+  :meth:`CostModel.select_s`.
 * **the offload worker** (SSFusion-O, §IV-C): an offloaded tensor is selected on one CPU
   worker, first come first served, from the end of its backward. On a job whose worker
   shares the cores with backward (``cost.shared_cores``: CPU-only training) that time is
@@ -19,13 +21,15 @@ SSFusion Eq. 2–4 use the same timelines. This module models the engine as it r
   tensor's backward ends; its allgather when the group has been selected and packed (and,
   with offloaded tensors, once the worker has finished them).
 * **the link** runs one collective at a time, in submission order, ``g(x) = α + β·x``.
+  The first is the optimizer's per-step agreement allreduce (``check``: a few bytes,
+  submitted with the first gradient).
 * **decode**: after backward, ``step()`` waits for the groups in plan order and decodes
   each (:func:`decode_bytes`, ``d(x) = α_d + β_d·x``); the iteration ends when the last
   group is decoded (and the worker is idle).
 
 :func:`~ssfusion_hvd.plan.fusion.optimal_fusion` is exact for this model without decode
-(``cost.decode = (0, 0)``); with a decode fit its partition minimizes the time the link
-becomes free, and :func:`simulate` scores the rest.
+(``cost.decode = (0, 0)``); with a decode fit it charges the last group's decode, which
+is exact while the earlier decodes keep up with the link.
 """
 from __future__ import annotations
 
@@ -34,7 +38,11 @@ from dataclasses import dataclass
 from .cost import CostModel, index_size
 from .plan import ALLREDUCE, Plan
 
-__all__ = ["GroupTimeline", "Timeline", "decode_bytes", "simulate", "wire_bytes"]
+__all__ = ["CHECK_BYTES", "GroupTimeline", "Timeline", "decode_bytes", "simulate", "wire_bytes"]
+
+#: Bytes of the optimizer's per-step agreement allreduce (``optimizer._start_check``:
+#: iteration and plan checksum, and their negations, as int64).
+CHECK_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -98,11 +106,21 @@ def decode_bytes(plan: Plan, gi: int, es: int, world_size: int) -> int:
     return sum(plan.sizes[g.start:g.end]) * es + world_size * _group_bytes(plan, gi, es)[1]
 
 
-def _run(plan: Plan, cost: CostModel, decide_offload: bool) -> tuple[Timeline, list[bool]]:
+def link_start(cost: CostModel, check: bool = True) -> float:
+    """When the link is first free for a group's collective: after the agreement
+    allreduce, submitted with the first gradient (``check``), else at the forward's end."""
+    if not check or not cost.backward_s:
+        return cost.forward_s
+    return cost.forward_s + cost.backward_s[0] + cost.allreduce_s(CHECK_BYTES)
+
+
+def _run(plan: Plan, cost: CostModel, decide_offload: bool,
+         check: bool = True) -> tuple[Timeline, list[bool]]:
     """Simulate ``plan``. With ``decide_offload``, instead of reading ``plan.offload``,
     offload every per-tensor sparsified tensor whose CPU finish time fits in its group's
     backward window (SSFusion-O Step-1), deciding greedily in backward order; nothing is
-    offloaded when the worker shares the cores (``cost.shared_cores``)."""
+    offloaded when the worker shares the cores (``cost.shared_cores``). ``check``: the
+    optimizer's agreement allreduce goes first on the link."""
     if len(cost.backward_s) != len(plan):
         raise ValueError(f"cost model has {len(cost.backward_s)} backward times, plan has {len(plan)} tensors")
     es, bwd, spf = cost.element_size, cost.backward_s, plan.sparsifier
@@ -110,44 +128,50 @@ def _run(plan: Plan, cost: CostModel, decide_offload: bool) -> tuple[Timeline, l
     if decide_offload and cost.shared_cores:
         decide_offload, offload = False, [False] * len(plan)
     compute = cpu = cost.forward_s
-    submits = []  # (time, order, group, "ar" | "ag", bytes)
+    submits = []  # (time, order, group, "ar" | "ag")
     spans = []    # (backward_start, backward_end, ready) per group
     for gi, g in enumerate(plan.groups):
         start = compute
         window_end = start + sum(bwd[g.start:g.end])  # SSFusion-O: the group's backward window
         ar_left = sum(1 for i in g.indices() if plan.collective[i] == ALLREDUCE)
+        ar_bytes, ag_bytes = _group_bytes(plan, gi, es)
         inline, worker_end = [], None
+        packed = 0  # bytes packed when the group is complete (dense allgather part, stages)
         ready = start
         for i in g.indices():
             compute += bwd[i]
             if plan.collective[i] == ALLREDUCE:
                 ar_left -= 1
-                if ar_left == 0:  # the engine submits the allreduce part right away
+                if ar_left == 0:  # the engine packs and submits the allreduce part now
+                    compute += cost.copy_s(ar_bytes)
                     submits.append((compute, len(submits), gi, "ar"))
                     ready = compute
                 continue
             if g.buffer_k is not None or not plan.sparse[i]:
+                packed += plan.sizes[i] * es
                 continue
             nbytes = plan.sizes[i] * es
             if decide_offload:
                 offload[i] = max(compute, cpu) + cost.sparsify_s(spf, "cpu", nbytes) <= window_end
             if not offload[i]:
                 inline.append(nbytes)
+                packed += nbytes
             elif cost.shared_cores:  # the worker's time is the cores' time
                 compute += cost.sparsify_s(spf, "cpu", nbytes)
             else:
                 cpu = worker_end = max(compute, cpu) + cost.sparsify_s(spf, "cpu", nbytes)
         backward_end = compute
+        compute += cost.copy_s(packed)
         if g.buffer_k is not None:  # one selection over the whole fusion buffer
-            compute += cost.select_s(spf, "gpu", [sum(plan.sizes[g.start:g.end]) * es])
+            compute += cost.select_s(spf, "gpu", [packed])
         else:
             compute += cost.select_s(spf, "gpu", inline)
-        if _group_bytes(plan, gi, es)[1] or g.buffer_k is not None:
+        if ag_bytes or g.buffer_k is not None:
             ready = compute if worker_end is None else max(compute, worker_end)
             submits.append((ready, len(submits), gi, "ag"))
         spans.append((start, backward_end, ready))
 
-    link = cost.forward_s
+    link = link_start(cost, check)
     comm: dict = {}
     for t, _, gi, kind in sorted(submits):
         ar_bytes, ag_bytes = _group_bytes(plan, gi, es)
@@ -168,6 +192,7 @@ def _run(plan: Plan, cost: CostModel, decide_offload: bool) -> tuple[Timeline, l
     return timeline, offload
 
 
-def simulate(plan: Plan, cost: CostModel) -> Timeline:
-    """Iteration time and per-group timeline of ``plan`` under ``cost`` (see module doc)."""
-    return _run(plan, cost, decide_offload=False)[0]
+def simulate(plan: Plan, cost: CostModel, check: bool = True) -> Timeline:
+    """Iteration time and per-group timeline of ``plan`` under ``cost`` (see module doc;
+    ``check=False`` leaves out the optimizer's agreement allreduce)."""
+    return _run(plan, cost, decide_offload=False, check=check)[0]

@@ -76,7 +76,8 @@ class PlannedPhase:
         # scheme="auto": which scheme's plan this is and why (plan.choose_plan)
         self.auto = ({"scheme_chosen": plan.scheme,
                       "predicted_s": json.loads(plan.notes["predicted_s"])}
-                     if plan.notes.get("chosen_by") == "auto" else {})
+                     if plan.notes.get("chosen_by") == "auto" and "predicted_s" in plan.notes
+                     else {})
         if config.log_plan and transport.rank == 0:
             print(plan.table(), file=sys.stderr, flush=True)
             if self.auto:
@@ -237,7 +238,7 @@ class PlannedPhase:
             extra=dict(self.auto))
 
     def pending(self) -> bool:
-        return any(self._ready) or bool(self._pending)
+        return any(self._ready) or any(self._ar_ready) or bool(self._pending or self._ar_pending)
 
     def reset(self) -> None:
         self._ready = [0] * len(self.groups)

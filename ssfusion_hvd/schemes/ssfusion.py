@@ -13,8 +13,8 @@
   is ready (``core/offload.py``), overlapping the rest of backward.
 * ``ssfusion_i`` (§IV-D): each fusion buffer split into a dense part sent by allreduce and
   a sparse part sent by allgather, at the split point minimizing ``T1 + T2``
-  (``plan.split_interleaved``); the two collectives of every group are submitted back to
-  back, interleaved group after group.
+  (``plan.split_interleaved``); a group's allreduce part leaves as soon as its own
+  tensors are ready, its allgather part once the group is selected and packed.
 * ``ssfusion_oi``: both. The recommended scheme.
 * ``auto``: after the warm-up, rank 0 builds the plan of every planned scheme and of
   Horovod's dense buckets on the measured cost model and runs the one the simulator
