@@ -186,7 +186,9 @@ def run_one(topo, args, model: str, workers: int, scheme: str, logs: Path) -> di
     cmd = topo.command([sys.executable, "-m", "ssfusion_hvd.examples.bench", "--model", model,
                         "--scheme", scheme, "--density", str(args.density), "--sparsifier",
                         args.sparsifier, "--warmup", str(warmup), "--iters", str(iters),
-                        "--json", str(tmp)], np=workers, controller=args.controller, env=env)
+                        "--json", str(tmp)]
+                       + (["--interfaces", "lo,eth0"] if args.hosts > 1 else []),
+                       np=workers, controller=args.controller, env=env)
     log = logs / f"{stem}.log"
     t0 = time.time()
     with open(log, "w") as f:

@@ -225,7 +225,7 @@ class Cluster:
         return self
 
     def _preflight(self) -> None:
-        self.requirements()
+        self.requirements(self.prefix)
         left = leftovers(self.prefix)
         if left:
             raise ClusterError(
@@ -235,8 +235,9 @@ class Cluster:
                 f"{Path(__file__).resolve()} --cleanup --prefix {self.prefix}` if nothing uses it")
 
     @staticmethod
-    def requirements() -> None:
-        """Raises ClusterError unless this machine can run a cluster (root, the tools)."""
+    def requirements(prefix: str = "ssfc") -> None:
+        """Raises ClusterError unless this machine can run a cluster (root, the tools, and
+        network namespaces: a probe one, named with ``prefix``, is made and removed)."""
         if os.geteuid() != 0:
             raise ClusterError("cluster.py needs root (network namespaces, tc, sshd): run it with sudo")
         missing = sorted({pkg for tool, pkg in TOOLS.items()
@@ -244,6 +245,13 @@ class Cluster:
         if missing:
             raise ClusterError(f"cluster.py needs the Debian packages {', '.join(missing)} "
                                "(scripts/install.sh installs them when run as root)")
+        probe = f"{prefix}-probe{os.getpid()}"  # root is not always enough (a container)
+        try:
+            made = sh("ip", "netns", "add", probe, check=False)
+        finally:
+            sh("ip", "netns", "del", probe, check=False)
+        if made.returncode != 0:
+            raise ClusterError(f"cannot create network namespaces here: {made.stderr.strip()}")
 
     def _build(self) -> None:
         self.state = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-cluster-"))

@@ -18,8 +18,10 @@ from:
   call: in the α of every allreduce and allgather of the planned schemes, and
   ``formulas.collectives(scheme, P)`` times for SparDL, ZEN and ExDyna, whose closed forms
   are evaluated on the ring model alone;
-* **assumed** (no GPU was measured): backward time 20 us + 1 ns per element per tensor and
-  inline (GPU) selection fitted to SSFusion Table III.
+* **assumed** (no GPU was measured): backward time 20 us + 1 ns per element per tensor,
+  inline (GPU) selection fitted to SSFusion Table III (per call: one call per group for
+  top-k, which the engine runs as one segmented kernel), decode 20 us + 20 GB/s per
+  group (``DEFAULT_DECODE``), and an offload worker with cores of its own (a GPU job).
 
 Gains are reported as SSFusion-(O+I)'s throughput over the best of the other sparse
 schemes (the papers' "state of the art": per_tensor, multi_tensor, spardl, zen, exdyna),
@@ -37,7 +39,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ssfusion_hvd.plan.cost import DEFAULT_SPARSIFY, CostModel, default_backward_times  # noqa: E402
+from ssfusion_hvd.plan.cost import (  # noqa: E402
+    DEFAULT_DECODE,
+    DEFAULT_SPARSIFY,
+    CostModel,
+    default_backward_times,
+)
 from ssfusion_hvd.plan.formulas import FORMULA_SCHEMES, iteration_s  # noqa: E402
 from ssfusion_hvd.plan.models import model_tensors  # noqa: E402
 from ssfusion_hvd.plan.schemes import build_plan  # noqa: E402
@@ -98,9 +105,9 @@ def scaled_cost(measured: dict, sparsifier: str, bandwidth_bps: float, workers: 
         allreduce=(ring.allreduce[0] + ar, ring.allreduce[1]),
         allgather=(ring.allgather[0] + ag, ring.allgather[1]),
         sparsify={sparsifier: {"gpu": tuple(gpu), "cpu": tuple(cpu)}},
-        backward_s=ring.backward_s, element_size=4,
+        backward_s=ring.backward_s, element_size=4, decode=DEFAULT_DECODE, shared_cores=False,
         notes={"source": "what-if: measured fixed costs and CPU selection, ring bandwidth, "
-                         "assumed backward and GPU selection"})
+                         "assumed backward, GPU selection and decode"})
 
 
 def evaluate(model: str, workers: int, gbit: float, measured: dict, args) -> dict:

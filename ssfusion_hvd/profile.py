@@ -6,6 +6,8 @@ measured on the running job (docs/design.md "How a plan is made").
 * :func:`time_sparsifier`: ``h(x) = α_h + β_h·x`` of one sparsifier on one device (Cupcake
   §4.1 compression time; SSFusion §IV-A "sparsification time", timed over several sizes
   and repeats).
+* :func:`time_decode`: ``d(x) = α_d + β_d·x`` of one group's decode (zero the output,
+  scatter-add every rank's record), ``x`` the bytes it touches.
 * :class:`BackwardTimer`: per-tensor backward time ``T_b`` and the backward order, from the
   gradient-ready hooks of the warm-up iterations (SSFusion §IV-A "computation time",
   §IV-B "online profiling" during the first iterations).
@@ -33,6 +35,7 @@ __all__ = [
     "fit_affine",
     "measure_cost_model",
     "probe_collectives",
+    "time_decode",
     "time_sparsifier",
 ]
 
@@ -40,6 +43,8 @@ __all__ = [
 COLLECTIVE_SIZES = (4096, 65536, 1 << 20, 4 << 20)
 #: Dense input sizes (bytes) of :func:`time_sparsifier`.
 SPARSIFY_SIZES = (40_000, 400_000, 4_000_000)
+#: Output sizes (bytes) of :func:`time_decode`.
+DECODE_SIZES = (40_000, 400_000, 4_000_000)
 
 
 # -- fitting ------------------------------------------------------------------------------
@@ -188,17 +193,53 @@ def _time_select(make, sparsifier, dev, density, sizes_bytes, repeats, dtype,
         else:
             def run(x=x, k=k, s=make(sparsifier)):
                 return s.select(x, k)
-        run()  # warm-up
-        _sync(dev)
-        samples = []
-        for _ in range(repeats):
-            _sync(dev)
-            start = time.perf_counter()
-            run()
-            _sync(dev)
-            samples.append(time.perf_counter() - start)
+        ts.append(_median_seconds(run, dev, repeats))
         xs.append(n * x.element_size())
-        ts.append(statistics.median(samples))
+    return fit_affine(xs, ts)
+
+
+def _median_seconds(run, dev, repeats: int) -> float:
+    run()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        _sync(dev)
+        start = time.perf_counter()
+        run()
+        _sync(dev)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def time_decode(device="cpu", world_size=2, density=0.01, sizes_bytes=DECODE_SIZES,
+                repeats=3, dtype=torch.float32) -> tuple[float, float]:
+    """``d(x)`` of one group's decode on ``device``: what ``SparsePart.decode`` runs for a
+    tensor of each size (zero the output, then scatter-add ``world_size`` records of
+    ``k = ceil(density·n)`` elements), ``x`` the bytes it touches as the simulator counts
+    them (:func:`~ssfusion_hvd.plan.timeline.decode_bytes`). Local: no collective."""
+    from . import ops
+    from .plan.cost import index_size
+
+    dev = _torch_device(device)
+    gen = torch.Generator().manual_seed(0)
+    xs, ts = [], []
+    for nbytes in sizes_bytes:
+        n = _numel(nbytes, dtype)
+        k = int(nominal_k(n, density))
+        rec = ops.record_numel(k, dtype)
+        gathered = torch.zeros(world_size * rec, dtype=dtype)  # packed on the host, then moved
+        for r in range(world_size):
+            idx = torch.randperm(n, generator=gen)[:k].to(torch.int32)
+            ops.pack(torch.randn(k, generator=gen).to(dtype), idx, gathered, r * rec)
+        gathered = gathered.to(dev)
+        out = torch.empty(n, dtype=dtype, device=dev)
+
+        def run(out=out, gathered=gathered, k=k):
+            out.zero_()
+            ops.scatter_add_chunks(out, gathered, world_size, 0, k)
+
+        ts.append(_median_seconds(run, dev, max(1, int(repeats))))
+        es = out.element_size()
+        xs.append(n * es + world_size * k * (es + index_size(n)))
     return fit_affine(xs, ts)
 
 
@@ -346,6 +387,7 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
                                    SPARSIFY_SIZES, 3, torch.float32, host_copy=True)
         sparsify[sparsifier] = {"gpu": fit, "cpu": cpu_fit}
     world = ps.size() if ps.size() is not None else transport.world_size()
+    decode = time_decode(dev, world_size=int(world), density=density) if sparsifier else (0.0, 0.0)
     model = CostModel(
         world_size=int(world),
         allreduce=comm["allreduce"],
@@ -353,11 +395,15 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
         sparsify=sparsify,
         backward_s=backward_s,
         element_size=int(element_size),
+        decode=decode,
+        # a CPU-only job: the offload worker's thread runs on the cores backward uses
+        shared_cores=dev.type == "cpu",
         notes={
             "source": "measured",
             "device": str(dev),
             "probe_sizes": ",".join(str(s) for s in COLLECTIVE_SIZES),
             "sparsify_sizes": ",".join(str(s) for s in SPARSIFY_SIZES),
+            "decode_sizes": ",".join(str(s) for s in DECODE_SIZES),
             "density": repr(float(density)),
         },
     )

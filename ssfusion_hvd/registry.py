@@ -39,6 +39,9 @@ SCHEMES = {s.name: s for s in (
     SchemeInfo("ssfusion_i", "ssfusion", "SSFusionIScheme", True,
                "ssfusion + each buffer split into allreduce and allgather parts"),
     SchemeInfo("ssfusion_oi", "ssfusion", "SSFusionOIScheme", True, "both (recommended)"),
+    SchemeInfo("auto", "ssfusion", "AutoScheme", True,
+               "whichever planned scheme (or dense) the simulator predicts fastest on the "
+               "cost model measured in the job"),
     SchemeInfo("spardl", "spardl", "SparDLScheme", False,
                "SparDL: Spar-Reduce-Scatter and Spar-All-Gather"),
     SchemeInfo("zen", "zen", "ZenScheme", False, "ZEN: hashed balanced parallelism"),

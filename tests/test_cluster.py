@@ -23,7 +23,7 @@ import cluster  # noqa: E402
 
 def _why_not() -> str:
     try:
-        cluster.Cluster.requirements()
+        cluster.Cluster.requirements(CLUSTER_PREFIX)
     except cluster.ClusterError as e:
         return str(e)
     return ""

@@ -84,6 +84,29 @@ def test_e2e_topologies_and_controllers_get_their_own_dense_baseline():
     assert "| 4 workers on 2 hosts x 2 slots | gloo | 1.00 | 169 | 2.00 | 23.0 |" in costs
 
 
+def test_planner_validation_compares_the_simulated_plan_with_the_measured_step(tmp_path):
+    """validate_planner.py simulates the plan a run recorded on the cost model it recorded,
+    and compares it with backward + step() as measured."""
+    import validate_planner
+    from ssfusion_hvd.plan import CostModel, build_plan, simulate
+
+    sizes = [1000, 50, 20000]
+    cost = CostModel.from_network(1e9, 25e-6, 4, [1e-3, 1e-4, 2e-3],
+                                  sparsify={"topk": {"gpu": (1e-4, 1e-10), "cpu": (1e-4, 1e-9)}})
+    plan = build_plan("ssfusion_oi", sizes, cost, 0.01, ["a", "b", "c"], "topk")
+    want = simulate(plan, cost).iteration_s
+    run = _row("m", 4, "ssfusion_oi", 10.0, backward_s=want / 2, step_s=want / 2 * 1.5,
+               density_target=0.01, plan=json.loads(plan.to_json()),
+               cost_model=json.loads(cost.to_json()))
+    found = validate_planner.rows([run, _row("m", 4, "dense", 5.0), {**run, "error": "exit 1"}])
+    assert len(found) == 1  # dense runs no plan of ours; failed runs are skipped
+    assert found[0]["predicted_s"] == pytest.approx(want)
+    assert found[0]["error"] == pytest.approx(1 / 1.25 - 1)
+    text = validate_planner.table(found)
+    assert "| m | 4 | ssfusion_oi | " in text and "| 0.80 |" in text
+    assert "median |error| 20.0 % over 1 schemes (OUTSIDE 15 %)" in text
+
+
 def test_convergence_table_mean_std_and_difference_to_dense():
     def run(scheme, seed, acc, missing):
         return {"task": "digits", "scheme": scheme, "seed": seed, "metric": "test_acc",

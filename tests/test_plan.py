@@ -1,5 +1,6 @@
 """Planner unit tests: simulator on hand-computed timelines, density-aware compensation,
 offloading, scheme builders, JSON, the plan table, the models and the CLI."""
+import json
 import math
 
 import numpy as np
@@ -18,6 +19,7 @@ from ssfusion_hvd.plan import (
     build_plan,
     choose_offload,
     compensate_density,
+    decode_bytes,
     default_backward_times,
     floor_density,
     wire_budget,
@@ -25,6 +27,7 @@ from ssfusion_hvd.plan import (
     fused_plan,
     model_tensors,
     nominal_k,
+    optimal_fusion,
     parse_bandwidth,
     simulate,
     threshold_groups,
@@ -80,12 +83,25 @@ def test_offloaded_tensors_run_on_one_fifo_cpu_worker():
 
 def test_interleaved_group_allgather_waits_for_allreduce_and_sparse_tensors():
     p = plan([100, 100], [(0, 2)], [False, True], [100, 1], [ALLREDUCE, ALLGATHER])
-    t = simulate(p, cost([1.0, 1.0], ar=(0.5, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0)))
-    g = t.groups[0]
+    c = cost([1.0, 1.0], ar=(0.5, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0))
+    g = simulate(p, c, check=False).groups[0]
     assert (g.ar_start, g.ar_end) == (1.0, 1.5)
     assert (g.ag_start, g.ag_end) == (2.25, 3.25)
-    p_slow_ar = simulate(p, cost([1.0, 1.0], ar=(2.0, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0)))
-    assert (p_slow_ar.groups[0].ag_start, p_slow_ar.iteration_s) == (3.0, 4.0)
+    slow = simulate(p, cost([1.0, 1.0], ar=(2.0, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0)), check=False)
+    assert (slow.groups[0].ag_start, slow.iteration_s) == (3.0, 4.0)
+    # the optimizer's agreement allreduce, submitted with the first gradient, goes first
+    g = simulate(p, c).groups[0]
+    assert (g.ar_start, g.ar_end, g.ag_start) == (1.5, 2.0, 2.25)
+
+
+def test_packing_a_group_costs_a_memory_pass_on_the_compute_thread():
+    # decode's per-byte rate, 1/400 s per byte: packing the allreduce part (400 B) when t0
+    # is done, 1-2; t1's backward 2-3; its 400 B staged 3-4, selected 4-4.25
+    p = plan([100, 100], [(0, 2)], [False, True], [100, 1], [ALLREDUCE, ALLGATHER])
+    t = simulate(p, _model([1.0, 1.0], ar=(0.5, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0),
+                           decode=(0.0, 1 / 400)), check=False)
+    g = t.groups[0]
+    assert (g.ar_start, g.backward_end, g.ag_start, t.compute_end) == (2.0, 3.0, 4.25, 4.25)
 
 
 def test_multi_tensor_buffer_is_sparsified_once_after_its_last_backward():
@@ -95,6 +111,81 @@ def test_multi_tensor_buffer_is_sparsified_once_after_its_last_backward():
     # backward 0.5-2.5, buffer of 2000 B sparsified 2.5-3.75, 5 values + 5 int32 indices = 40 B
     assert (g.backward_start, g.backward_end, g.ready) == (0.5, 2.5, 3.75)
     assert t.iteration_s == 3.75 + 1.0 + 40 / 1024
+
+
+def _model(backward, ar=(0.0, 0.0), ag=(0.0, 0.0), gpu=(0.0, 0.0), cpu=(0.0, 0.0),
+           decode=(0.0, 0.0), shared_cores=False):
+    """A cost model with the same fits for "topk" (segmented) and "dgc" (per tensor)."""
+    fits = {"gpu": gpu, "cpu": cpu}
+    return CostModel(4, ar, ag, {"dgc": fits, "topk": fits}, backward, 4, 0.0,
+                     decode=decode, shared_cores=shared_cores)
+
+
+def _with(p: Plan, sparsifier: str) -> Plan:
+    return Plan.from_json(p.to_json().replace('"sparsifier": "dgc"', f'"sparsifier": "{sparsifier}"'))
+
+
+def test_a_group_is_selected_once_it_is_complete_in_one_segmented_call():
+    # two sparsified tensors of 400 B: backward 0-2, then top-k of both in ONE call
+    # (0.5 + 800 B / 800), allgather 3.5-4.5, decode 0.25; dgc calls once per tensor
+    p = plan([100, 100], [(0, 2)], [True, True], [1, 1])
+    c = _model([1.0, 1.0], ag=(1.0, 0.0), gpu=(0.5, 1 / 800), decode=(0.25, 0.0))
+    seg = simulate(_with(p, "topk"), c)
+    assert (seg.compute_end, seg.groups[0].ag_start, seg.iteration_s) == (3.5, 3.5, 4.75)
+    per_tensor = simulate(_with(p, "dgc"), c)
+    assert (per_tensor.compute_end, per_tensor.iteration_s) == (4.0, 5.25)
+
+
+def test_the_allreduce_part_leaves_when_its_last_tensor_is_ready():
+    # t1 rides the allreduce: it leaves at 2 (t1's backward), before the group's selection
+    p = _with(plan([100, 100, 100], [(0, 3)], [True, False, True], [1, 100, 1],
+                   [ALLGATHER, ALLREDUCE, ALLGATHER]), "topk")
+    t = simulate(p, _model([1.0] * 3, ar=(0.5, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0)))
+    g = t.groups[0]
+    assert (g.ar_start, g.ar_end, g.ag_start, g.ag_end, t.iteration_s) == (2.0, 2.5, 3.25, 4.25, 4.25)
+
+
+def test_decode_runs_after_backward_group_by_group():
+    # the dense groups of the first test, 1024 B each; a memory pass costs 1 s per 1024 B,
+    # a decode 0.25 more. Group 0: backward 0-3, packed 3-4, allreduce 4-5.5; group 1:
+    # backward 4-7, packed 7-8, allreduce 8-9.5. Decode: group 0 waits for backward's end
+    # (8): 8-9.25; group 1 for its allreduce: 9.5-10.75, the end of the iteration
+    p = plan([128, 128, 256], [(0, 2), (2, 3)], [False] * 3, [128, 128, 256], [ALLREDUCE] * 3)
+    t = simulate(p, _model([1.0, 2.0, 3.0], ar=(0.5, 1 / 1024), decode=(0.25, 1 / 1024)))
+    assert [(g.ar_start, g.ar_end) for g in t.groups] == [(4.0, 5.5), (8.0, 9.5)]
+    assert [g.decode_end for g in t.groups] == [9.25, 10.75] and t.iteration_s == 10.75
+    # a sparse group's decode touches its output and the P gathered records: 400 + 4 x 8 B
+    sparse = plan([100], [(0, 1)], [True], [1])
+    assert decode_bytes(sparse, 0, 4, 4) == 432
+
+
+def test_the_link_runs_collectives_in_submission_order():
+    # group 0's tensor is offloaded (worker 1-4): group 1's allreduce, submitted at 2,
+    # crosses the link before group 0's allgather, submitted at 4
+    p = plan([100, 100], [(0, 1), (1, 2)], [True, False], [1, 100], [ALLGATHER, ALLREDUCE],
+             offload=[True, False])
+    c = _model([1.0, 1.0], ar=(0.5, 0.0), ag=(1.0, 0.0), cpu=(3.0, 0.0), decode=(0.25, 0.0))
+    t = simulate(p, c)
+    g0, g1 = t.groups
+    assert (g1.ar_start, g1.ar_end, g0.ready, g0.ag_start, g0.ag_end) == (2.0, 2.5, 4.0, 4.0, 5.0)
+    assert (t.cpu_end, [g.decode_end for g in t.groups], t.iteration_s) == (4.0, [5.25, 5.5], 5.5)
+
+
+def test_an_offload_worker_sharing_the_cores_takes_its_time_from_backward():
+    # the same plan on a CPU-only job: t0's selection runs on the compute thread, 1-4,
+    # so t1's backward runs 4-5; offloading frees nothing, and is never chosen there
+    p = plan([100, 100], [(0, 1), (1, 2)], [True, False], [1, 100], [ALLGATHER, ALLREDUCE],
+             offload=[True, False])
+    c = _model([1.0, 1.0], ar=(0.5, 0.0), ag=(1.0, 0.0), cpu=(3.0, 0.0), decode=(0.25, 0.0),
+               shared_cores=True)
+    t = simulate(p, c)
+    g0, g1 = t.groups
+    assert (g0.ag_start, g1.backward_end, g1.ar_start, t.iteration_s) == (4.0, 5.0, 5.0, 5.75)
+    base = fused_plan([10**6] * 4, [(0, 2), (2, 4)], "per_tensor", 0.01, "ssfusion")
+    roomy = _model([1.0] * 4, ag=(1e-3, 1e-9), gpu=(0.5, 0.0), cpu=(1e-3, 0.0))
+    assert any(choose_offload(base, roomy).offload)
+    shared = _model([1.0] * 4, ag=(1e-3, 1e-9), gpu=(0.5, 0.0), cpu=(1e-3, 0.0), shared_cores=True)
+    assert not any(choose_offload(base, shared).offload)
 
 
 def test_simulate_rejects_mismatched_cost_model():
@@ -210,13 +301,15 @@ def test_offload_fits_the_backward_window_and_never_slows_down(data):
     cpu, compute = 0.0, 0.0
     for g in off.groups:
         window_end = compute + sum(bwd[g.start:g.end])
+        inline = []
         for i in g.indices():
             compute += bwd[i]
             if off.offload[i]:
                 cpu = max(cpu, compute) + c.sparsify_s("dgc", "cpu", sizes[i] * 4)
                 assert cpu <= window_end
             else:
-                compute += c.sparsify_s("dgc", "gpu", sizes[i] * 4)
+                inline.append(sizes[i] * 4)
+        compute += c.select_s("dgc", "gpu", inline)  # the rest, once the group is complete
 
 
 # -- scheme builders on real layer lists --------------------------------------------------
@@ -233,7 +326,8 @@ def test_every_scheme_on_resnet50(resnet50):
     names, sizes, c = resnet50
     plans = {s: build_plan(s, sizes, c, 0.01, names) for s in PLANNERS}
     times = {s: simulate(p, c).iteration_s for s, p in plans.items()}
-    assert all(p.scheme == s for s, p in plans.items())
+    assert all(p.scheme == s for s, p in plans.items() if s != "auto")
+    assert plans["auto"].scheme in PLANNERS and plans["auto"].notes["chosen_by"] == "auto"
     # no tensor missing outside multi-tensor sparsification
     for s in ("per_tensor", "ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"):
         assert all(k is not None and k >= 1 for k in plans[s].k), s
@@ -242,8 +336,12 @@ def test_every_scheme_on_resnet50(resnet50):
     assert len(plans["per_tensor"].groups) == len(sizes)
     mt = plans["multi_tensor"]
     assert all(g.buffer_k == nominal_k(sum(sizes[g.start:g.end]), 0.01) for g in mt.groups)
-    # SSFusion keeps Cupcake's fusion buffers (§IV-B Step-1)
-    assert [(g.start, g.end) for g in plans["ssfusion"].groups] == [(g.start, g.end) for g in mt.groups]
+    # SSFusion's fusion buffers are the optimal fusion of per-tensor sparsified tensors
+    # (§IV-B Step-1, optimized for what runs in them)
+    per_tensor_fusion = optimal_fusion(sizes, c, "per_tensor", 0.01)
+    for s in ("ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"):
+        assert [(g.start, g.end) for g in plans[s].groups] == \
+            [(g.start, g.end) for g in per_tensor_fusion.groups], s
     # density-aware compensation holds link time to every tensor sparsified at 0.01 (up to
     # one element of rounding per tensor) and keeps every sparsified tensor >= 0.005
     slack = c.allgather[1] * 8 * len(sizes)
@@ -258,6 +356,18 @@ def test_every_scheme_on_resnet50(resnet50):
     assert times["ssfusion_o"] <= times["ssfusion"]
     assert times["ssfusion_oi"] <= times["ssfusion_i"]
     assert any(x == ALLREDUCE for x in plans["ssfusion_i"].collective)
+
+
+def test_dense_groups_follow_horovods_cycle_and_threshold():
+    """Horovod fuses what became ready in one cycle (1 ms), up to the threshold."""
+    from ssfusion_hvd.plan.schemes import horovod_groups
+    c = CostModel(4, (0, 0), (0, 0), {}, [0.4e-3, 0.4e-3, 0.4e-3, 0.9e-3, 0.1e-3])
+    # ready at 0.4, 0.8 | 1.2 | 2.1, 2.2 ms
+    assert horovod_groups([10] * 5, c, 1 << 20) == [(0, 2), (2, 3), (3, 5)]
+    assert horovod_groups([10] * 5, c, 60) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert horovod_groups([10] * 5, c, 1 << 20, cycle_s=0) == [(0, 5)]
+    plan = build_plan("dense", [10] * 5, c)
+    assert [(g.start, g.end) for g in plan.groups] == [(0, 2), (2, 3), (3, 5)]
 
 
 def test_threshold_groups():
@@ -292,7 +402,9 @@ def test_plan_json_round_trip_and_table(tmp_path, resnet50, scheme):
     assert Plan.load(tmp_path / "plan.json") == p
     t = simulate(p, c)
     text = p.table(t)
-    assert f"scheme={scheme}" in text and f"groups={len(p.groups)}" in text
+    assert f"scheme={p.scheme}" in text and f"groups={len(p.groups)}" in text
+    assert (p.scheme == scheme) == (scheme != "auto")
+    assert ("(chosen by auto)" in text) == (scheme == "auto")
     assert all(name in text for name in names)
     assert text.count(" group [") == len(p.groups)
     assert f"simulated iteration time: {t.iteration_s * 1e3:.3f} ms" in text
@@ -387,18 +499,38 @@ def test_formulas_match_the_papers():
 
 
 @pytest.mark.parametrize("gbit", [1, 10, 100, 10_000])
-def test_ssfusion_plans_never_lose_to_their_buffers_sent_dense(gbit):
+def test_ssfusion_plans_never_lose_to_horovods_dense_buckets(gbit):
     """Selective sparsification decides per tensor; the plan as a whole must still be at
-    least as fast, under its own cost model, as the same fusion buffers sent dense. On a
-    network fast enough that sparsification never pays, that is the dense plan itself."""
+    least as fast, under its own cost model, as Horovod's dense allreduce of 64 MiB
+    buckets. On a network fast enough that sparsification never pays, it is those
+    buckets."""
     tensors = model_tensors("resnet152")
     names, sizes = [n for n, _ in tensors], [n for _, n in tensors]
     c = CostModel.from_network(gbit * 1e9, 25e-6, 16, default_backward_times(sizes))
+    horovod = build_plan("dense", sizes, c, 0.01, names)
     for s in ("ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"):
         p = build_plan(s, sizes, c, 0.01, names)
-        bounds = [(g.start, g.end) for g in p.groups]
-        dense = fused_plan(sizes, bounds, "none", 0.01, s, names, "dgc")
-        assert simulate(p, c).iteration_s <= simulate(dense, c).iteration_s, (s, gbit)
+        assert simulate(p, c).iteration_s <= simulate(horovod, c).iteration_s, (s, gbit)
         assert p.scheme == s
         if gbit == 10_000:
             assert not any(p.sparse), s
+            assert p.groups == horovod.groups and p.collective == horovod.collective, s
+
+
+@pytest.mark.parametrize("gbit, expect_dense", [(10_000, True), (0.1, False)])
+def test_auto_picks_the_fastest_simulated_plan_never_slower_than_dense(gbit, expect_dense):
+    """scheme="auto": every planned scheme's plan and Horovod's dense buckets, simulated on
+    the same cost model; the fastest runs. A very fast link: dense. A slow one: sparse."""
+    tensors = model_tensors("resnet50")
+    names, sizes = [n for n, _ in tensors], [n for _, n in tensors]
+    c = CostModel.from_network(gbit * 1e9, 25e-6, 8, default_backward_times(sizes))
+    auto = build_plan("auto", sizes, c, 0.01, names)
+    predicted = json.loads(auto.notes["predicted_s"])
+    assert auto.notes["chosen_by"] == "auto"
+    assert set(predicted) == set(PLANNERS) - {"auto"}
+    assert predicted[auto.scheme] == min(predicted.values())
+    assert simulate(auto, c).iteration_s == predicted[auto.scheme] <= predicted["dense"]
+    assert (auto.scheme == "dense") == expect_dense
+    assert any(auto.sparse) != expect_dense
+    # the plan is exactly that scheme's plan
+    assert auto.groups == build_plan(auto.scheme, sizes, c, 0.01, names).groups

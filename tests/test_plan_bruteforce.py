@@ -35,16 +35,20 @@ def random_sizes(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(1, 5000) if rng.random() < 0.5 else rng.randint(10**4, 5 * 10**6) for _ in range(n)]
 
 
-def random_cost(rng: random.Random, n: int) -> CostModel:
+def random_cost(rng: random.Random, n: int, decode: bool = False) -> CostModel:
+    """Random fits; "topk" (one segmented call per group) and "dgc" (one call per tensor)
+    share them. ``decode``: a random decode fit (the fusion DP is exact without one)."""
     def ab(alpha_max, beta_max):
         return (rng.choice([0.0, rng.uniform(0, alpha_max)]), rng.uniform(0, beta_max))
+    fits = {"gpu": ab(2e-3, 2e-10), "cpu": ab(4e-3, 2e-9)}
     return CostModel(
         world_size=rng.choice([2, 4, 8, 16, 64]),
         allreduce=ab(2e-3, 2e-9),
         allgather=ab(4e-3, 1e-8),
-        sparsify={"dgc": {"gpu": ab(2e-3, 2e-10), "cpu": ab(4e-3, 2e-9)}},
+        sparsify={"dgc": fits, "topk": fits},
         backward_s=[rng.choice([0.0, rng.uniform(0, 3e-3)]) for _ in range(n)],
         forward_s=rng.uniform(0, 1e-2),
+        decode=ab(1e-4, 1e-10) if decode else (0.0, 0.0),
     )
 
 
@@ -68,25 +72,41 @@ def test_optimal_fusion_matches_brute_force(seed):
     density = rng.choice([0.001, 0.01, 0.05, 0.3, 1.0])
     sizes = random_sizes(rng, n)
     cost = random_cost(rng, n)
+    sparsifier = rng.choice(["dgc", "topk"])
 
-    plan = optimal_fusion(sizes, cost, sparsification, density)
+    plan = optimal_fusion(sizes, cost, sparsification, density, sparsifier=sparsifier)
     got = simulate(plan, cost).iteration_s
-    brute = min(simulate(fused_plan(sizes, b, sparsification, density, "brute"), cost).iteration_s
-                for b in partitions(n))
+    brute = min(simulate(fused_plan(sizes, b, sparsification, density, "brute", sparsifier=sparsifier),
+                         cost).iteration_s for b in partitions(n))
     assert math.isclose(got, brute, rel_tol=1e-12, abs_tol=1e-15), (got, brute)
 
 
 def test_optimal_fusion_extremes():
     """Comm as long as a backward step but no start-up cost: one group per tensor; pure
     start-up cost: a single group."""
-    sizes = [1, 1, 1, 1]
-    per_byte = CostModel(4, (0.0, 0.0625), (0.0, 0.0625), {"dgc": {"gpu": (0.0, 0.0)}}, [1.0] * 4)
+    sizes = [16, 16, 16, 16]  # 64 B: 0.25 s each; the 32 B agreement allreduce 0.125 s
+    per_byte = CostModel(4, (0.0, 1 / 256), (0.0, 1 / 256), {"dgc": {"gpu": (0.0, 0.0)}}, [1.0] * 4)
     plan = optimal_fusion(sizes, per_byte, "none")
     assert [(g.start, g.end) for g in plan.groups] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert simulate(plan, per_byte).iteration_s == 4.25
     latency_bound = CostModel(4, (1.0, 0.0), (1.0, 0.0), {"dgc": {"gpu": (0.0, 0.0)}}, [0.0] * 4)
     for mode in SPARSIFICATIONS:
         assert [(g.start, g.end) for g in optimal_fusion(sizes, latency_bound, mode).groups] == [(0, 4)]
+
+
+def test_optimal_fusion_charges_the_last_groups_decode():
+    """Three 1 KiB tensors, 0.1 s of backward each, allreduce 2 s + 0.25 s/KiB, decode and
+    packing 1 s/KiB. One group frees the link first, then decodes all 3 KiB after it; the
+    DP, charging the last group's decode, splits and matches brute force."""
+    sizes = [256, 256, 256]
+    c = CostModel(4, (2.0, 0.25 / 1024), (0.0, 0.0), {"dgc": {"gpu": (0.0, 0.0)}},
+                  [0.1] * 3, decode=(0.0, 1 / 1024))
+    runs = {tuple(b): simulate(fused_plan(sizes, b, "none", 1.0, "b"), c) for b in partitions(3)}
+    link_first = min(runs, key=lambda b: runs[b].groups[-1].ar_end)
+    assert link_first == ((0, 3),)
+    dp = simulate(optimal_fusion(sizes, c, "none"), c).iteration_s
+    best = min(t.iteration_s for t in runs.values())
+    assert math.isclose(dp, best) and dp < runs[link_first].iteration_s - 1.0
 
 
 def one_group_split(plan: Plan, group: Group, dense: set[int], ks) -> Plan:
@@ -99,6 +119,7 @@ def one_group_split(plan: Plan, group: Group, dense: set[int], ks) -> Plan:
         [i not in dense for i in idx],
         [plan.sizes[i] if i in dense else ks[i] for i in idx],
         [ALLREDUCE if i in dense else ALLGATHER for i in idx], [False] * len(idx), plan.density,
+        plan.sparsifier,
     )
 
 
@@ -109,19 +130,20 @@ def test_split_objective_is_the_one_group_timeline(seed):
     rng = random.Random(1000 + seed)
     n = rng.randint(1, 24)
     sizes = random_sizes(rng, n)
-    cost = random_cost(rng, n)
+    cost = random_cost(rng, n, decode=True)
     density = rng.choice([0.001, 0.01, 0.1])
     cuts = sorted(rng.sample(range(1, n), min(n - 1, rng.randint(0, 3)))) if n > 1 else []
     bounds = list(zip([0] + cuts, cuts + [n]))
-    plan = fused_plan(sizes, bounds, "per_tensor", density, "fused")
+    plan = fused_plan(sizes, bounds, "per_tensor", density, "fused",
+                      sparsifier=rng.choice(["dgc", "topk"]))
     ks = [rng.randint(1, x) for x in sizes]
     for gi, g in enumerate(plan.groups):
         cand = [i for i in g.indices() if rng.random() < 0.6]
         alone = cost.with_backward(cost.backward_s[g.start:g.end])
         alone.forward_s = 0.0
         by_size = sorted(cand, key=lambda j: (sizes[j], j))
-        simulated = [simulate(one_group_split(plan, g, set(by_size[:cut]), ks), alone).iteration_s
-                     for cut in range(len(cand) + 1)]
+        simulated = [simulate(one_group_split(plan, g, set(by_size[:cut]), ks), alone,
+                              check=False).iteration_s for cut in range(len(cand) + 1)]
         np.testing.assert_allclose(split_objective(plan, cost, gi, ks, cand), simulated,
                                    rtol=1e-12, atol=1e-15)
     # defaults: every tensor a candidate, k = ceil(density n)
@@ -130,8 +152,8 @@ def test_split_objective_is_the_one_group_timeline(seed):
     alone.forward_s = 0.0
     by_size = sorted(g.indices(), key=lambda j: (sizes[j], j))
     nominal = [nominal_k(x, density) for x in sizes]
-    simulated = [simulate(one_group_split(plan, g, set(by_size[:cut]), nominal), alone).iteration_s
-                 for cut in range(len(g) + 1)]
+    simulated = [simulate(one_group_split(plan, g, set(by_size[:cut]), nominal), alone,
+                          check=False).iteration_s for cut in range(len(g) + 1)]
     np.testing.assert_allclose(split_objective(plan, cost, 0), simulated, rtol=1e-12, atol=1e-15)
 
 

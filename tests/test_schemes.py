@@ -116,6 +116,25 @@ def check_run(runs, op="average", predivide=1.0, rtol=1e-5, atol=1e-6, sparsifie
     return checked
 
 
+def test_auto_runs_dense_on_a_fast_link_and_a_sparse_plan_on_a_slow_one():
+    """scheme="auto" on 2 workers: with a 100 Tbit/s cost model Horovod's dense buckets win
+    the simulation, with 10 Mbit/s a sparse plan does; every rank runs the same plan, and
+    its gradients equal the reference of that plan."""
+    results = run_workers("workers_schemes:auto_runs", np=2, timeout=300,
+                          gbits=[1e5, 0.01], steps=5, warmup=2)
+    for gbit, want_sparse in ((1e5, False), (0.01, True)):
+        runs = [r[gbit] for r in results]
+        assert check_run(runs) == 3, gbit
+        plans = {run["steps"][-1]["plan"] for run in runs}
+        assert len(plans) == 1  # rank 0's choice, broadcast
+        plan = Plan.from_json(plans.pop())
+        st = runs[0]["steps"][-1]["stats"]
+        assert st["scheme_chosen"] == plan.scheme and plan.notes["chosen_by"] == "auto"
+        assert st["predicted_s"][plan.scheme] == min(st["predicted_s"].values())
+        assert any(plan.sparse) == want_sparse, (gbit, plan.scheme)
+        assert (st["tensors_sparse"] > 0) == want_sparse
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_every_scheme_matches_reference(np_):
     results = run_workers("workers_schemes:record_all", np=np_, timeout=300,

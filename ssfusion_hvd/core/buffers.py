@@ -218,6 +218,9 @@ class GroupBuffers:
     send: Optional[torch.Tensor]  # the allgather buffer
     offloaded: List[SparsePart] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.allreduce_set = frozenset(self.allreduce)
+
     @property
     def record_len(self) -> int:
         return 0 if self.send is None else self.send.numel()

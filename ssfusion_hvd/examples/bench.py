@@ -44,20 +44,25 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the result here (rank 0)")
+    p.add_argument("--interfaces", default="lo",
+                   help="network interfaces whose sent bytes count as wire bytes (every host's "
+                        "first rank counts its own; e.g. lo,eth0 on a multi-host job)")
     return p.parse_args(argv)
 
 
-def loopback_tx_bytes() -> int:
-    """Bytes sent by ``lo`` in this process's network namespace (0 if unreadable)."""
+def host_tx_bytes(interfaces=("lo",)) -> int:
+    """Bytes sent by ``interfaces`` of this process's network namespace (its host): the
+    loopback, and on a multi-host job its link too (0 if unreadable)."""
+    total = 0
     try:
         with open("/proc/self/net/dev") as f:
             for line in f:
-                name, _, rest = line.partition(":")
-                if name.strip() == "lo":
-                    return int(rest.split()[8])
-    except OSError:
-        pass
-    return 0
+                name, sep, rest = line.partition(":")
+                if sep and name.strip() in interfaces:
+                    total += int(rest.split()[8])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
 
 
 def _barrier() -> None:
@@ -83,11 +88,12 @@ def main(argv=None) -> dict:
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
 
     times, per_iter = [], []
+    ifaces = tuple(args.interfaces.split(","))
     tx0 = 0
     for step in range(args.warmup + args.iters):
         if step == args.warmup:
             _barrier()
-            tx0 = loopback_tx_bytes()
+            tx0 = host_tx_bytes(ifaces)
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = loss_fn(step)
@@ -105,7 +111,10 @@ def main(argv=None) -> dict:
                 "allgather_bytes", "alltoall_bytes", "tensors_missing", "elements_sent",
                 "elements", "nonfinite", "density_target")})
     _barrier()
-    tx = loopback_tx_bytes() - tx0
+    # every host counts once (its first local rank): all workers' bytes, over all links
+    tx = float(host_tx_bytes(ifaces) - tx0) if hvd.local_rank() == 0 else 0.0
+    tx = float(hvd.allreduce(torch.tensor([tx], dtype=torch.float64), op=hvd.Sum,
+                             name="bench.tx")[0])
     everyone = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times")
     slowest = everyone.max(dim=0).values.tolist()
     it = statistics.median(slowest)
@@ -127,7 +136,7 @@ def main(argv=None) -> dict:
         # (waiting, decoding, copying into .grad, the wrapped optimizer's update)
         "forward_s": med("forward_s"), "backward_s": med("backward_s"), "step_s": med("step_s"),
         "payload_bytes": med("allreduce_bytes") + med("allgather_bytes") + med("alltoall_bytes"),
-        "wire_bytes": tx / max(args.iters, 1),  # all workers, per iteration (rank 0's netns)
+        "wire_bytes": tx / max(args.iters, 1),  # all workers, per iteration, every host
         "achieved_density": med("elements_sent") / max(med("elements"), 1),
         "missing_rate": statistics.mean(float(r["tensors_missing"]) for r in per_iter) / n_tensors,
         "nonfinite": max(int(r["nonfinite"] or 0) for r in per_iter),
@@ -135,6 +144,8 @@ def main(argv=None) -> dict:
         "args": vars(args),
         # what a planned scheme measured at start-up (input of scripts/whatif.py)
         "cost_model": None if opt.cost_model is None else json.loads(opt.cost_model.to_json()),
+        # the plan that ran (scripts/validate_planner.py simulates it on that cost model)
+        "plan": None if opt.plan is None else json.loads(opt.plan.to_json()),
     }
     if rank == 0:
         print(f"[bench] {args.model} {args.scheme} x{size}: {result['samples_per_s']:.2f} samples/s "

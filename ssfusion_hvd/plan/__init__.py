@@ -14,7 +14,7 @@ from .cost import CostModel, DEFAULT_SPARSIFY, default_backward_times, nominal_k
 from .fusion import SPARSIFICATIONS, fused_plan, optimal_fusion
 from .models import MODELS, model_tensors
 from .plan import ALLGATHER, ALLREDUCE, Group, Plan
-from .schemes import DEFAULT_FUSION_THRESHOLD, PLANNERS, build_plan, threshold_groups
+from .schemes import DEFAULT_FUSION_THRESHOLD, PLANNERS, build_plan, choose_plan, threshold_groups
 from .selective import (
     MIN_DENSITY,
     choose_offload,
@@ -26,12 +26,13 @@ from .selective import (
     split_interleaved,
     split_objective,
 )
-from .timeline import GroupTimeline, Timeline, simulate, wire_bytes
+from .timeline import GroupTimeline, Timeline, decode_bytes, simulate, wire_bytes
 
 __all__ = [
     "ALLGATHER", "ALLREDUCE", "CostModel", "DEFAULT_FUSION_THRESHOLD", "DEFAULT_SPARSIFY",
     "Group", "GroupTimeline", "MIN_DENSITY", "MODELS", "Plan", "PLANNERS", "SPARSIFICATIONS",
-    "Timeline", "build_plan", "choose_offload", "compensate_density", "default_backward_times", "floor_density",
+    "Timeline", "build_plan", "choose_offload", "choose_plan", "compensate_density", "decode_bytes",
+    "default_backward_times", "floor_density",
     "wire_budget", "wire_time",
     "fused_plan", "model_tensors", "nominal_k", "optimal_fusion", "parse_bandwidth",
     "select_sparsified", "simulate", "split_interleaved", "split_objective",

@@ -18,7 +18,7 @@ from .cost import (
     parse_bandwidth,
 )
 from .models import MODELS, model_tensors
-from .schemes import DEFAULT_FUSION_THRESHOLD, PLANNERS, build_plan
+from .schemes import DEFAULT_FUSION_THRESHOLD, PLANNERS, build_plan, choose_plan
 from .formulas import FORMULA_SCHEMES, iteration_s
 from .timeline import simulate
 
@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {args.model}, {len(sizes)} gradient tensors, {sum(sizes):,} elements\n")
 
     plans = {s: build_plan(s, sizes, cost, args.density, names, args.sparsifier, args.fusion_threshold)
-             for s in PLANNERS}
+             for s in PLANNERS if s != "auto"}
+    plans["auto"] = choose_plan(sizes, cost, args.density, names, args.sparsifier,
+                                args.fusion_threshold)
     timelines = {s: simulate(p, cost) for s, p in plans.items()}
     print(plans[args.scheme].table(timelines[args.scheme]))
     if args.save_plan:
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         dense = sum(not x for x in p.sparse)
         print(f"{s:<14} {len(p.groups):>7} {dense:>14} {sum(p.offload):>10} "
               f"{p.sent_elements() / sum(sizes):>14.4f} {t * 1e3:>13.2f} {base / t:>8.2f}x")
+    print(f"auto runs the plan of {plans['auto'].scheme}: the fastest simulated, never slower "
+          "than dense")
     for s in FORMULA_SCHEMES:  # no fusion plan: the papers' closed forms, after backward
         t = iteration_s(s, cost, sizes, args.density, args.sparsifier)
         print(f"{s:<14} {'-':>7} {0:>14} {0:>10} {args.density:>14.4f} {t * 1e3:>13.2f} "

@@ -8,7 +8,13 @@ Every time the planner reasons about is an affine function of bytes:
   time"), fitted per sparsifier and per device ("gpu": on the compute stream, "cpu": on
   the offload worker of SSFusion-O, host copies included); ``x`` is the dense input size;
 * backward time ``T_b`` per gradient tensor, in backward order (SSFusion §IV-A
-  "computation time"), plus a constant forward time ``A`` (Cupcake Eq. 1).
+  "computation time"), plus a constant forward time ``A`` (Cupcake Eq. 1);
+* decode ``d(x) = α_d + β_d·x`` of one group after its collectives (the copy out of the
+  allreduce part, the sums and scatter-adds of the gathered records); ``x`` is the bytes
+  the decode touches (:func:`~ssfusion_hvd.plan.timeline.decode_bytes`). Packing a
+  group's buffers before they are sent is charged ``β_d`` per byte too (``copy_s``);
+* ``shared_cores``: whether the offload worker competes with backward for the same cores
+  (a CPU-only job), so that offloading frees nothing.
 
 The numbers come from live profiling (the optimizer's warm-up), from a JSON profile, or
 from :meth:`CostModel.from_network` for what-if studies.
@@ -24,7 +30,9 @@ import numpy as np
 
 __all__ = [
     "CostModel",
+    "DEFAULT_DECODE",
     "DEFAULT_SPARSIFY",
+    "SEGMENTED_SPARSIFIERS",
     "default_backward_times",
     "index_size",
     "nominal_k",
@@ -51,6 +59,15 @@ DEFAULT_SPARSIFY: dict[str, dict[str, tuple[float, float]]] = {
         "cpu": _fit_affine(_TABLE_III_KB, _TABLE_III_CPU_MS),
     }
 }
+
+#: Sparsifiers whose selections of several tensors run as ONE kernel call per group
+#: (``ops.segmented_topk``): a group pays their fixed cost ``α_h`` once. Every other
+#: sparsifier is called once per tensor (``core/buffers.py``, part modes).
+SEGMENTED_SPARSIFIERS = ("topk",)
+
+#: Default decode cost (an assumption for what-if studies, replaced by live profiling):
+#: a fixed 20 us per group and 20 GB/s over the bytes touched (a GPU-class memory pass).
+DEFAULT_DECODE = (20e-6, 1.0 / 20e9)
 
 #: Default backward cost: a fixed per-tensor overhead plus a per-element rate (an
 #: assumption for what-if studies, not a measurement; live profiling replaces it).
@@ -122,6 +139,8 @@ class CostModel(JsonFile):
         backward_s: ``T_b`` of every gradient tensor, in backward order.
         element_size: bytes per gradient element (4 for fp32).
         forward_s: forward time ``A`` (a constant of Cupcake Eq. 1; never changes a plan).
+        decode: ``(α_d, β_d)`` of one group's decode, seconds and seconds per byte touched.
+        shared_cores: the offload worker runs on the cores backward uses (a CPU-only job).
     """
 
     world_size: int
@@ -132,8 +151,12 @@ class CostModel(JsonFile):
     element_size: int = 4
     forward_s: float = 0.0
     notes: dict[str, str] = field(default_factory=dict)
+    decode: tuple[float, float] = (0.0, 0.0)
+    shared_cores: bool = False
 
     def __post_init__(self) -> None:
+        self.decode = tuple(map(float, self.decode))
+        self.shared_cores = bool(self.shared_cores)
         self.allreduce = tuple(map(float, self.allreduce))
         self.allgather = tuple(map(float, self.allgather))
         self.sparsify = {
@@ -155,6 +178,22 @@ class CostModel(JsonFile):
         alpha, beta = self.sparsify_fit(sparsifier, device)
         return alpha + beta * nbytes
 
+    def select_s(self, sparsifier: str, device: str, nbytes: Sequence[float]) -> float:
+        """One group's selection of tensors of ``nbytes`` each, as the engine runs it: one
+        segmented call (:data:`SEGMENTED_SPARSIFIERS`) or one call per tensor."""
+        if not len(nbytes):
+            return 0.0
+        alpha, beta = self.sparsify_fit(sparsifier, device)
+        calls = 1 if sparsifier in SEGMENTED_SPARSIFIERS else len(nbytes)
+        return calls * alpha + beta * float(sum(nbytes))
+
+    def decode_s(self, nbytes: float) -> float:
+        return self.decode[0] + self.decode[1] * nbytes
+
+    def copy_s(self, nbytes: float) -> float:
+        """A memory pass over ``nbytes`` (packing a fusion buffer): decode's per-byte rate."""
+        return self.decode[1] * nbytes
+
     def sparsify_fit(self, sparsifier: str, device: str) -> tuple[float, float]:
         try:
             return self.sparsify[sparsifier][device]
@@ -175,11 +214,13 @@ class CostModel(JsonFile):
         sparsify: Mapping[str, Mapping[str, tuple[float, float]]] | None = None,
         element_size: int = 4,
         forward_s: float = 0.0,
+        decode: tuple[float, float] = DEFAULT_DECODE,
     ) -> "CostModel":
         """Ring-collective costs from link bandwidth and latency (SSFusion Eq. 3 and 4).
 
         Allreduce: ``2(P-1)·latency + 2(P-1)/P · bytes / B``; allgather of one worker's
         ``bytes``: ``(P-1)·latency + (P-1) · bytes / B``, with ``B`` in bytes per second.
+        A GPU job: the offload worker has cores of its own (``shared_cores`` False).
         """
         p = int(world_size)
         byte_s = 8.0 / float(bandwidth_bps)
@@ -191,6 +232,7 @@ class CostModel(JsonFile):
             backward_s=tuple(backward_s),
             element_size=element_size,
             forward_s=forward_s,
+            decode=decode,
             notes={"source": f"ring model: {bandwidth_bps:.4g} bit/s, {latency_s:.3g} s latency"},
         )
 

@@ -7,8 +7,9 @@ tensors (Cupcake Table 1). This module finds the same optimum in polynomial time
 
 Why a DP is exact. Let the groups covering tensors ``[0, e)`` be ``m`` groups. With
 compression on the compute stream costing ``a`` per group plus ``c_t`` per tensor (a
-group's cost ``h(x) = α_h + β_h·x`` is affine in bytes, so multi-tensor sparsification has
-``a = α_h``; per-tensor sparsification and dense groups have ``a = 0``), the compute
+group's cost ``h(x) = α_h + β_h·x`` is affine in bytes, so a group selected in one call —
+a multi-tensor buffer, or per-tensor top-k by one segmented call — has ``a = α_h``;
+per-tensor calls and dense groups have ``a = 0``), the compute
 cursor after those groups is ``A + Σ_{t<e} (T_b + c_t) + m·a``: it depends on ``(e, m)``
 only. The rest of the timeline depends on the past only through that cursor and through
 the time ``E`` the link becomes free, and it is non-decreasing in both. So for each
@@ -22,6 +23,11 @@ Dominance pruning: a pair ``(m, E)`` at ``e`` is dropped when some ``(m', E')`` 
 the Pareto front with ``E`` strictly falling in ``m`` is expanded; with ``a = 0`` the front
 is a single pair. Each expansion is one numpy pass over all ``e'``; the cost is
 ``O(Σ_e |front(e)| · (N - e))``.
+
+The objective is the simulator's (``plan/timeline.py``): packing on the compute cursor,
+the agreement allreduce first on the link, and the last group's decode added to its
+collective. Exact when ``cost.decode`` is zero; with a decode fit, exact while every
+earlier group's decode is done before the last group's collective ends.
 """
 from __future__ import annotations
 
@@ -29,8 +35,9 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from .cost import CostModel, index_size, nominal_k
+from .cost import SEGMENTED_SPARSIFIERS, CostModel, index_size, nominal_k
 from .plan import ALLGATHER, ALLREDUCE, Group, Plan
+from .timeline import link_start
 
 __all__ = ["SPARSIFICATIONS", "fused_plan", "optimal_fusion"]
 
@@ -70,28 +77,26 @@ def fused_plan(
                 [False] * n, density, sparsifier)
 
 
-def _interval_comm(sizes: np.ndarray, cost: CostModel, sparsification: str, density: float):
-    """``g(e, ·)``: a function of ``e`` giving the collective time of ``[e, e')`` for all ``e' > e``."""
+def _interval_bytes(sizes: np.ndarray, cost: CostModel, sparsification: str, density: float):
+    """(a function of ``e`` giving the bytes one worker sends for ``[e, e')``, every
+    ``e' > e``; the ``(α, β)`` of the collective that sends them)."""
     es = cost.element_size
     if sparsification == "multi_tensor":
         cum_elems = np.concatenate(([0], np.cumsum(sizes)))
-        alpha, beta = cost.allgather
 
-        def comm(e: int) -> np.ndarray:
+        def sent(e: int) -> np.ndarray:
             elems = cum_elems[e + 1:] - cum_elems[e]
             idx = np.where(elems < 2**31, 4, 8)  # index width follows the buffer length
-            return alpha + beta * (nominal_k(elems, density) * (es + idx))
-        return comm
+            return nominal_k(elems, density) * (es + idx)
+        return sent, cost.allgather
     if sparsification == "per_tensor":
         k = nominal_k(sizes, density)
         idx = np.array([index_size(n) for n in sizes], dtype=np.int64)
-        per_tensor = k * (es + idx)
-        alpha, beta = cost.allgather
+        per_tensor, fit = k * (es + idx), cost.allgather
     else:
-        per_tensor = sizes * es
-        alpha, beta = cost.allreduce
+        per_tensor, fit = sizes * es, cost.allreduce
     cum_bytes = np.concatenate(([0], np.cumsum(per_tensor)))
-    return lambda e: alpha + beta * (cum_bytes[e + 1:] - cum_bytes[e])
+    return (lambda e: cum_bytes[e + 1:] - cum_bytes[e]), fit
 
 
 def optimal_fusion(
@@ -123,19 +128,33 @@ def optimal_fusion(
     compute = np.asarray(cost.backward_s, dtype=np.float64)
     per_group = 0.0
     if sparsification != "none":
+        # the engine selects a group once it is complete: one call per group (a fusion
+        # buffer, or a segmented sparsifier's per-tensor top-k), else one per tensor
         alpha_h, beta_h = cost.sparsify_fit(sparsifier, "gpu")
-        if sparsification == "per_tensor":
-            compute = compute + (alpha_h + beta_h * (sizes_arr * es))
+        compute = compute + beta_h * (sizes_arr * es)
+        if sparsification == "per_tensor" and sparsifier not in SEGMENTED_SPARSIFIERS:
+            compute = compute + alpha_h
         else:
-            compute = compute + beta_h * (sizes_arr * es)
             per_group = alpha_h
+    compute = compute + cost.copy_s(sizes_arr * es)  # every tensor is packed once
     cursor = cost.forward_s + np.concatenate(([0.0], np.cumsum(compute)))
-    comm = _interval_comm(sizes_arr, cost, sparsification, density)
+    sent, (alpha, beta) = _interval_bytes(sizes_arr, cost, sparsification, density)
+    cum_out = np.concatenate(([0], np.cumsum(sizes_arr * es)))
+    world = cost.world_size if sparsification != "none" else 0
 
-    # best[m, e]: earliest link-free time after tensors [0, e) in m groups.
+    def comm(e: int) -> np.ndarray:
+        """``g`` of ``[e, e')`` for every ``e' > e``, plus, for ``e' = n``, the decode of
+        that last group (it ends the iteration; decode_bytes in plan/timeline.py)."""
+        nbytes = sent(e)
+        g = alpha + beta * nbytes
+        g[-1] += cost.decode_s(cum_out[n] - cum_out[e] + world * nbytes[-1])
+        return g
+
+    # best[m, e]: earliest link-free time after tensors [0, e) in m groups (for e = n: the
+    # end of the last group's decode). The link is first busy with the agreement allreduce.
     best = np.full((n + 1, n + 1), np.inf)
     parent = np.full((n + 1, n + 1), -1, dtype=np.int32)
-    best[0, 0] = cost.forward_s
+    best[0, 0] = link_start(cost)
     for e in range(n):
         col = best[: e + 1, e]
         if per_group == 0.0:

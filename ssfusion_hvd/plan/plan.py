@@ -154,7 +154,9 @@ class Plan(JsonFile):
     def table(self, timeline: "Timeline | None" = None, max_name: int = 40) -> str:
         """Readable per-tensor table, grouped; with a timeline, per-group times in ms."""
         lines = [
-            f"plan: scheme={self.scheme} sparsifier={self.sparsifier} density={self.density:g} "
+            f"plan: scheme={self.scheme}"
+            f"{' (chosen by auto)' if self.notes.get('chosen_by') == 'auto' else ''} "
+            f"sparsifier={self.sparsifier} density={self.density:g} "
             f"tensors={len(self)} groups={len(self.groups)} "
             f"sent={self.sent_elements()}/{sum(self.sizes)} elements"
         ]

@@ -8,14 +8,20 @@
 ``multi_tensor`` Cupcake: optimal fusion (§4.2), one top-k per fusion buffer with
                 ``k = ceil(density · buffer elements)``, allgather; tensors may go missing.
 ``ssfusion``    groups by optimal fusion of per-tensor sparsified tensors (SSFusion §IV-B
-                Step-1), selective sparsification (Eq. 2) and density-aware compensation.
+                Step-1), selective sparsification (Eq. 2) and density-aware compensation;
+                Horovod's dense buckets where the plan is predicted slower than them.
 ``ssfusion_o``  ``ssfusion`` plus sparsification offloading (SSFusion-O, §IV-C).
 ``ssfusion_i``  the same groups split into allreduce/allgather parts (SSFusion-I, §IV-D).
 ``ssfusion_oi`` ``ssfusion_i`` plus offloading.
+``auto``        the plan of whichever scheme above (``dense`` included) the simulator
+                predicts fastest on this cost model: never one predicted slower than
+                Horovod's dense buckets (:func:`choose_plan`).
 ==============  ==========================================================================
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Sequence
 
 from .cost import CostModel
@@ -26,10 +32,13 @@ from .timeline import simulate
 
 from ..registry import PLANNERS
 
-__all__ = ["PLANNERS", "DEFAULT_FUSION_THRESHOLD", "build_plan", "threshold_groups"]
+__all__ = ["PLANNERS", "DEFAULT_CYCLE_S", "DEFAULT_FUSION_THRESHOLD", "build_plan", "choose_plan",
+           "horovod_groups", "threshold_groups"]
 
 #: Horovod's default ``HOROVOD_FUSION_THRESHOLD`` (64 MiB).
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
+#: Horovod's default ``HOROVOD_CYCLE_TIME`` (1 ms; ``operations.cc``).
+DEFAULT_CYCLE_S = 1e-3
 
 
 def threshold_groups(sizes: Sequence[int], threshold_bytes: int, element_size: int = 4) -> list[tuple[int, int]]:
@@ -43,6 +52,23 @@ def threshold_groups(sizes: Sequence[int], threshold_bytes: int, element_size: i
         filled += nbytes
     if len(sizes):
         bounds.append((start, len(sizes)))
+    return bounds
+
+
+def horovod_groups(sizes: Sequence[int], cost: CostModel,
+                   threshold_bytes: int = DEFAULT_FUSION_THRESHOLD,
+                   cycle_s: float = DEFAULT_CYCLE_S) -> list[tuple[int, int]]:
+    """The fusion buffers Horovod's own dense allreduce forms: every ``cycle_s`` its
+    background loop fuses the tensors that became ready since the last cycle (backward
+    order, ``cost.backward_s``), up to ``threshold_bytes`` per buffer."""
+    bounds, start, t = [], 0, cost.forward_s
+    cycle = lambda x: int(x // cycle_s) if cycle_s > 0 else 0  # noqa: E731
+    for i, b in enumerate(cost.backward_s):
+        t += b
+        if i + 1 == len(sizes) or cycle(t) != cycle(t + cost.backward_s[i + 1]):
+            bounds += [(start + s, start + e) for s, e in
+                       threshold_groups(sizes[start:i + 1], threshold_bytes, cost.element_size)]
+            start = i + 1
     return bounds
 
 
@@ -60,28 +86,51 @@ def build_plan(
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {PLANNERS}")
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
+    if scheme == "auto":
+        return choose_plan(sizes, cost, density, names, sparsifier, fusion_threshold_bytes)
     n = len(sizes)
-    if scheme == "dense":
-        bounds = threshold_groups(sizes, fusion_threshold_bytes, cost.element_size)
+    if scheme == "dense":  # what hvd.DistributedOptimizer sends
+        bounds = horovod_groups(sizes, cost, fusion_threshold_bytes)
         return fused_plan(sizes, bounds, "none", density, scheme, names, sparsifier)
     if scheme == "per_tensor":
         return fused_plan(sizes, [(i, i + 1) for i in range(n)], "per_tensor", density, scheme, names, sparsifier)
     if scheme == "multi_tensor":
         return optimal_fusion(sizes, cost, "multi_tensor", density, scheme, names, sparsifier)
-    # SSFusion §IV-B Step-1: the fusion buffers of Cupcake's FindOptFusion, each tensor
-    # sparsified on its own inside them.
-    cupcake = optimal_fusion(sizes, cost, "multi_tensor", density, scheme, names, sparsifier)
-    bounds = [(g.start, g.end) for g in cupcake.groups]
-    fused = fused_plan(sizes, bounds, "per_tensor", density, scheme, names, sparsifier)
+    # SSFusion §IV-B Step-1: the fusion buffers of Cupcake's optimal fusion, optimized for
+    # what runs in them: every tensor sparsified on its own (per-tensor mode).
+    fused = optimal_fusion(sizes, cost, "per_tensor", density, scheme, names, sparsifier)
     plan = select_sparsified(fused, cost, scheme="ssfusion")
     if scheme in ("ssfusion_i", "ssfusion_oi"):  # §IV-D builds on §IV-B's selection
         plan = split_interleaved(plan, cost, scheme="ssfusion_i")
     if scheme in ("ssfusion_o", "ssfusion_oi"):
         plan = choose_offload(plan, cost, scheme=scheme)
-    # Selection decides tensor by tensor; on a fast network the sum can still lose to not
-    # sparsifying at all. SSFusion's premise is to sparsify only where it pays, so the
-    # same buffers sent dense are the floor.
-    dense = fused_plan(sizes, bounds, "none", density, scheme, names, sparsifier)
+    # SSFusion's premise is to sparsify only where it pays: a plan predicted slower than
+    # Horovod's own dense allreduce is not run; those buffers are (every rank decides
+    # alike: the cost model is rank 0's)
+    dense = build_plan("dense", sizes, cost, density, names, sparsifier, fusion_threshold_bytes)
     if simulate(dense, cost).iteration_s < simulate(plan, cost).iteration_s:
-        return dense
+        return dataclasses.replace(dense, scheme=scheme)
+    return plan
+
+
+def choose_plan(
+    sizes: Sequence[int],
+    cost: CostModel,
+    density: float = 0.01,
+    names: Sequence[str] | None = None,
+    sparsifier: str = "dgc",
+    fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD,
+) -> Plan:
+    """``scheme="auto"``: the plan of every other planned scheme, ``dense`` (Horovod's
+    buckets) included, simulated on ``cost``; the fastest wins, ties to dense. The plan's
+    ``scheme`` is the winner's; ``notes["chosen_by"] = "auto"`` and
+    ``notes["predicted_s"]`` (JSON: scheme -> simulated iteration seconds) say why."""
+    # the offloading schemes need a CPU fit (a live profile always has one)
+    offload_ok = "cpu" in cost.sparsify.get(sparsifier, {})
+    plans = {s: build_plan(s, sizes, cost, density, names, sparsifier, fusion_threshold_bytes)
+             for s in PLANNERS if s != "auto" and (offload_ok or not s.startswith("ssfusion_o"))}
+    predicted = {s: simulate(p, cost).iteration_s for s, p in plans.items()}
+    best = min(predicted, key=lambda s: (predicted[s], s != "dense"))
+    plan = plans[best]
+    plan.notes = dict(plan.notes, chosen_by="auto", predicted_s=json.dumps(predicted))
     return plan

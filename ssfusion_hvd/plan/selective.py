@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from .cost import CostModel, index_size, nominal_k
+from .cost import SEGMENTED_SPARSIFIERS, CostModel, index_size, nominal_k
 from .plan import ALLGATHER, ALLREDUCE, Plan
 from .timeline import _run
 
@@ -50,18 +50,19 @@ def select_sparsified(plan: Plan, cost: CostModel, scheme: str = "ssfusion") -> 
     ``plan`` has every tensor sparsified per tensor. Groups are visited in submission
     (backward) order; the first group has no previous communication to hide behind and
     stays sparsified. For group ``i ≥ 2`` the tensors are sorted by ascending size and,
-    from the smallest, left dense while the group's computation
-    ``Σ (T_b + T_sparsify)`` still exceeds ``T_cm`` of the previous group (as selected),
-    i.e. until Eq. 2 ``T_cm^{i-1} ≥ Σ (T_b^j + T_gpu^j)`` holds.
+    from the smallest, left dense while the group's computation — its backward plus its
+    selection as the engine runs it, ``Σ T_b + h(sparsified tensors)`` (one segmented
+    call, or one call per tensor: :meth:`CostModel.select_s`) — still exceeds ``T_cm`` of
+    the previous group (as selected), i.e. until Eq. 2 ``T_cm^{i-1} ≥ Σ T_b + h`` holds.
 
     A tensor is only left dense while it is *small* in the cost model's sense: sending
-    it dense adds no more link time than its sparsification takes,
-    ``β_ag · (dense bytes − sparse bytes) ≤ h_gpu(bytes)``. This is the profiled cutoff
-    that §III-B's 200 KB heuristic stands for ("the actual cutoffs are determined via
-    online profiling"); without it a group whose backward alone outlasts the previous
-    communication would be sent entirely dense. The densities of the tensors left
-    sparsified are then set by :func:`compensate_density`, which may send some of the
-    dense ones sparsified again.
+    it dense adds no more link time than leaving it out of the selection saves,
+    ``β_ag · (dense bytes − sparse bytes) ≤ h(with it) − h(without it)``. This is the
+    profiled cutoff that §III-B's 200 KB heuristic stands for ("the actual cutoffs are
+    determined via online profiling"); without it a group whose backward alone outlasts
+    the previous communication would be sent entirely dense. The densities of the tensors
+    left sparsified are then set by :func:`compensate_density`, which may send some of
+    the dense ones sparsified again.
     """
     es = cost.element_size
     _, beta_ag = cost.allgather
@@ -69,17 +70,29 @@ def select_sparsified(plan: Plan, cost: CostModel, scheme: str = "ssfusion") -> 
     sparse = list(plan.sparse)
     k = list(plan.k)
     prev_comm = None
+    alpha_h, beta_h = cost.sparsify_fit(plan.sparsifier, "gpu")
+    per_tensor_calls = plan.sparsifier not in SEGMENTED_SPARSIFIERS
+
+    def saved(i: int, remaining: int) -> float:
+        """What dropping tensor ``i`` (one of ``remaining``) from the group's selection
+        saves: the marginal of :meth:`CostModel.select_s`."""
+        calls = 1 if per_tensor_calls or remaining == 1 else 0
+        return calls * alpha_h + beta_h * plan.sizes[i] * es
+
     for g in plan.groups:
         idx = list(g.indices())
         if prev_comm is not None:
-            h = {i: cost.sparsify_s(plan.sparsifier, "gpu", plan.sizes[i] * es) for i in idx}
-            compute = sum(bwd[i] + h[i] for i in idx)
+            chosen = [i for i in idx if sparse[i]]
+            remaining = len(chosen)
+            compute = sum(bwd[i] for i in idx) + cost.copy_s(sum(plan.sizes[i] for i in idx) * es) \
+                + cost.select_s(plan.sparsifier, "gpu", [plan.sizes[i] * es for i in chosen])
             for i in sorted(idx, key=lambda j: (plan.sizes[j], j)):
+                cut = saved(i, remaining)
                 dense_extra = plan.sizes[i] * es - k[i] * (es + index_size(plan.sizes[i]))
-                if compute <= prev_comm or beta_ag * dense_extra > h[i]:
+                if compute <= prev_comm or beta_ag * dense_extra > cut:
                     break
                 sparse[i], k[i] = False, plan.sizes[i]
-                compute -= h[i]
+                remaining, compute = remaining - 1, compute - cut
         prev_comm = cost.allgather_s(sum(
             k[i] * (es + index_size(plan.sizes[i])) if sparse[i] else plan.sizes[i] * es for i in idx))
     selected = _replace(plan, scheme, sparse=sparse, k=k)
@@ -218,10 +231,12 @@ def split_objective(plan: Plan, cost: CostModel, group: int, ks=None, candidates
     dense, ``m`` of them; split ``l`` sends the ``l`` smallest candidates dense by
     allreduce (``Buffer_AR``) and sparsifies every other tensor of the group into the
     allgather (``Buffer_AG``) with ``ks[i]`` elements (default ``ceil(density · n)``).
-    ``T1`` is the computation until ``Buffer_AR`` is complete (backward of the group up to
-    its last dense tensor, with the sparsifications in between); ``T2 = max(T_AR,
-    remaining computation) + T_AG``. ``T1 + T2`` is the time the group takes on its own,
-    what :func:`simulate` gives for a one-group plan.
+    As the engine runs it (``plan/timeline.py``): ``T1`` is the backward up to the last
+    dense tensor plus packing ``Buffer_AR``, when it is submitted; the group's packing
+    and selection run after its last backward; ``Buffer_AG`` goes when the selection is
+    done and the allreduce has left the link; then the group is decoded. The result is
+    the time the group takes on its own from the start of its backward: what
+    ``simulate(..., check=False)`` gives for a one-group plan, less ``forward_s``.
     """
     g = plan.groups[group]
     es = cost.element_size
@@ -233,9 +248,8 @@ def split_objective(plan: Plan, cost: CostModel, group: int, ks=None, candidates
     else:
         kk = np.asarray([ks[i] for i in members], dtype=np.int64)
     cand = set(members if candidates is None else candidates)
-    bwd = np.asarray(cost.backward_s[g.start:g.end])
+    bwd_end = np.cumsum(np.asarray(cost.backward_s[g.start:g.end], dtype=np.float64))
     alpha_h, beta_h = cost.sparsify_fit(plan.sparsifier, "gpu")
-    h = alpha_h + beta_h * (sizes * es)
     big = n + 1
     rank = np.full(n, big, dtype=np.int64)
     order = sorted((j for j, i in enumerate(members) if i in cand), key=lambda j: (sizes[j], j))
@@ -243,18 +257,23 @@ def split_objective(plan: Plan, cost: CostModel, group: int, ks=None, candidates
         rank[j] = r
     cuts = np.arange(len(order) + 1)
     dense = rank[None, :] < cuts[:, None]                      # (m+1, n): split l, tensor j
-    finish = np.cumsum(bwd[None, :] + np.where(dense, 0.0, h[None, :]), axis=1)
+    sparse = ~dense
+    calls = (sparse.any(axis=1) if plan.sparsifier in SEGMENTED_SPARSIFIERS
+             else sparse.sum(axis=1))
+    compute = (bwd_end[-1] + cost.copy_s(int(sizes.sum()) * es) + calls * alpha_h
+               + beta_h * np.where(sparse, sizes * es, 0).sum(axis=1))
     last_dense = np.where(dense, np.arange(n)[None, :], -1).max(axis=1)
-    t1 = finish[cuts, np.maximum(last_dense, 0)]
-    compute = finish[:, -1]
     sparse_bytes = kk * (es + np.where(sizes < 2**31, 4, 8))
     ar_bytes = np.where(dense, sizes * es, 0).sum(axis=1)
+    t1 = bwd_end[np.maximum(last_dense, 0)] + cost.copy_s(ar_bytes)
     ag_bytes = np.where(dense, 0, sparse_bytes).sum(axis=1)
     t_ar = cost.allreduce[0] + cost.allreduce[1] * ar_bytes
     t_ag = cost.allgather[0] + cost.allgather[1] * ag_bytes
     both = np.maximum(t1 + t_ar, compute) + t_ag
-    has_ar, has_ag = dense.any(axis=1), (~dense).any(axis=1)
-    return np.where(~has_ar, compute + t_ag, np.where(~has_ag, compute + t_ar, both))
+    has_ar, has_ag = dense.any(axis=1), sparse.any(axis=1)
+    comm_end = np.where(~has_ar, compute + t_ag, np.where(~has_ag, t1 + t_ar, both))
+    decode = cost.decode[0] + cost.decode[1] * (int(sizes.sum()) * es + cost.world_size * ag_bytes)
+    return np.maximum(comm_end, compute) + decode
 
 
 def _interleaved(plan: Plan, dense: set, ks) -> Plan:

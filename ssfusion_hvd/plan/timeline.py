@@ -2,22 +2,34 @@
 
 Cupcake §4.1 defines the iteration time ``f(X)`` of a fusion strategy through the
 timelines of backpropagation, compression and communication instead of a closed form;
-SSFusion Eq. 2–4 use the same three timelines. The rules (docs/design.md "How a plan is made"):
+SSFusion Eq. 2–4 use the same timelines. This module models the engine as it runs
+(``schemes/engine.py``; docs/design.md "How a plan is made"), resource by resource:
 
-* one compute stream runs, in backward order, every tensor's backward ``T_b`` and right
-  after it that tensor's GPU sparsification ``h_gpu`` (per-tensor sparsification), or,
-  after a group's last backward, one sparsification of the whole fusion buffer
-  (multi-tensor, Cupcake);
-* an offloaded tensor (SSFusion-O, §IV-C) is sparsified by one CPU worker, first come
-  first served, starting when its backward ends; it does not occupy the compute stream;
-* one link runs the collectives in submission order. A group's collective starts when
-  its last tensor is ready (compressed, or backward done if dense) and the previous
-  collective ended. An interleaved group (SSFusion-I, §IV-D) submits its allreduce part
-  first and its allgather part second; the allgather starts when the allreduce has ended
-  and the sparse tensors are ready ("T_AG begins after either T_AR completes or after
-  the computations of all tensors in Buffer_AG finish");
-* the iteration ends when the forward ``A``, the compute stream, the CPU worker and the
-  link are all done. Decoding is not modelled (it is the same for every plan of a scheme).
+* **compute** (the training thread): every tensor's backward ``T_b`` in backward order.
+  When a group's last allreduce tensor is done, the thread packs the allreduce part
+  (``CostModel.copy_s`` of its bytes); when the group's last tensor is done, it packs the
+  rest and selects the inline sparsified tensors: ONE call for the whole group with a
+  segmented sparsifier (top-k: ``α_h + β_h·Σ bytes``), one call per tensor otherwise, one
+  call over the whole fusion buffer for a multi-tensor group (Cupcake) —
+  :meth:`CostModel.select_s`.
+* **the offload worker** (SSFusion-O, §IV-C): an offloaded tensor is selected on one CPU
+  worker, first come first served, from the end of its backward. On a job whose worker
+  shares the cores with backward (``cost.shared_cores``: CPU-only training) that time is
+  taken from the compute thread instead: the tensor is selected there, right after its
+  backward, at the CPU cost.
+* **submission**: a group's allreduce part is submitted as soon as its last allreduce
+  tensor's backward ends; its allgather when the group has been selected and packed (and,
+  with offloaded tensors, once the worker has finished them).
+* **the link** runs one collective at a time, in submission order, ``g(x) = α + β·x``.
+  The first is the optimizer's per-step agreement allreduce (``check``: a few bytes,
+  submitted with the first gradient).
+* **decode**: after backward, ``step()`` waits for the groups in plan order and decodes
+  each (:func:`decode_bytes`, ``d(x) = α_d + β_d·x``); the iteration ends when the last
+  group is decoded (and the worker is idle).
+
+:func:`~ssfusion_hvd.plan.fusion.optimal_fusion` is exact for this model without decode
+(``cost.decode = (0, 0)``); with a decode fit it charges the last group's decode, which
+is exact while the earlier decodes keep up with the link.
 """
 from __future__ import annotations
 
@@ -26,15 +38,20 @@ from dataclasses import dataclass
 from .cost import CostModel, index_size
 from .plan import ALLREDUCE, Plan
 
-__all__ = ["GroupTimeline", "Timeline", "simulate", "wire_bytes"]
+__all__ = ["CHECK_BYTES", "GroupTimeline", "Timeline", "decode_bytes", "simulate", "wire_bytes"]
+
+#: Bytes of the optimizer's per-step agreement allreduce (``optimizer._start_check``:
+#: iteration and plan checksum, and their negations, as int64).
+CHECK_BYTES = 32
 
 
 @dataclass(frozen=True)
 class GroupTimeline:
     """Times (seconds from the start of the iteration) of one group.
 
-    ``ready`` is when the last tensor of the group is compressed (or its backward ended,
-    if dense); ``ar_*``/``ag_*`` are ``None`` when the group has no such part.
+    ``ready`` is when the last of its collectives was submitted; ``ar_*``/``ag_*`` are
+    ``None`` when the group has no such part; ``decode_end`` when its gradients are in
+    ``p.grad``.
     """
 
     backward_start: float
@@ -44,6 +61,7 @@ class GroupTimeline:
     ar_end: float | None
     ag_start: float | None
     ag_end: float | None
+    decode_end: float = 0.0
 
     @property
     def comm_start(self) -> float:
@@ -69,62 +87,112 @@ def wire_bytes(plan: Plan, i: int, element_size: int) -> int:
     return plan.k[i] * (element_size + index_size(plan.sizes[i]))
 
 
-def _run(plan: Plan, cost: CostModel, decide_offload: bool) -> tuple[Timeline, list[bool]]:
+def _group_bytes(plan: Plan, gi: int, es: int) -> tuple[int, int]:
+    """(allreduce bytes, allgather bytes) one worker contributes for group ``gi``."""
+    g = plan.groups[gi]
+    if g.buffer_k is not None:
+        elems = sum(plan.sizes[g.start:g.end])
+        return 0, g.buffer_k * (es + index_size(elems))
+    ar = sum(plan.sizes[i] * es for i in g.indices() if plan.collective[i] == ALLREDUCE)
+    ag = sum(wire_bytes(plan, i, es) for i in g.indices() if plan.collective[i] != ALLREDUCE)
+    return ar, ag
+
+
+def decode_bytes(plan: Plan, gi: int, es: int, world_size: int) -> int:
+    """Bytes group ``gi``'s decode touches: its output (every tensor of the group, written
+    once: copied from the allreduce, summed, or zeroed then scatter-added) plus the
+    ``world_size`` gathered records it reads."""
+    g = plan.groups[gi]
+    return sum(plan.sizes[g.start:g.end]) * es + world_size * _group_bytes(plan, gi, es)[1]
+
+
+def link_start(cost: CostModel, check: bool = True) -> float:
+    """When the link is first free for a group's collective: after the agreement
+    allreduce, submitted with the first gradient (``check``), else at the forward's end."""
+    if not check or not cost.backward_s:
+        return cost.forward_s
+    return cost.forward_s + cost.backward_s[0] + cost.allreduce_s(CHECK_BYTES)
+
+
+def _run(plan: Plan, cost: CostModel, decide_offload: bool,
+         check: bool = True) -> tuple[Timeline, list[bool]]:
     """Simulate ``plan``. With ``decide_offload``, instead of reading ``plan.offload``,
     offload every per-tensor sparsified tensor whose CPU finish time fits in its group's
-    backward window (SSFusion-O Step-1), deciding greedily in backward order."""
+    backward window (SSFusion-O Step-1), deciding greedily in backward order; nothing is
+    offloaded when the worker shares the cores (``cost.shared_cores``). ``check``: the
+    optimizer's agreement allreduce goes first on the link."""
     if len(cost.backward_s) != len(plan):
         raise ValueError(f"cost model has {len(cost.backward_s)} backward times, plan has {len(plan)} tensors")
-    es = cost.element_size
-    bwd = cost.backward_s
-    gpu_a, gpu_b = cost.sparsify_fit(plan.sparsifier, "gpu")
-    if decide_offload or any(plan.offload):
-        cpu_a, cpu_b = cost.sparsify_fit(plan.sparsifier, "cpu")
+    es, bwd, spf = cost.element_size, cost.backward_s, plan.sparsifier
     offload = list(plan.offload)
-    compute = cpu = link = cost.forward_s
-    out = []
-    for g in plan.groups:
+    if decide_offload and cost.shared_cores:
+        decide_offload, offload = False, [False] * len(plan)
+    compute = cpu = cost.forward_s
+    submits = []  # (time, order, group, "ar" | "ag")
+    spans = []    # (backward_start, backward_end, ready) per group
+    for gi, g in enumerate(plan.groups):
         start = compute
         window_end = start + sum(bwd[g.start:g.end])  # SSFusion-O: the group's backward window
-        ready_ar = ready_ag = start
-        ar_bytes = ag_bytes = 0
-        has_ar = has_ag = False
+        ar_left = sum(1 for i in g.indices() if plan.collective[i] == ALLREDUCE)
+        ar_bytes, ag_bytes = _group_bytes(plan, gi, es)
+        inline, worker_end = [], None
+        packed = 0  # bytes packed when the group is complete (dense allgather part, stages)
+        ready = start
         for i in g.indices():
             compute += bwd[i]
-            ready = backward_end = compute
-            if plan.sparse[i] and g.buffer_k is None:
-                nbytes = plan.sizes[i] * es
-                if decide_offload:
-                    offload[i] = max(ready, cpu) + cpu_a + cpu_b * nbytes <= window_end
-                if offload[i]:
-                    cpu = max(ready, cpu) + cpu_a + cpu_b * nbytes
-                    ready = cpu
-                else:
-                    compute += gpu_a + gpu_b * nbytes
-                    ready = compute
             if plan.collective[i] == ALLREDUCE:
-                has_ar, ready_ar = True, max(ready_ar, ready)
-                ar_bytes += plan.sizes[i] * es
-            elif g.buffer_k is None:
-                has_ag, ready_ag = True, max(ready_ag, ready)
-                ag_bytes += wire_bytes(plan, i, es)
-        if g.buffer_k is not None:
-            elems = sum(plan.sizes[g.start:g.end])
-            compute += gpu_a + gpu_b * elems * es
-            has_ag, ready_ag = True, compute
-            ag_bytes = g.buffer_k * (es + index_size(elems))
-        ar_start = ar_end = ag_start = ag_end = None
-        if has_ar:
-            ar_start = max(ready_ar, link)
-            link = ar_end = ar_start + cost.allreduce_s(ar_bytes)
-        if has_ag:
-            ag_start = max(ready_ag, link)
-            link = ag_end = ag_start + cost.allgather_s(ag_bytes)
-        out.append(GroupTimeline(start, backward_end, max(ready_ar, ready_ag), ar_start, ar_end, ag_start, ag_end))
-    timeline = Timeline(max(compute, cpu, link), compute, cpu, tuple(out))
+                ar_left -= 1
+                if ar_left == 0:  # the engine packs and submits the allreduce part now
+                    compute += cost.copy_s(ar_bytes)
+                    submits.append((compute, len(submits), gi, "ar"))
+                    ready = compute
+                continue
+            if g.buffer_k is not None or not plan.sparse[i]:
+                packed += plan.sizes[i] * es
+                continue
+            nbytes = plan.sizes[i] * es
+            if decide_offload:
+                offload[i] = max(compute, cpu) + cost.sparsify_s(spf, "cpu", nbytes) <= window_end
+            if not offload[i]:
+                inline.append(nbytes)
+                packed += nbytes
+            elif cost.shared_cores:  # the worker's time is the cores' time
+                compute += cost.sparsify_s(spf, "cpu", nbytes)
+            else:
+                cpu = worker_end = max(compute, cpu) + cost.sparsify_s(spf, "cpu", nbytes)
+        backward_end = compute
+        compute += cost.copy_s(packed)
+        if g.buffer_k is not None:  # one selection over the whole fusion buffer
+            compute += cost.select_s(spf, "gpu", [packed])
+        else:
+            compute += cost.select_s(spf, "gpu", inline)
+        if ag_bytes or g.buffer_k is not None:
+            ready = compute if worker_end is None else max(compute, worker_end)
+            submits.append((ready, len(submits), gi, "ag"))
+        spans.append((start, backward_end, ready))
+
+    link = link_start(cost, check)
+    comm: dict = {}
+    for t, _, gi, kind in sorted(submits):
+        ar_bytes, ag_bytes = _group_bytes(plan, gi, es)
+        begin = max(t, link)
+        link = begin + (cost.allreduce_s(ar_bytes) if kind == "ar" else cost.allgather_s(ag_bytes))
+        comm[gi, kind] = (begin, link)
+
+    decoded = compute  # step() runs after backward, then decodes group by group
+    out = []
+    for gi, (start, backward_end, ready) in enumerate(spans):
+        ar_start, ar_end = comm.get((gi, "ar"), (None, None))
+        ag_start, ag_end = comm.get((gi, "ag"), (None, None))
+        done = max(t for t in (ar_end, ag_end, decoded) if t is not None)
+        decoded = done + cost.decode_s(decode_bytes(plan, gi, es, cost.world_size))
+        out.append(GroupTimeline(start, backward_end, ready, ar_start, ar_end, ag_start, ag_end,
+                                 decoded))
+    timeline = Timeline(max(decoded, cpu), compute, cpu, tuple(out))
     return timeline, offload
 
 
-def simulate(plan: Plan, cost: CostModel) -> Timeline:
-    """Iteration time and per-group timeline of ``plan`` under ``cost`` (see module doc)."""
-    return _run(plan, cost, decide_offload=False)[0]
+def simulate(plan: Plan, cost: CostModel, check: bool = True) -> Timeline:
+    """Iteration time and per-group timeline of ``plan`` under ``cost`` (see module doc;
+    ``check=False`` leaves out the optimizer's agreement allreduce)."""
+    return _run(plan, cost, decide_offload=False, check=check)[0]

@@ -4,9 +4,9 @@
 residual memory, the offload worker) and runs a step in the data-flow order of
 ``docs/design.md``: gradients arrive from the hooks (``submit``); when the last tensor of
 a group is ready its buffers are encoded (dense part packed; sparse parts
-error-compensated, selected and packed: ``core/buffers.py``) and its collectives
-submitted at once — the allreduce part and the allgather buffer, group after group,
-interleaved (SSFusion-I) — so communication overlaps the rest of backward. Offloaded
+error-compensated, selected and packed: ``core/buffers.py``) and its allgather
+submitted; its allreduce part (SSFusion-I) leaves earlier, as soon as the last of *its*
+tensors is ready. Group after group, communication overlaps the rest of backward. Offloaded
 tensors (SSFusion-O) go to the :class:`~ssfusion_hvd.core.offload.OffloadWorker` as soon
 as *they* are ready; it submits the group's allgather once its selections are packed.
 ``finish`` waits in plan order, decodes (sum of dense chunks, scatter-add of sparse
@@ -18,6 +18,7 @@ Horovod's own pre/postscale.
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 import zlib
@@ -72,8 +73,18 @@ class PlannedPhase:
         self._stage: Optional[int] = None
         self.groups: List[GroupBuffers] = []
         self.enter_stage(iteration)
+        # scheme="auto": which scheme's plan this is and why (plan.choose_plan)
+        self.auto = ({"scheme_chosen": plan.scheme,
+                      "predicted_s": json.loads(plan.notes["predicted_s"])}
+                     if plan.notes.get("chosen_by") == "auto" and "predicted_s" in plan.notes
+                     else {})
         if config.log_plan and transport.rank == 0:
             print(plan.table(), file=sys.stderr, flush=True)
+            if self.auto:
+                ranked = sorted(self.auto["predicted_s"].items(), key=lambda kv: kv[1])
+                print(f"[ssfusion_hvd] scheme='auto' runs {plan.scheme}; simulated ms per "
+                      "iteration on the measured cost model: "
+                      + ", ".join(f"{s} {1e3 * t:.2f}" for s, t in ranked), file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ buffers
     def enter_stage(self, iteration: int) -> None:
@@ -129,19 +140,26 @@ class PlannedPhase:
         if i in self._offload_part:
             self._worker.start(self._offload_part[i], self._grad(i), self.memory)
         gi = self._group_of[i]
+        gb = self.groups[gi]
+        if i in gb.allreduce_set:
+            self._ar_ready[gi] += 1
+            if self._ar_ready[gi] == len(gb.allreduce):  # the allreduce part leaves now
+                self._launch_allreduce(gb)
         self._ready[gi] += 1
-        if self._ready[gi] == len(self.groups[gi].tensors):
-            self._launch(self.groups[gi])
+        if self._ready[gi] == len(gb.tensors):
+            self._launch(gb)
+
+    def _launch_allreduce(self, gb: GroupBuffers) -> None:
+        cfg, tr = self.config, self.transport
+        torch.cat([self._grad(i).reshape(-1) for i in gb.allreduce], out=gb.ar_buf)
+        compressed, ctx = cfg.compression.compress(gb.ar_buf)
+        pre, post = tr.horovod_scales()
+        self._ar_pending[gb.index] = (
+            tr.allreduce(compressed, f"{gb.index}.ar", prescale=pre, postscale=post), ctx)
 
     def _launch(self, gb: GroupBuffers) -> None:
-        cfg, tr = self.config, self.transport
+        """The group is complete: encode and select what rides its allgather, submit it."""
         t0 = time.perf_counter()
-        ar = None
-        if gb.allreduce:
-            torch.cat([self._grad(i).reshape(-1) for i in gb.allreduce], out=gb.ar_buf)
-            compressed, ctx = cfg.compression.compress(gb.ar_buf)
-            pre, post = tr.horovod_scales()
-            ar = (tr.allreduce(compressed, f"{gb.index}.ar", prescale=pre, postscale=post), ctx)
         for part in gb.parts:
             if isinstance(part, DensePart):
                 part.encode([self._grad(i) for i in part.tensors], gb.send, self._prescale)
@@ -155,7 +173,7 @@ class PlannedPhase:
             ag = self._worker.then(self._submit_offloaded_group, gb)
         else:
             ag = self._allgather(gb)
-        self._pending[gb.index] = (ar, ag)
+        self._pending[gb.index] = (self._ar_pending.pop(gb.index, None), ag)
 
     def _allgather(self, gb: GroupBuffers):
         return None if gb.send is None else self.transport.allgather(gb.send, f"{gb.index}.ag")
@@ -216,13 +234,16 @@ class PlannedPhase:
             tensors_sparse=len(self.sparse_set),
             elements=self._elements, elements_sent=sent, density_target=self.active.density,
             tensors_missing=missing, nonfinite=nonfinite, sparsify_s=self._sparsify_s,
-            offload_s=self._worker.seconds if self._worker is not None else 0.0)
+            offload_s=self._worker.seconds if self._worker is not None else 0.0,
+            extra=dict(self.auto))
 
     def pending(self) -> bool:
-        return any(self._ready) or bool(self._pending)
+        return any(self._ready) or any(self._ar_ready) or bool(self._pending or self._ar_pending)
 
     def reset(self) -> None:
         self._ready = [0] * len(self.groups)
+        self._ar_ready = [0] * len(self.groups)
+        self._ar_pending: Dict[int, tuple] = {}
         self._pending: Dict[int, tuple] = {}
         self._results: Dict[str, object] = {}
         if self._worker is not None:

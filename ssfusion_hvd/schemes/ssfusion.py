@@ -1,6 +1,7 @@
 """The SSFusion family (ICDE'26): four planned schemes that differ only in their planner.
 
-* ``ssfusion`` (§IV-B): Cupcake's fusion buffers with *selective* sparsification. Inside
+* ``ssfusion`` (§IV-B): optimal fusion buffers (Cupcake's DP, run for per-tensor
+  sparsified tensors) with *selective* sparsification. Inside
   each buffer every tensor selects its own top-k (one segmented kernel call per buffer,
   so no tensor is missing); small tensors whose sparsification would not pay for itself
   are sent dense inside the same allgather (Eq. 2), and the sparsified tensors' densities
@@ -12,13 +13,16 @@
   is ready (``core/offload.py``), overlapping the rest of backward.
 * ``ssfusion_i`` (§IV-D): each fusion buffer split into a dense part sent by allreduce and
   a sparse part sent by allgather, at the split point minimizing ``T1 + T2``
-  (``plan.split_interleaved``); the two collectives of every group are submitted back to
-  back, interleaved group after group.
+  (``plan.split_interleaved``); a group's allreduce part leaves as soon as its own
+  tensors are ready, its allgather part once the group is selected and packed.
 * ``ssfusion_oi``: both. The recommended scheme.
+* ``auto``: after the warm-up, rank 0 builds the plan of every planned scheme and of
+  Horovod's dense buckets on the measured cost model and runs the one the simulator
+  predicts fastest (``plan.choose_plan``); ``opt.plan.scheme`` and ``stats()`` say which.
 """
 from .planned import PlannedScheme
 
-__all__ = ["SSFusionScheme", "SSFusionOScheme", "SSFusionIScheme", "SSFusionOIScheme"]
+__all__ = ["SSFusionScheme", "SSFusionOScheme", "SSFusionIScheme", "SSFusionOIScheme", "AutoScheme"]
 
 
 class SSFusionScheme(PlannedScheme):
@@ -35,3 +39,7 @@ class SSFusionIScheme(PlannedScheme):
 
 class SSFusionOIScheme(PlannedScheme):
     name = planner = "ssfusion_oi"
+
+
+class AutoScheme(PlannedScheme):
+    name = planner = "auto"

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Planner validation: the simulator's prediction against the measured iteration.
+
+    sudo .venv/bin/python scripts/validate_planner.py               # run, then compare
+    sudo .venv/bin/python scripts/validate_planner.py --models gpt2 --workers 4
+    .venv/bin/python scripts/validate_planner.py --from docs/results/validate.json
+
+Runs every planned scheme (``auto`` included) through ``scripts/bench_e2e.py`` on its
+shaped network (output ``<out>/validate.json``; ``--hosts/--slots`` for a cluster), then,
+for every run, simulates the plan that ran on the cost model that run measured at start-up
+(the bench worker records both; ``plan/timeline.py``) and prints predicted / measured.
+
+What is compared. The simulator starts when backward starts (the live cost model's
+forward time is 0) and ends when the last group is decoded. Its measured counterpart is
+rank 0's median of backward + ``step()`` (backward with the hooks' inline selection and
+submissions; ``step()``: waiting, decoding, and the wrapped optimizer's update, which the
+simulator does not model). The issue's target: median |error| within 15 % across the
+planned schemes, per model and worker count. Output: ``<out>/validate.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from ssfusion_hvd.plan import CostModel, Plan, simulate  # noqa: E402
+from ssfusion_hvd.registry import PLANNERS  # noqa: E402
+
+#: the schemes whose plan our engine runs (dense is Horovod's optimizer: no plan)
+VALIDATED = tuple(s for s in PLANNERS if s != "dense")
+TARGET = 0.15
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--from", dest="source", help="compare the runs of this bench_e2e JSON; run nothing")
+    p.add_argument("--models", default="gpt2,resnet")
+    p.add_argument("--workers", default="2,4")
+    p.add_argument("--out", default=str(REPO / "docs" / "results"))
+    p.add_argument("--name", default="validate")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER,
+                   help="-- further bench_e2e.py options (e.g. --hosts 2 --slots 2)")
+    return p.parse_args(argv)
+
+
+def prediction(run: dict) -> float | None:
+    """Simulated seconds from backward start to the last decode of the run's plan on its
+    own cost model, at the density in force during the timed iterations."""
+    if not run.get("plan") or not run.get("cost_model"):
+        return None
+    plan = Plan.from_json(json.dumps(run["plan"]))
+    cost = CostModel.from_json(json.dumps(run["cost_model"]))
+    plan = plan.at_density(run.get("density_target", plan.density))
+    return simulate(plan, cost).iteration_s - cost.forward_s
+
+
+def measurement(run: dict) -> float:
+    return run["backward_s"] + run["step_s"]
+
+
+def rows(runs: list) -> list[dict]:
+    out = []
+    for r in runs:
+        if "error" in r or r["scheme"] not in VALIDATED:
+            continue
+        pred = prediction(r)
+        if pred is None:
+            continue
+        meas = measurement(r)
+        plan = r["plan"]
+        out.append({"model": r["model"], "workers": r["workers"], "hosts": r.get("hosts", 1),
+                    "scheme": r["scheme"], "ran": plan["scheme"],
+                    "sparse_tensors": sum(plan["sparse"]), "tensors": len(plan["sparse"]),
+                    "predicted_s": pred, "measured_s": meas, "error": pred / meas - 1.0})
+    return out
+
+
+def table(found: list[dict]) -> str:
+    lines = ["| model | workers | scheme (plan run) | sparse tensors | predicted ms | measured ms | "
+             "predicted / measured |", "|---|---:|---|---:|---:|---:|---:|"]
+    for r in found:
+        ran = r["scheme"] + ("" if r["ran"] == r["scheme"] else f" ({r['ran']})")
+        where = f"{r['workers']}" + (f" ({r['hosts']} hosts)" if r["hosts"] > 1 else "")
+        lines.append(f"| {r['model']} | {where} | {ran} | {r['sparse_tensors']}/{r['tensors']} | "
+                     f"{1e3 * r['predicted_s']:.0f} | {1e3 * r['measured_s']:.0f} | "
+                     f"{r['predicted_s'] / r['measured_s']:.2f} |")
+    lines.append("")
+    groups = sorted({(r["model"], r["workers"], r["hosts"]) for r in found})
+    for key in groups:
+        errs = [abs(r["error"]) for r in found if (r["model"], r["workers"], r["hosts"]) == key]
+        med = statistics.median(errs)
+        lines.append(f"- {key[0]}, {key[1]} workers{f' on {key[2]} hosts' if key[2] > 1 else ''}: "
+                     f"median |error| {100 * med:.1f} % over {len(errs)} schemes "
+                     f"({'within' if med <= TARGET else 'OUTSIDE'} {100 * TARGET:.0f} %)")
+    if found:
+        med = statistics.median(abs(r["error"]) for r in found)
+        lines.append(f"- all runs: median |error| {100 * med:.1f} % over {len(found)} runs")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    source = Path(args.source) if args.source else out / f"{args.name}.json"
+    if not args.source:
+        import bench_e2e
+
+        extra = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+        bench_e2e.main(["--models", args.models, "--workers", args.workers, "--schemes",
+                        ",".join(VALIDATED), "--name", args.name, "--out", str(out), *extra])
+    found = rows(json.loads(source.read_text())["runs"])
+    if not found:
+        raise SystemExit(f"no planned run with a recorded plan and cost model in {source}")
+    text = (f"Predicted (simulator on the run's own cost model and plan) against measured "
+            f"(rank 0's median backward + step()), from `{source.name}`:\n\n" + table(found))
+    (out / f"{args.name}.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
