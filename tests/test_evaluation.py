@@ -36,7 +36,7 @@ def _namespaces() -> str:
 def _row(model, workers, scheme, sps, **kw):
     r = {"model": model, "workers": workers, "scheme": scheme, "samples_per_s": sps,
          "iteration_s": workers * 2 / sps, "communicate_s": 0.5, "wait_share": 0.25,
-         "wire_bytes": 2e6, "achieved_density": 0.01, "missing_rate": 0.0}
+         "wire_bytes": 2e6, "payload_bytes": 1e6, "achieved_density": 0.01, "missing_rate": 0.0}
     r.update(kw)
     return r
 
@@ -77,6 +77,8 @@ def test_e2e_topologies_and_controllers_get_their_own_dense_baseline():
     assert "| ssfusion_oi [mpi] | 6.00 | 1.50x |" in table
     assert "| ssfusion_oi [mpi, hierarchical] | 5.00 | n/a |" in table  # no dense of its own
     assert "| ssfusion_oi | 20.00 |" not in table  # the one-host run is another table
+    # a cluster table shows what each worker sends (host counters see only their own links)
+    assert "sent MB/iter/worker" in table and "| 1.0 | 0.0100 |" in table
     assert bench_e2e.run_key(rows[3]) != bench_e2e.run_key(rows[1])
     cm = {"allreduce": [1e-3, 1e-8], "allgather": [2e-3, 2e-8]}
     costs = bench_e2e.cost_table([dict(rows[3], cost_model=cm)], "m")
