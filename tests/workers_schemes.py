@@ -44,10 +44,11 @@ def _batch(step, micro, dtype):
     return torch.randn(16, 12, generator=g).to(DTYPES[dtype]), torch.randint(0, 3, (16,), generator=g)
 
 
-def profile(sparsifier, element_size=4, gbit=10.0):
-    """A fixed cost model (a ``gbit`` Gbit/s ring) so no probing happens in tests."""
+def profile(sparsifier, element_size=4, gbit=10.0, latency=5e-5):
+    """A fixed cost model (a ``gbit`` Gbit/s ring, ``latency`` s per hop) so no probing
+    happens in tests."""
     fit = {"gpu": (20e-6, 1e-10), "cpu": (40e-6, 2e-10)}
-    return CostModel.from_network(gbit * 1e9, 5e-5, hvd.size(), backward_s=[],
+    return CostModel.from_network(gbit * 1e9, latency, hvd.size(), backward_s=[],
                                   sparsify={sparsifier: fit}, element_size=element_size)
 
 
@@ -57,13 +58,14 @@ def _residuals(opt):
 
 
 def record(scheme, steps=4, passes=1, op="average", predivide=1.0, dtype="float32",
-           sparsifier="topk", density=0.05, warmup=2, plan=None, gbit=10.0):
+           sparsifier="topk", density=0.05, warmup=2, plan=None, gbit=10.0, latency=5e-5):
     model = _model(dtype)
     opt = ssfusion_hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
         scheme=scheme, sparsifier=sparsifier, density=density, backward_passes_per_step=passes,
         op=OPS[op], gradient_predivide_factor=predivide, warmup_steps=warmup,
-        profile=profile(sparsifier, torch.empty(0, dtype=DTYPES[dtype]).element_size(), gbit),
+        profile=profile(sparsifier, torch.empty(0, dtype=DTYPES[dtype]).element_size(), gbit,
+                        latency),
         plan=plan, log_plan=False)
     names = [n for n, _ in model.named_parameters()]
     loss_fn = nn.CrossEntropyLoss()
@@ -123,9 +125,9 @@ def record_all(schemes, forced=True, **kwargs):
     return out
 
 
-def auto_runs(gbits, **kwargs):
-    """scheme="auto" planned on a ``gbit`` Gbit/s cost model, for each of ``gbits``."""
-    return {g: record("auto", gbit=g, **kwargs) for g in gbits}
+def auto_runs(links, **kwargs):
+    """scheme="auto" planned on a cost model of each ``(Gbit/s, latency s)`` of ``links``."""
+    return {i: record("auto", gbit=g, latency=lat, **kwargs) for i, (g, lat) in enumerate(links)}
 
 
 def _train_steps(model, opt, steps, dtype="float32"):

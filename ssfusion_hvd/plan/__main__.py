@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     plans = {s: build_plan(s, sizes, cost, args.density, names, args.sparsifier, args.fusion_threshold)
              for s in PLANNERS if s != "auto"}
-    plans["auto"] = choose_plan(sizes, cost, args.density, names, args.sparsifier,
-                                args.fusion_threshold)
+    plans["auto"] = choose_plan(sizes, cost, density=args.density, names=names,
+                                sparsifier=args.sparsifier, fusion_threshold_bytes=args.fusion_threshold)
     timelines = {s: simulate(p, cost) for s, p in plans.items()}
     print(plans[args.scheme].table(timelines[args.scheme]))
     if args.save_plan:

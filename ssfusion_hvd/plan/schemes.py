@@ -87,7 +87,8 @@ def build_plan(
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
     if scheme == "auto":
-        return choose_plan(sizes, cost, density, names, sparsifier, fusion_threshold_bytes)
+        return choose_plan(sizes, cost, density=density, names=names, sparsifier=sparsifier,
+                           fusion_threshold_bytes=fusion_threshold_bytes)
     n = len(sizes)
     if scheme == "dense":  # what hvd.DistributedOptimizer sends
         bounds = horovod_groups(sizes, cost, fusion_threshold_bytes)
@@ -113,21 +114,15 @@ def build_plan(
     return plan
 
 
-def choose_plan(
-    sizes: Sequence[int],
-    cost: CostModel,
-    density: float = 0.01,
-    names: Sequence[str] | None = None,
-    sparsifier: str = "dgc",
-    fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD,
-) -> Plan:
-    """``scheme="auto"``: the plan of every other planned scheme, ``dense`` (Horovod's
-    buckets) included, simulated on ``cost``; the fastest wins, ties to dense. The plan's
-    ``scheme`` is the winner's; ``notes["chosen_by"] = "auto"`` and
-    ``notes["predicted_s"]`` (JSON: scheme -> simulated iteration seconds) say why."""
+def choose_plan(sizes: Sequence[int], cost: CostModel, **options) -> Plan:
+    """``scheme="auto"``: the plan of every other planned scheme, ``dense`` (Horovod's own
+    fusion) included, simulated on ``cost``; the fastest wins, ties to dense. ``options``
+    are :func:`build_plan`'s. The plan's ``scheme`` is the winner's;
+    ``notes["chosen_by"] = "auto"`` and ``notes["predicted_s"]`` (JSON: scheme ->
+    simulated iteration seconds) say why."""
     # the offloading schemes need a CPU fit (a live profile always has one)
-    offload_ok = "cpu" in cost.sparsify.get(sparsifier, {})
-    plans = {s: build_plan(s, sizes, cost, density, names, sparsifier, fusion_threshold_bytes)
+    offload_ok = "cpu" in cost.sparsify.get(options.get("sparsifier", "dgc"), {})
+    plans = {s: build_plan(s, sizes, cost, **options)
              for s in PLANNERS if s != "auto" and (offload_ok or not s.startswith("ssfusion_o"))}
     predicted = {s: simulate(p, cost).iteration_s for s, p in plans.items()}
     best = min(predicted, key=lambda s: (predicted[s], s != "dense"))
