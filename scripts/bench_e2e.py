@@ -43,7 +43,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(REPO / "scripts"))
-from cluster import Cluster, ClusterError, measure_link, shape  # noqa: E402
+from cluster import (  # noqa: E402
+    MPI_AS_ROOT,
+    Cluster,
+    ClusterError,
+    horovodrun_binary,
+    measure_link,
+    shape,
+)
 from ssfusion_hvd.registry import SCHEMES  # noqa: E402  (display order: the registry's)
 #: model -> (untimed iterations, timed iterations); sparse schemes profile 2 of the former
 ITERATIONS = {"gpt2": (4, 7), "resnet": (5, 10), "demo": (6, 30)}
@@ -125,10 +132,8 @@ class ShapedNamespace:
         """argv running ``horovodrun -np N -H localhost:N`` inside the namespace."""
         env = dict(env or {})
         if controller == "mpi":
-            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        venv_bin = Path(sys.executable).parent
-        horovodrun = shutil.which("horovodrun", path=str(venv_bin)) or shutil.which("horovodrun")
-        return (self.exec_prefix() + ["env", *(f"{k}={v}" for k, v in env.items()), horovodrun,
+            env.update(MPI_AS_ROOT)
+        return (self.exec_prefix() + ["env", *(f"{k}={v}" for k, v in env.items()), horovodrun_binary(),
                                       "-np", str(np), "-H", f"localhost:{np}", f"--{controller}"]
                 + list(argv))
 

@@ -125,6 +125,10 @@ def sshd_binary() -> str | None:
     return next((p for p in SSHD_PATHS if os.access(p, os.X_OK)), shutil.which("sshd"))
 
 
+#: Open MPI refuses to run as root unless told twice (CI and cluster.py run as root)
+MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
 def horovodrun_binary() -> str:
     """The horovodrun beside this interpreter (the venv's), else the one on PATH."""
     here = Path(sys.executable).with_name("horovodrun")
@@ -347,7 +351,7 @@ class Cluster:
         np = self.hosts * self.slots if np is None else np
         run_env = {"PATH": f"{self.state / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
         if controller == "mpi":
-            run_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+            run_env.update(MPI_AS_ROOT,
                            # every orted is started from h1 with the run's key (no tree spawn
                            # through hosts whose PATH lacks the wrapper)
                            OMPI_MCA_plm_rsh_agent=self.ssh, OMPI_MCA_plm_rsh_no_tree_spawn="1",
