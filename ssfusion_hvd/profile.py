@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Hashable, Iterable
+import warnings
+from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -35,21 +36,29 @@ __all__ = [
     "fit_affine",
     "measure_cost_model",
     "probe_collectives",
+    "slowest_rank_times",
     "time_decode",
     "time_sparsifier",
 ]
 
 #: Probe sizes of :func:`probe_collectives` (bytes one worker contributes).
 COLLECTIVE_SIZES = (4096, 65536, 1 << 20, 4 << 20)
-#: Dense input sizes (bytes) of :func:`time_sparsifier`.
-SPARSIFY_SIZES = (40_000, 400_000, 4_000_000)
+#: Dense input sizes (bytes) of :func:`time_sparsifier`: from a small tensor to one far
+#: larger than a CPU's caches, where every pass over it runs at memory speed.
+SPARSIFY_SIZES = (40_000, 400_000, 4_000_000, 40_000_000)
 #: Output sizes (bytes) of :func:`time_decode`.
-DECODE_SIZES = (40_000, 400_000, 4_000_000)
+DECODE_SIZES = (40_000, 400_000, 4_000_000, 40_000_000)
 
 
 # -- fitting ------------------------------------------------------------------------------
-def fit_affine(sizes_bytes, seconds) -> tuple[float, float]:
+def fit_affine(sizes_bytes, seconds, relative: bool = False) -> tuple[float, float]:
     """Least-squares ``(α, β)`` of ``t = α + β·x`` with ``α, β >= 0`` (Cupcake §4.1).
+
+    ``relative``: minimize the squared *relative* residuals ``((t - α - β·x) / t)²``
+    instead of the absolute ones, so that sizes spanning orders of magnitude each count
+    alike: the small sizes pin ``α`` (a fixed cost paid once per call, per tensor or per
+    collective), the large ones ``β``. The live profile fits this way; with absolute
+    residuals the largest size's noise alone decides ``α``.
 
     A negative fitted slope (noise on a flat curve) becomes 0 with ``α`` = mean time; a
     negative intercept becomes 0 with ``β`` refitted through the origin. With a single
@@ -62,20 +71,25 @@ def fit_affine(sizes_bytes, seconds) -> tuple[float, float]:
         raise ValueError(f"need matching non-empty sizes and times, got {x.size} and {t.size}")
     if not (np.all(np.isfinite(x)) and np.all(np.isfinite(t))):
         raise ValueError("sizes and times must be finite")
-    t_mean = float(t.mean())
+    w = np.ones_like(t)
+    if relative:
+        floor = max(float(np.abs(t).max()) * 1e-9, 1e-15)  # a zero time must not divide
+        w = 1.0 / np.maximum(np.abs(t), floor) ** 2
+    w = w / w.sum()
+    t_mean = float(np.dot(w, t))
     if np.ptp(x) == 0.0:  # one distinct size
         if x[0] > 0:
             return 0.0, max(t_mean, 0.0) / float(x[0])
         return max(t_mean, 0.0), 0.0
-    x_mean = float(x.mean())
+    x_mean = float(np.dot(w, x))
     dx = x - x_mean
-    beta = float(np.dot(dx, t - t_mean) / np.dot(dx, dx))
+    beta = float(np.dot(w * dx, t - t_mean) / np.dot(w * dx, dx))
     alpha = t_mean - beta * x_mean
     if beta < 0.0:
         return max(t_mean, 0.0), 0.0
     if alpha < 0.0:
-        sxx = float(np.dot(x, x))
-        return 0.0, max(float(np.dot(x, t)) / sxx, 0.0) if sxx > 0 else 0.0
+        sxx = float(np.dot(w * x, x))
+        return 0.0, max(float(np.dot(w * x, t)) / sxx, 0.0) if sxx > 0 else 0.0
     return float(alpha), float(beta)
 
 
@@ -152,50 +166,62 @@ def probe_collectives(process_set=None, device="cpu", dtype=torch.float32,
                 samples.append(time.perf_counter() - start)
             xs.append(n * elem)
             ts.append(statistics.median(samples))
-        fits[coll] = fit_affine(xs, ts)
+        fits[coll] = fit_affine(xs, ts, relative=True)
     return fits
 
 
 # -- sparsification -----------------------------------------------------------------------
-def time_sparsifier(sparsifier: str, device="cpu", density=0.01,
-                    sizes_bytes=SPARSIFY_SIZES, repeats=3, dtype=torch.float32) -> tuple[float, float]:
-    """``h(x)`` of ``sparsifier`` on ``device`` (Cupcake §4.1, SSFusion §IV-A).
+def time_sparsifier(sparsifier: str, device="cpu", density=0.01, sizes_bytes=SPARSIFY_SIZES,
+                    repeats=3, dtype=torch.float32, rule=None, stage_device=None) -> tuple[float, float]:
+    """``h(x)`` of ``sparsifier`` on ``device`` as the engine runs it (Cupcake §4.1,
+    SSFusion §IV-A), ``x`` the dense bytes.
 
-    Times ``select(x, k)``, ``k = ceil(density·n)``, on random normal tensors of each size
-    (``x`` = dense bytes): one untimed warm-up (stateful methods reach their steady state),
-    then the median of ``repeats``; CUDA is synchronized around every timed call. Local:
-    no collective.
+    One timed call is one sparse part's encode (``core/buffers.SparsePart``): stage the
+    gradient, error feedback with the recipe's local rule (``rule()``: a new
+    :class:`~ssfusion_hvd.sparsify.memory.LocalRule`, e.g. momentum correction; None:
+    plain error feedback), select ``k = ceil(density·n)``, update the residual, pack the
+    record into a send buffer. A selection kernel timed alone misses most of that: the
+    encode makes several passes over the gradient, and on a large tensor each pass
+    runs at memory speed, not cache speed. ``stage_device``: where the part is staged
+    and selected (the SSFusion-O offload path: ``"cpu"`` for a GPU job, so each call
+    includes the device-to-host copy); default ``device``. One untimed call first (the
+    residual and rule state exist from then on, as in steady state), then the median of
+    ``repeats``; CUDA is synchronized around every timed call. Fitted with relative
+    residuals (:func:`fit_affine`). Local: no collective.
     """
+    from .core.buffers import SparsePart
+    from .plan.cost import SEGMENTED_SPARSIFIERS
     from .sparsify import make_sparsifier
+    from .sparsify.memory import ResidualMemory
 
     if not 0.0 < float(density) <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density!r}")
-    return _time_select(make_sparsifier, sparsifier, _torch_device(device), float(density),
-                        sizes_bytes, max(1, int(repeats)), dtype)
-
-
-def _time_select(make, sparsifier, dev, density, sizes_bytes, repeats, dtype,
-                 host_copy=False) -> tuple[float, float]:
-    """Fits h(x); with ``host_copy`` the input lies on ``dev`` and each timed call includes
-    its copy to host memory before a CPU selection (the SSFusion-O offload path)."""
+    make_sparsifier(sparsifier)  # an unknown name fails here, before any timing
+    dev = _torch_device(device)
+    stage = dev if stage_device is None else _torch_device(stage_device)
+    mode = "segmented" if sparsifier in SEGMENTED_SPARSIFIERS else "per_tensor"
     gen = torch.Generator().manual_seed(0)
     xs, ts = [], []
     for nbytes in sizes_bytes:
         n = _numel(nbytes, dtype)
-        k = int(nominal_k(n, density))
-        x = torch.randn(n, generator=gen).to(dtype=dtype, device=dev)
-        if host_copy:
-            host = torch.empty(n, dtype=dtype, pin_memory=dev.type == "cuda")
+        k = int(nominal_k(n, float(density)))
+        part = SparsePart("profile", [0], [torch.Size([n])], [k], mode,
+                          [make_sparsifier(sparsifier)], 0, dtype, dev, stage_device=stage)
+        send = torch.empty(part.length, dtype=dtype, device=dev)
+        memory = ResidualMemory(rule() if rule is not None else None)
+        memory.rule.density = float(density)
+        grad = torch.randn(n, generator=gen).to(dtype=dtype, device=dev)
 
-            def run(x=x, k=k, host=host, s=make(sparsifier)):
-                host.copy_(x)  # device -> host (synchronous on the host side)
-                return s.select(host, k)
-        else:
-            def run(x=x, k=k, s=make(sparsifier)):
-                return s.select(x, k)
-        ts.append(_median_seconds(run, dev, repeats))
-        xs.append(n * x.element_size())
-    return fit_affine(xs, ts)
+        def run(part=part, send=send, memory=memory, grad=grad):
+            if part.stage.device != grad.device:  # the offload path's host staging copy
+                part.stage.copy_(grad)
+            else:
+                part.stage_grads([grad])
+            part.pack(part.select(memory), send, 1.0)
+
+        ts.append(_median_seconds(run, dev, max(1, int(repeats))))
+        xs.append(n * grad.element_size())
+    return fit_affine(xs, ts, relative=True)
 
 
 def _median_seconds(run, dev, repeats: int) -> float:
@@ -212,12 +238,16 @@ def _median_seconds(run, dev, repeats: int) -> float:
 
 def time_decode(device="cpu", world_size=2, density=0.01, sizes_bytes=DECODE_SIZES,
                 repeats=3, dtype=torch.float32) -> tuple[float, float]:
-    """``d(x)`` of one group's decode on ``device``: what ``SparsePart.decode`` runs for a
-    tensor of each size (zero the output, then scatter-add ``world_size`` records of
-    ``k = ceil(density·n)`` elements), ``x`` the bytes it touches as the simulator counts
-    them (:func:`~ssfusion_hvd.plan.timeline.decode_bytes`). Local: no collective."""
+    """``d(x)`` of one group's decode on ``device``, as ``step()`` runs it for a sparse part
+    of one tensor of each size (``core/buffers.unpack``: zero the output, scatter-add
+    ``world_size`` records of ``k = ceil(density·n)`` elements, scale by ``1/world_size``
+    (Average), copy into the gradient), ``x`` the bytes it touches as the simulator counts
+    them (:func:`~ssfusion_hvd.plan.timeline.decode_bytes`). Fitted with relative
+    residuals. Local: no collective."""
     from . import ops
+    from .core.buffers import SparsePart, unpack
     from .plan.cost import index_size
+    from .sparsify import make_sparsifier
 
     dev = _torch_device(device)
     gen = torch.Generator().manual_seed(0)
@@ -225,22 +255,23 @@ def time_decode(device="cpu", world_size=2, density=0.01, sizes_bytes=DECODE_SIZ
     for nbytes in sizes_bytes:
         n = _numel(nbytes, dtype)
         k = int(nominal_k(n, density))
-        rec = ops.record_numel(k, dtype)
+        part = SparsePart("profile", [0], [torch.Size([n])], [k], "segmented",
+                          [make_sparsifier("topk")], 0, dtype, dev)
+        rec = part.length
         gathered = torch.zeros(world_size * rec, dtype=dtype)  # packed on the host, then moved
         for r in range(world_size):
-            idx = torch.randperm(n, generator=gen)[:k].to(torch.int32)
+            idx = torch.randint(0, n, (k,), generator=gen, dtype=part.idx_dtype)  # random access
             ops.pack(torch.randn(k, generator=gen).to(dtype), idx, gathered, r * rec)
         gathered = gathered.to(dev)
-        out = torch.empty(n, dtype=dtype, device=dev)
+        grad = torch.empty(n, dtype=dtype, device=dev)
 
-        def run(out=out, gathered=gathered, k=k):
-            out.zero_()
-            ops.scatter_add_chunks(out, gathered, world_size, 0, k)
+        def run(part=part, gathered=gathered, rec=rec, grad=grad):
+            unpack(part, gathered, world_size, rec, [grad], 1.0 / world_size)
 
         ts.append(_median_seconds(run, dev, max(1, int(repeats))))
-        es = out.element_size()
+        es = grad.element_size()
         xs.append(n * es + world_size * k * (es + index_size(n)))
-    return fit_affine(xs, ts)
+    return fit_affine(xs, ts, relative=True)
 
 
 # -- backward -----------------------------------------------------------------------------
@@ -310,6 +341,22 @@ class BackwardTimer:
         """Keys in ready order of the last recorded iteration."""
         return [k for k, _ in self._runs[-1][1]] if self._runs else []
 
+    def ready_times(self, keys: Sequence, rows: int) -> np.ndarray:
+        """``(rows, len(keys))`` float64: for each of the last ``rows`` iterations that had a
+        ``start_iteration()``, every key's ready time since that start (NaN where a key was
+        not marked); rows without such an iteration are NaN. Same shape on every rank, so
+        the ranks' arrays can be gathered."""
+        rows = max(int(rows), 0)
+        out = np.full((rows, len(keys)), np.nan)
+        started = [(t0, times) for t0, times in self._runs if t0 is not None]
+        started = started[max(len(started) - rows, 0):] if rows else []
+        col = {k: j for j, k in enumerate(keys)}
+        for r, (t0, times) in enumerate(started, start=rows - len(started)):
+            for k, t in times:
+                if k in col:
+                    out[r, col[k]] = max(t - t0, 0.0)
+        return out
+
     def backward_times(self, keys: Iterable) -> list[float]:
         """Median over iterations of each key's ready time minus its predecessor's.
 
@@ -330,6 +377,33 @@ class BackwardTimer:
         return [float(statistics.median(samples[k])) if k in samples else 0.0 for k in keys]
 
 
+def slowest_rank_times(ready: np.ndarray) -> tuple[float, list[float]] | None:
+    """``(forward_s, backward_s)`` as the slowest rank sets them, from every rank's
+    :meth:`BackwardTimer.ready_times` gathered into ``(ranks, iterations, tensors)``, the
+    tensors in backward order, each iteration timed from the end of the step before.
+
+    A collective can start only once its last rank has submitted it, so what the planner
+    must see is, per iteration, the latest rank's ready time of every gradient (on a
+    loaded machine the ranks drift apart by far more than a collective's fixed cost);
+    their median over iterations is the typical curve. Its first point is the time from
+    the end of one step to the first gradient: the wrapped optimizer's update, the
+    training loop's own code, forward, and the first gradient's backward, which is
+    charged, as :meth:`BackwardTimer.backward_times` does without a start, the median of
+    the other tensors' times; the rest is ``forward_s``. Returns None when no iteration
+    had a start (a single warm-up step)."""
+    ready = np.asarray(ready, dtype=np.float64)
+    with warnings.catch_warnings():  # all-NaN slices: iterations or tensors never timed
+        warnings.simplefilter("ignore", RuntimeWarning)
+        typical = np.nanmedian(np.nanmax(ready, axis=0), axis=0)
+    if typical.size == 0 or np.isnan(typical[0]):
+        return None
+    typical = np.fmax.accumulate(np.nan_to_num(typical, nan=0.0))  # never ready: no time
+    backward = np.diff(typical)
+    first = float(np.median(backward)) if backward.size else 0.0
+    first = min(first, float(typical[0]))
+    return float(typical[0]) - first, [first] + [float(b) for b in backward]
+
+
 # -- putting it together ------------------------------------------------------------------
 def broadcast_from_root(obj, process_set=None, name="ssf.profile"):
     """The first rank's ``obj`` (global rank 0 for the global set) on every rank of
@@ -340,21 +414,26 @@ def broadcast_from_root(obj, process_set=None, name="ssf.profile"):
 
 
 def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
-                       element_size=4, density=0.01, profile=None) -> CostModel:
+                       element_size=4, density=0.01, profile=None, rule=None,
+                       forward_s=0.0) -> CostModel:
     """The :class:`CostModel` every rank plans with (Cupcake §4.1, SSFusion §IV-A).
 
     With ``profile`` (a :class:`CostModel` or the path of its JSON) its fits are used
     as they are, without probing and without any collective (Horovod is not touched); its
     ``backward_s`` is kept when it has ``len(backward_s)`` entries, else replaced by
-    ``backward_s``. A profile without fits for ``sparsifier`` raises ``ValueError``.
+    ``backward_s`` (and its ``forward_s`` by ``forward_s``). A profile without fits for
+    ``sparsifier`` raises ``ValueError``.
 
     Otherwise (collective: every rank of ``process_set``): probes the collectives, times
-    ``sparsifier`` on ``device`` (key ``"gpu"``: the gradients' device, main thread) and
-    on the CPU (key ``"cpu"``, the offload path: for a CUDA job each call includes the
-    device-to-host copy; on a CPU-only job it is the same CPU timing, measured once), and
-    broadcasts rank 0's model as JSON text so all ranks hold identical numbers.
+    a sparse part's encode with ``sparsifier`` and the recipe's local rule (``rule``, see
+    :func:`time_sparsifier`) on ``device`` (key ``"gpu"``: the gradients' device, main
+    thread) and on the CPU (key ``"cpu"``, the offload path: for a CUDA job each call
+    includes the device-to-host copy; on a CPU-only job it is the same CPU timing,
+    measured once), times the decode, and broadcasts rank 0's model as JSON text so all
+    ranks hold identical numbers.
     ``sparsifier=None`` skips the sparsifier timing (dense schemes). The probe sizes are
-    the module's ``COLLECTIVE_SIZES`` and ``SPARSIFY_SIZES``, read at call time.
+    the module's ``COLLECTIVE_SIZES``, ``SPARSIFY_SIZES`` and ``DECODE_SIZES``, read at
+    call time.
     """
     backward_s = tuple(float(b) for b in backward_s)
     if profile is not None:
@@ -365,6 +444,7 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
             model.notes = dict(model.notes, source=str(profile))
         if len(model.backward_s) != len(backward_s):
             model = model.with_backward(backward_s)
+            model.forward_s = float(forward_s)
         if sparsifier is not None and sparsifier not in model.sparsify:
             raise ValueError(
                 f"profile {model.notes.get('source', '<CostModel>')!r} has no sparsification "
@@ -372,22 +452,21 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
         return model
 
     from .core import transport
-    from .sparsify import make_sparsifier
 
     ps = _process_set(process_set)
     dev = _torch_device(device)
     comm = probe_collectives(process_set=ps, device=dev, sizes_bytes=COLLECTIVE_SIZES)
     sparsify = {}
     if sparsifier is not None:
-        fit = time_sparsifier(sparsifier, device=dev, density=density, sizes_bytes=SPARSIFY_SIZES)
-        if dev.type == "cpu":
-            cpu_fit = fit
-        else:
-            cpu_fit = _time_select(make_sparsifier, sparsifier, dev, float(density),
-                                   SPARSIFY_SIZES, 3, torch.float32, host_copy=True)
+        fit = time_sparsifier(sparsifier, device=dev, density=density,
+                              sizes_bytes=SPARSIFY_SIZES, rule=rule)
+        cpu_fit = fit if dev.type == "cpu" else time_sparsifier(
+            sparsifier, device=dev, density=density, sizes_bytes=SPARSIFY_SIZES, rule=rule,
+            stage_device="cpu")
         sparsify[sparsifier] = {"gpu": fit, "cpu": cpu_fit}
     world = ps.size() if ps.size() is not None else transport.world_size()
-    decode = time_decode(dev, world_size=int(world), density=density) if sparsifier else (0.0, 0.0)
+    decode = (time_decode(dev, world_size=int(world), density=density, sizes_bytes=DECODE_SIZES)
+              if sparsifier else (0.0, 0.0))
     model = CostModel(
         world_size=int(world),
         allreduce=comm["allreduce"],
@@ -395,6 +474,7 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
         sparsify=sparsify,
         backward_s=backward_s,
         element_size=int(element_size),
+        forward_s=float(forward_s),
         decode=decode,
         # a CPU-only job: the offload worker's thread runs on the cores backward uses
         shared_cores=dev.type == "cpu",

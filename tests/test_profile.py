@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from ssfusion_hvd import profile
@@ -196,3 +197,87 @@ def test_measured_on_a_process_set_broadcasts_from_its_first_rank():
     assert results[1]["json"] == results[2]["json"]
     m = CostModel.from_json(results[1]["json"])
     assert m.world_size == 2 and set(m.sparsify) == {"topk"}
+
+
+# -- the slowest rank's times ---------------------------------------------------------------
+def test_ready_times_rows_from_the_start_of_each_timed_iteration():
+    timer = BackwardTimer()
+    _iteration(timer, [("a", 0.0), ("b", 0.0)], start=False)  # no start: not a row
+    for _ in range(2):
+        _iteration(timer, [("a", 0.002), ("b", 0.004)])
+    ready = timer.ready_times(["b", "a", "never"], rows=3)
+    assert ready.shape == (3, 3)
+    assert np.isnan(ready[0]).all()  # only two iterations had a start
+    assert np.isnan(ready[1:, 2]).all()  # "never" was not marked
+    assert (ready[1:, 1] >= 0.002).all() and (ready[1:, 0] >= ready[1:, 1] + 0.004).all()
+    assert timer.ready_times(["a"], rows=1).shape == (1, 1)  # the last one only
+    assert timer.ready_times(["a"], rows=0).shape == (0, 1)
+
+
+def test_slowest_rank_times_by_hand():
+    nan = float("nan")
+    # 2 ranks, 2 iterations, 3 tensors in backward order; times since the step before
+    ready = np.array([
+        [[1.0, 1.2, 1.5], [1.1, 1.3, 1.4]],  # rank 0
+        [[1.4, 1.5, 1.6], [1.0, 1.2, 1.9]],  # rank 1: late in iteration 0, last in 1
+    ])
+    forward, backward = profile.slowest_rank_times(ready)
+    # latest per iteration: [1.4, 1.5, 1.6] and [1.1, 1.3, 1.9]; median: [1.25, 1.4, 1.75]
+    steps = [1.4 - 1.25, 1.75 - 1.4]
+    first = float(np.median(steps))
+    assert backward == pytest.approx([first] + steps)
+    assert forward == pytest.approx(1.25 - first)
+    # a tensor never ready anywhere costs nothing; an iteration not timed is left out
+    ready = np.array([[[0.5, nan, 0.9], [nan, nan, nan]], [[0.7, nan, 0.8], [nan, nan, nan]]])
+    forward, backward = profile.slowest_rank_times(ready)
+    assert backward == pytest.approx([0.1, 0.0, 0.2]) and forward == pytest.approx(0.6)
+    assert profile.slowest_rank_times(np.full((2, 1, 3), nan)) is None  # nothing timed
+
+
+WARMUP_ORDER = r"""
+import torch, horovod.torch as hvd
+hvd.init()
+from ssfusion_hvd.schemes.base import SyncConfig
+from ssfusion_hvd.schemes.warmup import WarmupPhase
+from ssfusion_hvd import profile
+profile.COLLECTIVE_SIZES, profile.SPARSIFY_SIZES, profile.DECODE_SIZES = (4096, 65536), (8000, 80000), (8000, 80000)
+a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (2, 3, 4))
+cfg = SyncConfig(names={a: "a", b: "b", c: "c"}, order=[a, b, c], declared=[a, b, c],
+                 compression=hvd.Compression.none, op=hvd.Average, gradient_predivide_factor=1.0,
+                 groups=None, sparse_as_dense=False, process_set=hvd.global_process_set,
+                 sparsifier="topk", density=0.5, warmup_steps=3)
+phase = WarmupPhase(cfg, [a, b, c], torch.device("cpu"))
+events = []
+class Recorder:  # stands in for the dense scheme: records what reaches the communicator
+    def submit(self, p): events.append(("submit", cfg.names[p]))
+    def finish(self): events.append(("finish",))
+    def pending(self): return False
+    def reset(self): pass
+    last_stats = type("S", (), {})()
+phase.dense = Recorder()
+for step in range(3):
+    for p in (c, a, b):  # backward order
+        p.grad = torch.ones_like(p)
+        phase.submit(p)
+        events.append(("ready", cfg.names[p]))
+        assert phase.pending()
+    phase.finish(step + 1)
+    assert not phase.pending()
+assert events[:8] == [("ready", "c"), ("ready", "a"), ("ready", "b"), ("submit", "c"),
+                      ("submit", "a"), ("submit", "b"), ("finish",), ("ready", "c")], events
+ready = phase.timer.ready_times([a, b, c], rows=3)
+import numpy as np
+assert np.isnan(ready[0]).all() and not np.isnan(ready[1:]).any()
+order, cost = phase.measure()  # one rank: its own times are the slowest rank's
+assert order == [c, a, b] and len(cost.backward_s) == 3 and cost.forward_s >= 0.0
+print("ok")
+"""
+
+
+def test_warmup_sends_after_backward_and_times_from_the_step_before():
+    """The warm-up's dense steps send their gradients once backward is over (no collective
+    beside the timed backward), in ready order, and every step after the first is timed
+    from the end of the one before (a row of ready times each)."""
+    out = subprocess.run([sys.executable, "-c", WARMUP_ORDER], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr

@@ -6,6 +6,7 @@ from ssfusion_hvd import profile
 # 16 MiB: the per-byte time stays well above the noise even on a loaded 2-core machine
 SMALL_COLLECTIVES = (4096, 1 << 20, 16 << 20)
 SMALL_SPARSIFY = (8_000, 80_000)
+SMALL_DECODE = (8_000, 80_000)
 
 
 def measure(sparsifier="topk", subset=None):
@@ -15,6 +16,7 @@ def measure(sparsifier="topk", subset=None):
     """
     profile.COLLECTIVE_SIZES = SMALL_COLLECTIVES
     profile.SPARSIFY_SIZES = SMALL_SPARSIFY
+    profile.DECODE_SIZES = SMALL_DECODE
     ps = None
     if subset is not None:
         ps = hvd.add_process_set(subset)

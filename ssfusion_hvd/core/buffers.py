@@ -44,7 +44,7 @@ from .. import ops
 from ..sparsify import ResidualMemory, Sparsifier
 from .layout import views
 
-__all__ = ["DensePart", "SparsePart", "GroupBuffers", "SelectionResult"]
+__all__ = ["DensePart", "SparsePart", "GroupBuffers", "SelectionResult", "unpack"]
 
 
 @dataclass
@@ -54,6 +54,19 @@ class SelectionResult:
     values: torch.Tensor
     indices: torch.Tensor
     per_tensor: Optional[List[int]] = None  # elements selected per tensor, when known on host
+
+
+def unpack(part, gathered: torch.Tensor, nranks: int, record_len: int,
+           grads: Sequence[torch.Tensor], postscale: float) -> torch.Tensor:
+    """Decodes ``part`` (a :class:`DensePart` or :class:`SparsePart`) from the gathered
+    records, scales it by ``postscale`` and copies it into ``grads`` (its tensors' ``.grad``):
+    the whole decode of one part, as ``step()`` runs it and as ``profile.time_decode``
+    times it. Returns the decoded flat output."""
+    out = part.decode(gathered, nranks, record_len)
+    if postscale != 1.0:
+        out.mul_(postscale)
+    torch._foreach_copy_(list(grads), part.out_views)
+    return out
 
 
 class DensePart:

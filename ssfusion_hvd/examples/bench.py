@@ -4,7 +4,8 @@
 
 Runs ``--warmup`` iterations (they include a sparse scheme's dense warm-up, profiling and
 planning: keep ``--warmup`` above ``--warmup-steps``), then times ``--iters`` iterations of
-forward, backward and ``opt.step()`` on synthetic data (``examples/models.py``). An
+forward, backward, ``opt.synchronize()`` and ``opt.step()`` (in
+``opt.skip_synchronize()``) on synthetic data (``examples/models.py``). An
 iteration's time is the slowest rank's; samples/s is ``workers * batch / median``. After
 every timed iteration it reads ``opt.stats()`` (which resolves device counters, so this is
 a measuring run, not a production loop). Rank 0 also reads the byte counter of the
@@ -33,12 +34,12 @@ def parse_args(argv=None):
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--batch-size", type=int, default=0, help="per worker; 0: the model's default")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (gpt2)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed iterations")
+    p.add_argument("--warmup", type=int, default=7, help="untimed iterations")
     p.add_argument("--density-warmup-steps", type=int, default=0,
                    help="the recipe's density warm-up (default 0 here: the timed window is the "
                         "steady state at --density; docs/recipe.md prices the warm-up)")
     p.add_argument("--momentum-correction", default="auto", choices=("auto", "on", "off"))
-    p.add_argument("--warmup-steps", type=int, default=2,
+    p.add_argument("--warmup-steps", type=int, default=5,
                    help="the sparse schemes' dense profiling iterations (part of --warmup)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations")
     p.add_argument("--lr", type=float, default=0.01)
@@ -100,12 +101,17 @@ def main(argv=None) -> dict:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        opt.step()
+        opt.synchronize()  # Horovod's split step: synchronize, then the update alone
+        t_sync = time.perf_counter()
+        with opt.skip_synchronize():
+            opt.step()
         t3 = time.perf_counter()
         if step >= args.warmup:
             times.append(t3 - t0)
             s = opt.stats()
-            per_iter.append({"forward_s": t1 - t0, "backward_s": t2 - t1, "step_s": t3 - t2})
+            per_iter.append({"forward_s": t1 - t0, "backward_s": t2 - t1, "step_s": t3 - t2,
+                             "sync_s": t_sync - t2, "update_s": t3 - t_sync,
+                             "backward_sync_s": t_sync - t1})
             per_iter[-1].update({k: s.get(k, 0) for k in (
                 "phase", "wait_s", "communicate_s", "sparsify_s", "offload_s", "allreduce_bytes",
                 "allgather_bytes", "alltoall_bytes", "tensors_missing", "elements_sent",
@@ -135,6 +141,11 @@ def main(argv=None) -> dict:
         # batch), backward (with the hooks' inline selection and submissions), step
         # (waiting, decoding, copying into .grad, the wrapped optimizer's update)
         "forward_s": med("forward_s"), "backward_s": med("backward_s"), "step_s": med("step_s"),
+        # step() split as Horovod allows: synchronize() (waiting, decoding, copying into
+        # .grad) and the wrapped optimizer's update; backward + synchronize() per
+        # iteration is what the planner's simulator predicts (scripts/validate_planner.py)
+        "sync_s": med("sync_s"), "update_s": med("update_s"),
+        "backward_sync_s": med("backward_sync_s"),
         "payload_bytes": med("allreduce_bytes") + med("allgather_bytes") + med("alltoall_bytes"),
         "wire_bytes": tx / max(args.iters, 1),  # all workers, per iteration, every host
         "achieved_density": med("elements_sent") / max(med("elements"), 1),

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..core.buffers import DensePart, GroupBuffers, SparsePart, build_group
+from ..core.buffers import DensePart, GroupBuffers, SparsePart, build_group, unpack
 from ..core.layout import views
 from ..core.offload import OffloadWorker
 from ..core.stats import StepStats
@@ -208,12 +208,9 @@ class PlannedPhase:
                 gathered = tr.wait(ag)
                 nranks = gathered.numel() // gb.record_len
                 for part in gb.parts:
-                    out = part.decode(gathered, nranks, gb.record_len)
-                    if self._postscale != 1.0:
-                        out.mul_(self._postscale)
-                    torch._foreach_copy_([self.params[i].grad for i in part.tensors],
-                                         part.out_views)
-                    outputs.append(out)
+                    outputs.append(unpack(part, gathered, nranks, gb.record_len,
+                                          [self.params[i].grad for i in part.tensors],
+                                          self._postscale))
         stats = self._stats(iteration, outputs).timed(self._t_first, t_wait, time.perf_counter())
         self.reset()
         return stats
