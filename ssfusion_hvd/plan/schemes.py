@@ -32,7 +32,7 @@ from .timeline import simulate
 
 from ..registry import PLANNERS
 
-__all__ = ["PLANNERS", "DEFAULT_CYCLE_S", "DEFAULT_FUSION_THRESHOLD", "build_plan", "choose_plan",
+__all__ = ["AUTO_PREFERENCE", "AUTO_TIE", "PLANNERS", "DEFAULT_CYCLE_S", "DEFAULT_FUSION_THRESHOLD", "build_plan", "choose_plan",
            "horovod_groups", "threshold_groups"]
 
 #: Horovod's default ``HOROVOD_FUSION_THRESHOLD`` (64 MiB).
@@ -114,18 +114,32 @@ def build_plan(
     return plan
 
 
+#: ``auto``'s order of preference among the plans predicted within :data:`AUTO_TIE` of the
+#: fastest: dense (nothing sparsified), then SSFusion's (no tensor ever missing; the full
+#: scheme first), per-tensor, and multi-tensor last (its buffers' top-k can leave tensors
+#: out for many steps: docs/results.md §2).
+AUTO_PREFERENCE = ("dense", "ssfusion_oi", "ssfusion_i", "ssfusion_o", "ssfusion", "per_tensor",
+                   "multi_tensor")
+#: Relative margin within which ``auto`` counts two predictions as a tie (the simulator's
+#: own error is far larger: docs/results.md §3a).
+AUTO_TIE = 0.01
+
+
 def choose_plan(sizes: Sequence[int], cost: CostModel, **options) -> Plan:
     """``scheme="auto"``: the plan of every other planned scheme, ``dense`` (Horovod's own
-    fusion) included, simulated on ``cost``; the fastest wins, ties to dense. ``options``
-    are :func:`build_plan`'s. The plan's ``scheme`` is the winner's;
-    ``notes["chosen_by"] = "auto"`` and ``notes["predicted_s"]`` (JSON: scheme ->
-    simulated iteration seconds) say why."""
+    fusion) included, simulated on ``cost``; the fastest wins. Plans predicted within
+    :data:`AUTO_TIE` of the fastest tie, and a tie goes by :data:`AUTO_PREFERENCE` (dense
+    first, multi-tensor last), so a plan that can leave tensors out never wins by a
+    microsecond. ``options`` are :func:`build_plan`'s. The plan's ``scheme`` is the
+    winner's; ``notes["chosen_by"] = "auto"`` and ``notes["predicted_s"]`` (JSON: scheme
+    -> simulated iteration seconds) say why."""
     # the offloading schemes need a CPU fit (a live profile always has one)
     offload_ok = "cpu" in cost.sparsify.get(options.get("sparsifier", "dgc"), {})
     plans = {s: build_plan(s, sizes, cost, **options)
              for s in PLANNERS if s != "auto" and (offload_ok or not s.startswith("ssfusion_o"))}
     predicted = {s: simulate(p, cost).iteration_s for s, p in plans.items()}
-    best = min(predicted, key=lambda s: (predicted[s], s != "dense"))
+    fastest = min(predicted.values())
+    best = next(s for s in AUTO_PREFERENCE if predicted.get(s, float("inf")) <= fastest * (1 + AUTO_TIE))
     plan = plans[best]
     plan.notes = dict(plan.notes, chosen_by="auto", predicted_s=json.dumps(predicted))
     return plan
