@@ -50,3 +50,8 @@ def test_compare_line(tmp_path):
     assert compare.line(ours, base) == (
         "ssfusion_oi vs dense (4 epochs each): samples/s 200.0 vs 100.0 (2.00x), "
         "test accuracy 97.00% vs 98.00% (-1.00 points)")
+    # a plan that fell back to Horovod's dense buckets says so
+    assert compare.line(dict(ours, tensors_sparse=0), base).endswith(
+        "; ssfusion_oi sent every tensor dense: on this link its planner predicted no gain "
+        "from sparsifying (the plan table above)")
+    assert compare.line(dict(ours, tensors_sparse=3), base) == compare.line(ours, base)
