@@ -14,6 +14,7 @@ import torch
 from hvdrun import run_workers
 from ssfusion_hvd import ops
 from ssfusion_hvd.plan import Plan
+from ssfusion_hvd.plan.schemes import AUTO_PREFERENCE, AUTO_TIE
 from ssfusion_hvd.sparsify import make_sparsifier
 
 pytestmark = pytest.mark.multiworker
@@ -132,7 +133,10 @@ def test_auto_runs_dense_on_a_fast_link_and_a_sparse_plan_on_a_slow_one():
         plan = Plan.from_json(plans.pop())
         st = runs[0]["steps"][-1]["stats"]
         assert st["scheme_chosen"] == plan.scheme and plan.notes["chosen_by"] == "auto"
-        assert st["predicted_s"][plan.scheme] == min(st["predicted_s"].values())
+        predicted = st["predicted_s"]  # the fastest, or the preferred of a near-tie with it
+        tied = [s for s in AUTO_PREFERENCE
+                if predicted[s] <= min(predicted.values()) * (1 + AUTO_TIE)]
+        assert plan.scheme == tied[0], predicted
         assert any(plan.sparse) == want_sparse, (gbit, plan.scheme)
         assert (st["tensors_sparse"] > 0) == want_sparse
 
