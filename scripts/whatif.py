@@ -133,49 +133,41 @@ def evaluate(model: str, workers: int, gbit: float, measured: dict, args) -> dic
             "speedup_over_dense": t["dense"] / t["ssfusion_oi"]}
 
 
+def grid(rows: list, cell, paper: bool = False) -> list[str]:
+    """A markdown table, one row per (model, workers), one column per bandwidth:
+    ``cell(row)`` for each evaluated configuration; ``paper`` adds the paper's gains."""
+    bws = sorted({r["gbit_s"] for r in rows})
+    lines = ["| model | workers | " + " | ".join(f"{b:g} Gbit/s" for b in bws) + " |"
+             + (" paper (measured) |" if paper else ""),
+             "|---|---:|" + "---:|" * len(bws) + ("---|" if paper else "")]
+    for m in dict.fromkeys(r["model"] for r in rows):
+        for w in sorted({r["workers"] for r in rows if r["model"] == m}):
+            at = {r["gbit_s"]: r for r in rows if r["model"] == m and r["workers"] == w}
+            lines.append(f"| {m} | {w} | " + " | ".join(cell(at[b]) for b in bws) + " |"
+                         + (f" {PAPER.get(m, '')} |" if paper else ""))
+    return lines
+
+
 def report(doc: dict) -> str:
     rows = doc["rows"]
-    bws = sorted({r["gbit_s"] for r in rows})
+    main = grid(rows, lambda r: f"{100 * r['gain_over_best']:+.1f} % [{r['best_baseline']}] / "
+                                f"{r['speedup_over_dense']:.2f}x", paper=True)
+    gains = [r["gain_over_best"] for r in rows]
+    heads = [r["headroom"] for r in rows]
     lines = [f"SIMULATION, not a measurement. Cost model: {doc['source']} (see scripts/whatif.py "
              f"for which parts are measured, scaled and assumed). Density {doc['density']}.\n",
              "SSFusion-(O+I) throughput gain over the best other sparse scheme (which one in "
-             "brackets) and, after the slash, its speedup over dense:\n",
-             "| model | workers | " + " | ".join(f"{b:g} Gbit/s" for b in bws) + " | paper (measured) |",
-             "|---|---:|" + "---:|" * len(bws) + "---|"]
-    for m in dict.fromkeys(r["model"] for r in rows):
-        for w in sorted({r["workers"] for r in rows if r["model"] == m}):
-            cells = []
-            for b in bws:
-                r = next(x for x in rows if x["model"] == m and x["workers"] == w and x["gbit_s"] == b)
-                cells.append(f"{100 * r['gain_over_best']:+.1f} % [{r['best_baseline']}] / "
-                             f"{r['speedup_over_dense']:.2f}x")
-            lines.append(f"| {m} | {w} | " + " | ".join(cells) + f" | {PAPER.get(m, '')} |")
-    gains = [r["gain_over_best"] for r in rows]
-    lines.append(f"\nRange of the simulated gain: {100 * min(gains):+.1f} % to {100 * max(gains):+.1f} % "
-                 "(paper, measured on GPU clusters: 27.5-106.7 %).\n")
-    lines += ["Headroom: how much faster than the best other sparse scheme ANY scheme could be, "
-              "i.e. that scheme's iteration over the compute floor (forward + backward, "
-              "nothing exposed), minus 1:\n",
-              "| model | workers | " + " | ".join(f"{b:g} Gbit/s" for b in bws) + " |",
-              "|---|---:|" + "---:|" * len(bws)]
-    for m in dict.fromkeys(r["model"] for r in rows):
-        for w in sorted({r["workers"] for r in rows if r["model"] == m}):
-            cells = [f"{100 * next(x for x in rows if x['model'] == m and x['workers'] == w and x['gbit_s'] == b)['headroom']:.1f} %"
-                     for b in bws]
-            lines.append(f"| {m} | {w} | " + " | ".join(cells) + " |")
-    lines += ["\nThe same gain against the baselines the timeline simulator scores like SSFusion "
-              "(per_tensor, multi_tensor: same engine, same costs), the others being closed forms:\n",
-              "| model | workers | " + " | ".join(f"{b:g} Gbit/s" for b in bws) + " |",
-              "|---|---:|" + "---:|" * len(bws)]
-    for m in dict.fromkeys(r["model"] for r in rows):
-        for w in sorted({r["workers"] for r in rows if r["model"] == m}):
-            cells = []
-            for b in bws:
-                r = next(x for x in rows if x["model"] == m and x["workers"] == w and x["gbit_s"] == b)
-                cells.append(f"{100 * r['gain_over_engine']:+.1f} % [{r['best_engine_baseline']}]")
-            lines.append(f"| {m} | {w} | " + " | ".join(cells) + " |")
-    heads = [r["headroom"] for r in rows]
-    lines.append(f"\nRange of the headroom: {100 * min(heads):.1f} % to {100 * max(heads):.1f} %.\n")
+             "brackets) and, after the slash, its speedup over dense:\n", *main,
+             f"\nRange of the simulated gain: {100 * min(gains):+.1f} % to {100 * max(gains):+.1f} % "
+             "(paper, measured on GPU clusters: 27.5-106.7 %).\n",
+             "Headroom: how much faster than the best other sparse scheme ANY scheme could be, "
+             "i.e. that scheme's iteration over the compute floor (forward + backward, "
+             "nothing exposed), minus 1:\n",
+             *grid(rows, lambda r: f"{100 * r['headroom']:.1f} %"),
+             "\nThe same gain against the baselines the timeline simulator scores like SSFusion "
+             "(per_tensor, multi_tensor: same engine, same costs), the others being closed forms:\n",
+             *grid(rows, lambda r: f"{100 * r['gain_over_engine']:+.1f} % [{r['best_engine_baseline']}]"),
+             f"\nRange of the headroom: {100 * min(heads):.1f} % to {100 * max(heads):.1f} %.\n"]
     return "\n".join(lines)
 
 

@@ -32,8 +32,8 @@ from .timeline import simulate
 
 from ..registry import PLANNERS
 
-__all__ = ["AUTO_PREFERENCE", "AUTO_TIE", "PLANNERS", "DEFAULT_CYCLE_S", "DEFAULT_FUSION_THRESHOLD", "build_plan", "choose_plan",
-           "horovod_groups", "threshold_groups"]
+__all__ = ["AUTO_PREFERENCE", "AUTO_TIE", "PLANNERS", "DEFAULT_CYCLE_S", "DEFAULT_FUSION_THRESHOLD",
+           "build_plan", "choose_plan", "horovod_groups", "threshold_groups"]
 
 #: Horovod's default ``HOROVOD_FUSION_THRESHOLD`` (64 MiB).
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
@@ -139,7 +139,8 @@ def choose_plan(sizes: Sequence[int], cost: CostModel, **options) -> Plan:
              for s in PLANNERS if s != "auto" and (offload_ok or not s.startswith("ssfusion_o"))}
     predicted = {s: simulate(p, cost).iteration_s for s, p in plans.items()}
     fastest = min(predicted.values())
-    best = next(s for s in AUTO_PREFERENCE if predicted.get(s, float("inf")) <= fastest * (1 + AUTO_TIE))
+    order = AUTO_PREFERENCE + tuple(s for s in predicted if s not in AUTO_PREFERENCE)
+    best = next(s for s in order if s in predicted and predicted[s] <= fastest * (1 + AUTO_TIE))
     plan = plans[best]
     plan.notes = dict(plan.notes, chosen_by="auto", predicted_s=json.dumps(predicted))
     return plan
