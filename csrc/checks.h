@@ -100,6 +100,26 @@ inline void check_scatter_add(const at::Tensor& dense, const at::Tensor& values,
               dense.scalar_type(), " vs ", values.scalar_type(), ")");
 }
 
+// The inputs of the fused error-feedback ops (ef_topk, segmented_ef_topk): a gradient and
+// a residual of as many elements, contiguous, on one device of the expected type; the
+// residual (the accumulation) is float32 with a gradient and a wire dtype of any value
+// dtype, or a 16-bit dtype shared by all three. Returns the gradient flattened.
+inline at::Tensor check_feedback(const at::Tensor& grad, const at::Tensor& residual,
+                                 at::ScalarType wire, const char* op, c10::DeviceType device) {
+  check_values(grad, op, device);
+  check_values(residual, op, device);
+  TORCH_CHECK(residual.device() == grad.device(), op, ": residual on ", residual.device(),
+              ", gradient on ", grad.device());
+  TORCH_CHECK(residual.numel() == grad.numel(), op, ": residual has ", residual.numel(),
+              " elements, gradient ", grad.numel());
+  TORCH_CHECK(is_value_dtype(wire), op, ": unsupported wire dtype ", wire);
+  const at::ScalarType acc = residual.scalar_type();
+  TORCH_CHECK(acc == at::kFloat || (grad.scalar_type() == acc && wire == acc), op,
+              ": a ", acc, " residual needs a gradient and a wire of the same dtype (got ",
+              grad.scalar_type(), ", ", wire, "); accumulate 16-bit gradients in float32");
+  return grad.reshape({-1});
+}
+
 // Segments of a flat buffer of n elements (int64 CPU offsets[S+1], ks[S]): validates them and
 // returns the output offsets, the prefix sums of ks (S+1 entries).
 inline std::vector<int64_t> check_segments(const at::Tensor& offsets, const at::Tensor& ks,

@@ -33,6 +33,16 @@ namespace ssf {
 //     NaN, in index order.
 //   threshold_count(x, thr): the number of elements threshold_select would return.
 //
+// Error feedback fused with the selection (one pass over gradient and residual on the CPU)
+//   ef_topk(grad, residual, k, wire_dtype): residual += grad in place (in the residual's
+//     dtype: float32, or the 16-bit dtype gradient and wire share), then the exact top-k of
+//     the sum as topk returns it (values in the residual's dtype); the selected entries of
+//     the residual become what the wire dtype loses of them: 0, or v - (v rounded to the
+//     wire dtype) for a float32 residual sent as 16-bit. Equal, bit for bit, to
+//     residual.add_(grad); topk(residual, k); residual[indices] = that loss.
+//   segmented_ef_topk(grad, residual, offsets, ks, wire_dtype): the same per segment of
+//     segmented_topk, in one call; elements outside every segment are accumulated only.
+//
 // Sparse record codec. A record of k elements inside a flat 1-D buffer `out` whose dtype is
 // the values' dtype holds k values, zero padding up to index alignment, then k indices
 // stored bit for bit (layout in record.h).
@@ -75,6 +85,11 @@ namespace ssf {
       const at::Tensor& flat, const at::Tensor& offsets, const at::Tensor& ks);             \
   double sampled_threshold_##dev(const at::Tensor& x, int64_t k, int64_t samples);          \
   std::tuple<at::Tensor, at::Tensor> threshold_select_##dev(const at::Tensor& x, double thr); \
+  std::tuple<at::Tensor, at::Tensor> ef_topk_##dev(const at::Tensor& grad, at::Tensor& residual, \
+                                                   int64_t k, at::ScalarType wire_dtype);   \
+  std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_##dev(                               \
+      const at::Tensor& grad, at::Tensor& residual, const at::Tensor& offsets,              \
+      const at::Tensor& ks, at::ScalarType wire_dtype);                                     \
   int64_t threshold_count_##dev(const at::Tensor& x, double thr);                           \
                                                                                             \
   int64_t pack_##dev(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,  \

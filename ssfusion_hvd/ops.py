@@ -152,6 +152,85 @@ def sampled_threshold(x: torch.Tensor, k: int, samples: int, *, backend: Optiona
     return float(torch.topk(mag, kk).values[-1])
 
 
+# --------------------------------------------------------------------------- error feedback
+
+
+def _feedback_input(grad: torch.Tensor, residual: torch.Tensor, wire_dtype, op: str):
+    """``(flat grad, wire dtype)``, checked: the fused error-feedback ops' shared preamble
+    (``csrc/checks.h: check_feedback`` holds the native ops to the same rules)."""
+    _check_values(grad, op)
+    _check_values(residual, op)
+    wire = residual.dtype if wire_dtype is None else wire_dtype
+    if wire not in VALUE_DTYPES:
+        raise TypeError(f"{op}: unsupported wire dtype {wire}")
+    if not residual.is_contiguous():
+        raise ValueError(f"{op}: the residual must be contiguous (it is updated in place)")
+    if residual.device != grad.device or residual.numel() != grad.numel():
+        raise ValueError(f"{op}: residual ({residual.numel()} on {residual.device}) and gradient "
+                         f"({grad.numel()} on {grad.device}) must match")
+    if residual.dtype != torch.float32 and (grad.dtype != residual.dtype or wire != residual.dtype):
+        raise TypeError(f"{op}: a {residual.dtype} residual needs a gradient and a wire of the same "
+                        f"dtype (got {grad.dtype}, {wire}); accumulate 16-bit gradients in float32")
+    return grad.reshape(-1), wire
+
+
+def _wire_error(acc: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, wire) -> None:
+    """The residual's selected entries become what the wire loses of them (memory.py)."""
+    idx = indices.long()
+    if wire == acc.dtype:
+        acc.index_fill_(0, idx, 0)
+    else:
+        acc.index_copy_(0, idx, values - values.to(wire).to(acc.dtype))
+
+
+def ef_topk(grad: torch.Tensor, residual: torch.Tensor, k: int, wire_dtype=None,
+            *, backend: Optional[str] = None):
+    """Error feedback fused with the exact top-k, in place: ``residual += grad`` (in the
+    residual's dtype), then the top-k of the sum exactly as :func:`topk` returns it
+    (values in the residual's dtype), and the selected entries of ``residual`` replaced by
+    what ``wire_dtype`` (default: the residual's) loses of them: zero, or
+    ``v - v.to(wire_dtype)`` for a float32 residual sent as float16/bfloat16. So
+    ``residual`` is afterwards the next step's residual.
+
+    The residual is float32 (any gradient and wire dtype) or the 16-bit dtype of both. The
+    native CPU kernel reads gradient and residual once and writes the residual once
+    (``csrc/cpu/feedback.cpp``); the result equals the torch composition bit for bit."""
+    flat, wire = _feedback_input(grad, residual, wire_dtype, "ef_topk")
+    k = int(k)
+    if not 0 <= k <= flat.numel():
+        raise ValueError(f"ef_topk: k={k} out of range [0, {flat.numel()}]")
+    fn = _native(residual, "ef_topk", backend)
+    if fn is not None:
+        return fn(flat.contiguous(), residual, k, wire)
+    acc = residual.view(-1)
+    acc.add_(flat.to(acc.dtype))
+    values, indices = topk(acc, k, backend="torch")
+    _wire_error(acc, values, indices, wire)
+    return values, indices
+
+
+def segmented_ef_topk(grad: torch.Tensor, residual: torch.Tensor, offsets, ks, wire_dtype=None,
+                      *, backend: Optional[str] = None):
+    """:func:`ef_topk` per segment of :func:`segmented_topk`, in one call: ``residual +=
+    grad`` everywhere, segment ``s`` gives its top ``ks[s]``, the selected entries of the
+    residual become their wire error. Elements outside every segment are only
+    accumulated."""
+    flat, wire = _feedback_input(grad, residual, wire_dtype, "segmented_ef_topk")
+    offsets = torch.as_tensor(offsets, dtype=torch.int64, device="cpu")
+    ks = torch.as_tensor(ks, dtype=torch.int64, device="cpu")
+    if offsets.numel() != ks.numel() + 1:
+        raise ValueError(f"segmented_ef_topk: {offsets.numel()} offsets for {ks.numel()} segments "
+                         "(need len(ks) + 1)")
+    fn = _native(residual, "segmented_ef_topk", backend)
+    if fn is not None:
+        return fn(flat.contiguous(), residual, offsets, ks, wire)
+    acc = residual.view(-1)
+    acc.add_(flat.to(acc.dtype))
+    values, indices = segmented_topk(acc, offsets, ks, backend="torch")
+    _wire_error(acc, values, indices, wire)
+    return values, indices
+
+
 def _threshold_input(x: torch.Tensor, thr: float, op: str):
     """``(flat x, threshold as float)``, checked (the threshold ops' shared preamble)."""
     _check_values(x, op)

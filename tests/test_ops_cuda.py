@@ -387,3 +387,42 @@ def test_int64_indices_beyond_2_31():
     assert seg[1].dtype == torch.int64 and seg[1].cpu().tolist() == pos.tolist()
     sel = ops.threshold_select(g, 0.5, backend="native")
     assert sel[1].cpu().tolist() == pos.tolist()
+
+
+# ------------------------------------------------------------------ fused error feedback
+
+
+@pytest.mark.parametrize("gdt,rdt,wdt", [(torch.float32, torch.float32, torch.float32),
+                                         (torch.float16, torch.float32, torch.float16),
+                                         (torch.bfloat16, torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "special"])
+def test_ef_topk_cuda_equals_cpu(gdt, rdt, wdt, kind):
+    """ef_topk and segmented_ef_topk: selections and updated residuals (NaN payloads aside,
+    as for scatter-add: the sum is arithmetic)."""
+    for n, k in [(0, 0), (1000, 10), (300_001, 3_000), (2_000_003, 20_001)]:
+        grad = _data(n, gdt, kind, seed=n)
+        res = (torch.randn(n, generator=torch.Generator().manual_seed(k)) * 0.3).to(rdt)
+        r_cpu, r_gpu = res.clone(), res.to(DEV)
+        want = ops.ef_topk(grad, r_cpu, k, wdt, backend="native")
+        got = ops.ef_topk(grad.to(DEV), r_gpu, k, wdt, backend="native")
+        assert torch.equal(got[1].cpu(), want[1])
+        _same_nan(got[0].cpu(), want[0])
+        _same_nan(r_gpu.cpu(), r_cpu)
+    sizes = [5, 0, 70_000, 3, 1_000_000]
+    off = torch.tensor([0] + sizes).cumsum(0)
+    ks = [1, 0, 700, 3, 10_000]
+    grad = _data(int(off[-1]), gdt, kind, seed=1)
+    res = torch.zeros(int(off[-1]), dtype=rdt)
+    r_gpu = res.to(DEV)
+    want = ops.segmented_ef_topk(grad, res, off, ks, wdt, backend="native")
+    got = ops.segmented_ef_topk(grad.to(DEV), r_gpu, off, ks, wdt, backend="native")
+    assert torch.equal(got[1].cpu(), want[1])
+    _same_nan(got[0].cpu(), want[0])
+    _same_nan(r_gpu.cpu(), res)
+
+
+def _same_nan(a, b):
+    """Bit for bit where not NaN; NaN where the other is NaN."""
+    assert a.dtype == b.dtype and torch.equal(torch.isnan(a), torch.isnan(b))
+    keep = ~torch.isnan(b)
+    assert torch.equal(_bits(a[keep]), _bits(b[keep]))

@@ -169,6 +169,52 @@ double sampled_threshold_cuda(const at::Tensor& x_in, int64_t k, int64_t samples
   return thr;
 }
 
+// ------------------------------------------------------- error feedback (ef_topk, ops.h)
+//
+// On the GPU the fused op is composed: torch's add writes residual + grad into the residual
+// (one elementwise kernel, float32 arithmetic as on the CPU), the radix top-k reads it, and
+// the selected entries are replaced by their wire error. Same results as the CPU op; the
+// accumulation is not yet folded into the radix select's first pass.
+namespace {
+
+void apply_wire_error(at::Tensor& residual, const at::Tensor& values, const at::Tensor& indices,
+                      at::ScalarType wire) {
+  at::Tensor flat = residual.view({-1});
+  const at::Tensor idx = indices.to(at::kLong);
+  if (wire == residual.scalar_type()) {
+    flat.index_fill_(0, idx, 0);
+  } else {
+    flat.index_copy_(0, idx, values - values.to(wire).to(residual.scalar_type()));
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> ef_topk_cuda(const at::Tensor& grad_in, at::Tensor& residual,
+                                                int64_t k, at::ScalarType wire_dtype) {
+  const at::Tensor grad = check_feedback(grad_in, residual, wire_dtype, "ef_topk", at::kCUDA);
+  check_k(k, 0, grad.numel(), "ef_topk");
+  const OnDevice on(residual);
+  residual.view({-1}).add_(grad.to(residual.scalar_type()));
+  auto [values, indices] = topk_cuda(residual, k);
+  apply_wire_error(residual, values, indices, wire_dtype);
+  return {values, indices};
+}
+
+std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_cuda(const at::Tensor& grad_in,
+                                                          at::Tensor& residual,
+                                                          const at::Tensor& offsets,
+                                                          const at::Tensor& ks,
+                                                          at::ScalarType wire_dtype) {
+  const at::Tensor grad =
+      check_feedback(grad_in, residual, wire_dtype, "segmented_ef_topk", at::kCUDA);
+  const OnDevice on(residual);
+  residual.view({-1}).add_(grad.to(residual.scalar_type()));
+  auto [values, indices] = segmented_topk_cuda(residual, offsets, ks);
+  apply_wire_error(residual, values, indices, wire_dtype);
+  return {values, indices};
+}
+
 // -------------------------------------------------------------------------- codec (codec.cu)
 
 int64_t pack_cuda(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,

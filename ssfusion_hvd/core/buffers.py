@@ -14,7 +14,8 @@ A group of the plan travels as at most two collectives:
 A sparse part covers several tensors staged back to back in one flat buffer; its
 indices are positions in that flat buffer. ``mode`` says how it selects:
 
-* ``"segmented"``: per-tensor top-k of every tensor in ONE kernel call (``ops.segmented_topk``);
+* ``"segmented"``: per-tensor top-k of every tensor in ONE kernel call, fused with the error
+  feedback (``ops.segmented_ef_topk``);
 * ``"per_tensor"``: per-tensor selection by any sparsifier (one call per tensor: the loop runs
   over the sparsified tensors of one group only);
 * ``"buffer"``: one selection over the whole fusion buffer (multi-tensor, Cupcake; tensors can
@@ -151,12 +152,18 @@ class SparsePart:
 
     def select(self, memory: ResidualMemory) -> SelectionResult:
         """Error feedback around the selection: acc = grad + residual; what is not sent
-        becomes the new residual (``ResidualMemory``: bit-exact bookkeeping)."""
-        acc = memory.compensate(self.key, self.stage)
+        becomes the new residual (``ResidualMemory``: bit-exact bookkeeping). Exact top-k
+        (segmented, or over the buffer) runs fused with the error feedback, one kernel."""
         if self.mode == "segmented":
-            values, indices = ops.segmented_topk(acc, self._offsets, self._ks)
-            result = SelectionResult(values, indices, list(self.ks))
-        elif self.mode == "buffer":
+            values, indices = memory.select_topk(self.key, self.stage, offsets=self._offsets,
+                                                 ks=self._ks, wire_dtype=self.dtype)
+            return SelectionResult(values, indices, list(self.ks))
+        if self.mode == "buffer" and self.sparsifiers[0].exact_topk:
+            values, indices = memory.select_topk(self.key, self.stage, self.ks[0],
+                                                 wire_dtype=self.dtype)
+            return SelectionResult(values, indices)
+        acc = memory.compensate(self.key, self.stage)
+        if self.mode == "buffer":
             values, indices = self.sparsifiers[0].select(acc, self.ks[0])
             result = SelectionResult(values, indices)
         else:
@@ -276,7 +283,7 @@ def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload
             continue
         key = f"{key_prefix}{index}.{'s' if on is None else f'o{tensors[0]}'}"
         sps = [new_sparsifier(key, i) for i in tensors]
-        mode = "segmented" if all(s.name == "topk" for s in sps) else "per_tensor"
+        mode = "segmented" if all(s.exact_topk for s in sps) else "per_tensor"
         part = SparsePart(key, tensors, [shapes[i] for i in tensors], [plan.k[i] for i in tensors],
                           mode, sps, offset, dtype, device, stage_device=on, acc_dtype=acc_dtype)
         parts.append(part)

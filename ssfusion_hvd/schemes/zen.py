@@ -184,12 +184,16 @@ class ZenScheme(WholeGradientScheme):
         if self._sets is None:
             self._build_sets()
         t0 = time.perf_counter()
-        acc = self._memory.compensate(self._KEY, self._flat_grad())
         self._step_density = self._density()
         k = int(nominal_k(self._n, self._step_density)) if self._n else 0
-        values, indices = self._sparsifier.select(acc, k)
+        if self._sparsifier.exact_topk:  # error feedback and top-k in one kernel
+            values, indices = self._memory.select_topk(self._KEY, self._flat_grad(), k,
+                                                       wire_dtype=self._dtype)
+        else:
+            acc = self._memory.compensate(self._KEY, self._flat_grad())
+            values, indices = self._sparsifier.select(acc, k)
+            self._memory.update(self._KEY, acc, indices, self._dtype)
         values = values.to(self._dtype)  # the wire dtype; the rounding stays in the residual
-        self._memory.update(self._KEY, acc, indices, self._dtype)
         order, counts, overflow = ops.hash_partition(indices, self._nranks, self.seed,
                                                      table_size=self.table_size,
                                                      rounds=self.rounds)

@@ -27,6 +27,9 @@ class Sparsifier:
     #: True when every rank selects the same indices from its own data (random-k), so only
     #: values need to travel
     shared_indices = False
+    #: True when ``select`` is the exact magnitude top-k of ``ops.topk``: error feedback and
+    #: selection then run as one fused kernel (``ResidualMemory.select_topk``)
+    exact_topk = False
 
     def select(self, x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError

@@ -40,6 +40,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import ops
+
 __all__ = ["LocalRule", "GradientRule", "MomentumRule", "AdamRule", "ResidualMemory", "RULES"]
 
 
@@ -258,6 +260,34 @@ class ResidualMemory:
         if r is None:  # a new tensor: update() takes it over as the residual
             return x.clone()
         return r.add_(x)  # reuse the residual's storage: it is replaced in update()
+
+    def select_topk(self, key: str, grad: torch.Tensor, k: Optional[int] = None, *,
+                    offsets=None, ks=None, wire_dtype: Optional[torch.dtype] = None):
+        """:meth:`compensate`, an exact top-k and :meth:`update` as one fused kernel
+        (``ops.ef_topk``; with ``offsets``/``ks``, ``ops.segmented_ef_topk``): the residual
+        plus the rule's update of ``grad`` is selected from and becomes the new residual in
+        one pass. Same values, indices and state as the three calls. Returns
+        ``(values, indices)`` (values in the accumulation dtype)."""
+        flat = grad.reshape(-1)
+        want = self.acc_dtype(flat.dtype)
+        if self.rule.buffers or (flat.dtype != want and want != torch.float32):
+            flat = flat.to(want)  # the rule's state lives in the accumulation dtype
+        # (a float32 accumulation takes 16-bit gradients as they are: the kernel widens them)
+        flat = self.rule.apply(key, flat)
+        r = self.residuals.get(key)
+        if r is None:
+            r = self.residuals[key] = torch.zeros(flat.numel(), dtype=want, device=flat.device)
+        elif r.shape != flat.shape or r.dtype != want:
+            raise ValueError(f"residual {key!r} is {tuple(r.shape)} {r.dtype}, gradient "
+                             f"is {tuple(flat.shape)} {want}")
+        wire = want if wire_dtype is None else wire_dtype
+        if offsets is None:
+            values, indices = ops.ef_topk(flat, r, k, wire)
+        else:
+            values, indices = ops.segmented_ef_topk(flat, r, offsets, ks, wire)
+        if self.rule.buffers:  # only rules with state look at what was sent
+            self.rule.mask(key, indices.long())
+        return values, indices
 
     def update(self, key: str, acc: torch.Tensor, indices: torch.Tensor,
                wire_dtype: Optional[torch.dtype] = None) -> None:

@@ -12,6 +12,7 @@ from .base import Sparsifier, check_request
 
 class TopK(Sparsifier):
     name = "topk"
+    exact_topk = True
 
     def select(self, x, k):
         return ops.topk(x, check_request(x, k))

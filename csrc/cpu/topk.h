@@ -1,0 +1,425 @@
+// Exact magnitude top-k on the CPU, shared by topk/segmented_topk (select.cpp) and the
+// fused error-feedback selection ef_topk/segmented_ef_topk (feedback.cpp).
+//
+// Two methods, one result (ops.h: exact, ties to the lower index, index order):
+//
+// * radix select (`topk_bits`): per-chunk histograms of the key's top 11 bits give the
+//   bin holding the k-th largest key; a second pass gathers the elements above that bin
+//   and the bin's candidates; nth_element on the candidates' low bits resolves the exact
+//   k-th key. Two reads of the input, a table update per element in the first.
+// * filtered select (`topk_filtered`), used when k is a small share of n: a stratified
+//   sample of the magnitudes gives a key that about 1.2-1.6 k elements exceed; ONE pass
+//   keeps those elements (a block test that vectorizes, then a branch-free append inside
+//   the rare blocks that hold any), and the radix select above runs on the few candidates
+//   only. The sample decides the speed, never the result: when the candidates are fewer
+//   than k (the sample overestimated) or far too many, the radix select runs on the
+//   whole input instead; when a chunk overflows its candidate buffer, a second pass
+//   collects it into buffers of the now known sizes.
+//
+// A *source* supplies the values: `Plain` reads x; the error-feedback source of
+// feedback.cpp computes residual + grad on the fly, writing it back as it goes, so the
+// selection and the accumulation share one pass over memory.
+#pragma once
+
+#include "common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SSF_X86_DISPATCH 1
+#include <immintrin.h>
+#endif
+
+namespace ssf {
+namespace cpu {
+
+// Radix select of the top k of x[0, n) into out_v/out_i (k entries, index order); indices
+// are written as base + position, so a segment of a larger buffer reports positions in it.
+template <typename U, typename I>
+void topk_bits(const U* x, int64_t n, int64_t k, U* out_v, I* out_i, int64_t base = 0) {
+  constexpr int kHiBits = Key<U>::kBits < 11 ? Key<U>::kBits : 11;
+  constexpr int kShift = Key<U>::kBits - kHiBits;
+  constexpr int64_t kBins = int64_t(1) << kHiBits;
+  constexpr U kLowMask = static_cast<U>((U(1) << kShift) - 1);
+  if (k == 0) return;
+  if (k == n) {
+    for (int64_t i = 0; i < n; ++i) {
+      out_v[i] = x[i];
+      out_i[i] = static_cast<I>(base + i);
+    }
+    return;
+  }
+  const Chunks ch(n);
+  // Pass 1: histograms of the top bits.
+  std::vector<int32_t> hist(ch.count * kBins, 0);
+  ch.for_each([&](int64_t c) {
+    int32_t* h = hist.data() + c * kBins;
+    for (int64_t i = ch.begin(c), e = ch.end(c); i < e; ++i) ++h[Key<U>::of(x[i]) >> kShift];
+  });
+  std::vector<int64_t> total(kBins, 0);
+  for (int64_t c = 0; c < ch.count; ++c)
+    for (int64_t b = 0; b < kBins; ++b) total[b] += hist[c * kBins + b];
+  int64_t pivot = kBins - 1, above = 0;
+  for (; pivot > 0 && above + total[pivot] < k; --pivot) above += total[pivot];
+  const int64_t need = k - above;  // taken from the pivot bin, 1 <= need <= total[pivot]
+  // Per-chunk counts above the pivot bin and inside it, and their offsets.
+  std::vector<int64_t> above_off(ch.count + 1, 0), cand_off(ch.count + 1, 0);
+  for (int64_t c = 0; c < ch.count; ++c) {
+    const int32_t* h = hist.data() + c * kBins;
+    int64_t a = 0;
+    for (int64_t b = pivot + 1; b < kBins; ++b) a += h[b];
+    above_off[c] = a;
+    cand_off[c] = h[pivot];
+  }
+  exclusive_scan(above_off.data(), ch.count + 1);
+  const int64_t n_cand = exclusive_scan(cand_off.data(), ch.count + 1);
+  // Pass 2: gather.
+  std::vector<I> above_idx(above), cand_idx(n_cand);
+  std::vector<U> cand_low(n_cand);
+  ch.for_each([&](int64_t c) {
+    int64_t a = above_off[c], q = cand_off[c];
+    for (int64_t i = ch.begin(c), e = ch.end(c); i < e; ++i) {
+      const U key = Key<U>::of(x[i]);
+      const int64_t d = key >> kShift;
+      if (d > pivot) {
+        above_idx[a++] = static_cast<I>(i);
+      } else if (d == pivot) {
+        cand_idx[q] = static_cast<I>(i);
+        cand_low[q++] = static_cast<U>(key & kLowMask);
+      }
+    }
+  });
+  // Resolve the exact k-th key inside the pivot bin.
+  std::vector<U> tmp(cand_low);
+  std::nth_element(tmp.begin(), tmp.begin() + (need - 1), tmp.end(), std::greater<U>());
+  const U kth = tmp[need - 1];
+  int64_t greater = 0;
+  for (int64_t j = 0; j < n_cand; ++j) greater += cand_low[j] > kth;
+  int64_t ties_left = need - greater;  // equal keys taken, lowest indices first
+  std::vector<uint8_t> take(n_cand, 0);
+  std::vector<int64_t> out_off(ch.count + 1, 0);
+  for (int64_t c = 0; c < ch.count; ++c) {
+    int64_t taken = 0;
+    for (int64_t j = cand_off[c]; j < cand_off[c + 1]; ++j) {
+      bool t = cand_low[j] > kth;
+      if (!t && cand_low[j] == kth && ties_left > 0) {
+        t = true;
+        --ties_left;
+      }
+      take[j] = t;
+      taken += t;
+    }
+    out_off[c] = (above_off[c + 1] - above_off[c]) + taken;
+  }
+  exclusive_scan(out_off.data(), ch.count + 1);
+  // Merge both index-ordered lists of each chunk into the output.
+  ch.for_each([&](int64_t c) {
+    int64_t a = above_off[c], ae = above_off[c + 1], q = cand_off[c], qe = cand_off[c + 1];
+    int64_t o = out_off[c];
+    while (q < qe && !take[q]) ++q;
+    while (a < ae || q < qe) {
+      I idx;
+      if (q >= qe || (a < ae && above_idx[a] < cand_idx[q])) {
+        idx = above_idx[a++];
+      } else {
+        idx = cand_idx[q++];
+        while (q < qe && !take[q]) ++q;
+      }
+      out_v[o] = x[idx];
+      out_i[o++] = static_cast<I>(base + idx);
+    }
+  });
+}
+
+// Elements a filter block tests at once: the test is a vectorizable OR over the block.
+constexpr int kBlock = 16;
+
+// Appends the elements of u[0, len) (len < kBlock) whose key is >= t; as append_hits.
+template <typename U>
+inline int64_t append_tail(const U* u, int64_t len, U t, int64_t first, U* cv, uint32_t* cp,
+                           int64_t m, int64_t cap) {
+  for (int64_t j = 0; j < len; ++j) {
+    if (Key<U>::of(u[j]) >= t) {
+      if (m < cap) {
+        cv[m] = u[j];
+        cp[m] = static_cast<uint32_t>(first + j);
+      }
+      ++m;
+    }
+  }
+  return m;
+}
+
+// The keys of one block tested against t: bit j of the result is set when key j >= t.
+// Keys have the sign bit clear, so they compare alike as signed integers, which SSE2 (the
+// x86-64 baseline) compares four or eight at a time; compilers do not vectorize this test
+// on their own once it is inlined into the filter loop.
+#if defined(__SSE2__)
+inline uint32_t block_hits(const uint32_t* u, uint32_t t) {
+  static_assert(kBlock == 16, "four vectors of four keys");
+  const __m128i mask = _mm_set1_epi32(0x7FFFFFFF);
+  const __m128i below = _mm_set1_epi32(static_cast<int32_t>(t) - 1);  // key >= t: key > t - 1
+  const __m128i* p = reinterpret_cast<const __m128i*>(u);
+  auto bits4 = [&](int v) {
+    const __m128i hit = _mm_cmpgt_epi32(_mm_and_si128(_mm_loadu_si128(p + v), mask), below);
+    return static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(hit))) << (4 * v);
+  };
+  return bits4(0) | bits4(1) | bits4(2) | bits4(3);
+}
+inline uint32_t block_hits(const uint16_t* u, uint16_t t) {
+  const __m128i mask = _mm_set1_epi16(0x7FFF);
+  const __m128i below = _mm_set1_epi16(static_cast<int16_t>(static_cast<int16_t>(t) - 1));
+  const __m128i* p = reinterpret_cast<const __m128i*>(u);
+  const __m128i lo = _mm_cmpgt_epi16(_mm_and_si128(_mm_loadu_si128(p), mask), below);
+  const __m128i hi = _mm_cmpgt_epi16(_mm_and_si128(_mm_loadu_si128(p + 1), mask), below);
+  // one byte per 16-bit lane after saturating packs: -1 stays -1, 0 stays 0
+  return static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(lo, hi)));
+}
+#else
+template <typename U>
+inline uint32_t block_hits(const U* u, U t) {
+  uint32_t bits = 0;
+  for (int j = 0; j < kBlock; ++j) bits |= uint32_t(Key<U>::of(u[j]) >= t) << j;
+  return bits;
+}
+#endif
+
+// Appends the block's hits (bit j of `hits`: u[j], at position first + j) to a candidate
+// buffer, as many as it has room for; returns the count of hits so far, stored or not.
+template <typename U>
+inline int64_t append_hits(const U* u, uint32_t hits, int64_t first, U* cv, uint32_t* cp,
+                           int64_t m, int64_t cap) {
+  if (m + kBlock <= cap) {  // room for any block: no check per hit
+    for (; hits; hits &= hits - 1, ++m) {
+      const int j = __builtin_ctz(hits);
+      cv[m] = u[j];
+      cp[m] = static_cast<uint32_t>(first + j);
+    }
+    return m;
+  }
+  for (; hits; hits &= hits - 1, ++m) {
+    const int j = __builtin_ctz(hits);
+    if (m < cap) {
+      cv[m] = u[j];
+      cp[m] = static_cast<uint32_t>(first + j);
+    }
+  }
+  return m;
+}
+
+// Keeps the elements of u[0, n) with key >= t (positions relative to u): the filter loop
+// of a chunk. Returns how many were kept (possibly more than cap; only cap are stored).
+template <typename U>
+inline int64_t filter_values(const U* u, int64_t n, U t, U* cv, uint32_t* cp, int64_t cap) {
+  int64_t m = 0, i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    const uint32_t hits = block_hits(u + i, t);
+    if (hits) m = append_hits(u + i, hits, i, cv, cp, m, cap);
+  }
+  return append_tail(u + i, n - i, t, i, cv, cp, m, cap);
+}
+
+// The exact top k of candidates vals[0, c) whose keys are all >= t (index order, ties to
+// the lower position): out_v gets the raw values, out_pos their positions in vals. A radix
+// select like topk_bits, but its 2048 bins span [t, largest key] rather than the whole
+// key range, so the candidates (all in a narrow band above t) spread over them and the
+// bin holding the k-th key is small.
+template <typename U, typename I>
+void resolve_candidates(const U* vals, int64_t c, int64_t k, U t, U* out_v, I* out_pos) {
+  constexpr int64_t kBins = 2048;
+  U top = t;
+  for (int64_t j = 0; j < c; ++j) top = std::max(top, Key<U>::of(vals[j]));
+  int shift = 0;
+  while ((static_cast<uint64_t>(top - t) >> shift) >= uint64_t(kBins)) ++shift;
+  auto bin = [&](U v) { return static_cast<int64_t>((Key<U>::of(v) - t) >> shift); };
+  std::vector<int64_t> hist(kBins, 0);
+  for (int64_t j = 0; j < c; ++j) ++hist[bin(vals[j])];
+  int64_t pivot = kBins - 1, above = 0;
+  for (; pivot > 0 && above + hist[pivot] < k; --pivot) above += hist[pivot];
+  const int64_t need = k - above;  // taken from the pivot bin, 1 <= need <= hist[pivot]
+  std::vector<U> in_pivot;
+  in_pivot.reserve(hist[pivot]);
+  for (int64_t j = 0; j < c; ++j)
+    if (bin(vals[j]) == pivot) in_pivot.push_back(Key<U>::of(vals[j]));
+  std::nth_element(in_pivot.begin(), in_pivot.begin() + (need - 1), in_pivot.end(),
+                   std::greater<U>());
+  const U kth = in_pivot[need - 1];
+  int64_t ties_left = need;  // keys equal to kth taken, lowest positions first
+  for (const U key : in_pivot) ties_left -= key > kth;
+  int64_t o = 0;
+  for (int64_t j = 0; j < c; ++j) {
+    const U key = Key<U>::of(vals[j]);
+    const bool take = key > kth || (key == kth && ties_left-- > 0);
+    if (take) {
+      out_v[o] = vals[j];
+      out_pos[o++] = static_cast<I>(j);
+    }
+  }
+}
+
+// Whether the filter loops may use AVX-512 (checked once: the CPU has it and SSF_CPU_ISA
+// is not "baseline", which the tests set to run the SSE2 loops on the same machine).
+bool use_avx512();
+
+#ifdef SSF_X86_DISPATCH
+// filter_values for 32-bit keys with AVX-512: one compare gives the block's hit mask and
+// two compress-stores append the hits' values and positions, without a branch per block.
+// `sparse`: hits are rare (well under one block in ten), so blocks without any are skipped.
+__attribute__((target("avx512f"))) inline int64_t filter_avx512(const uint32_t* u, int64_t n,
+                                                                 uint32_t t, uint32_t* cv,
+                                                                 uint32_t* cp, int64_t cap,
+                                                                 bool sparse) {
+  const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF), tv = _mm512_set1_epi32(int32_t(t));
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t m = 0, i = 0;
+  for (; i + 16 <= n; i += 16, pos = _mm512_add_epi32(pos, step)) {
+    const __m512i v = _mm512_loadu_si512(u + i);
+    const __mmask16 hits = _mm512_cmpge_epu32_mask(_mm512_and_si512(v, mask), tv);
+    if (sparse && !hits) continue;  // rare hits: a well-predicted skip beats the stores
+    if (m + 16 <= cap) {
+      _mm512_storeu_si512(cv + m, _mm512_maskz_compress_epi32(hits, v));
+      _mm512_storeu_si512(cp + m, _mm512_maskz_compress_epi32(hits, pos));
+      m += __builtin_popcount(hits);
+    } else if (hits) {
+      m = append_hits(u + i, hits, i, cv, cp, m, cap);
+    }
+  }
+  return append_tail(u + i, n - i, t, i, cv, cp, m, cap);
+}
+#endif
+
+// The plain source: selects from x as it is.
+template <typename U>
+struct Plain {
+  const U* x;
+  int64_t n;
+  U raw(int64_t i) const { return x[i]; }
+  const U* values() const { return x; }
+  void materialize() const {}
+  int64_t filter(int64_t b, int64_t e, U t, U* cv, uint32_t* cp, int64_t cap,
+                 bool sparse) const {
+#ifdef SSF_X86_DISPATCH
+    if constexpr (sizeof(U) == 4) {
+      if (use_avx512()) return filter_avx512(x + b, e - b, t, cv, cp, cap, sparse);
+    }
+#endif
+    return filter_values(x + b, e - b, t, cv, cp, cap);
+  }
+};
+
+// 32-bit mixing (a fixed permutation of uint32, murmur3's finalizer): the jitter of the
+// sample positions, so a stride never lines up with a weight layout.
+inline uint32_t mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+
+// A key that somewhat more than k of the n values exceed, from a stratified sample
+// (sample j is a pseudo-random element of the j-th of `s` equal strata, s at most n / 64):
+// the q-th largest sampled key, q = the expected hits above the k-th largest value plus 3
+// standard deviations plus 2. Returns false for inputs too small to sample.
+template <typename U, typename Src>
+bool sample_key(const Src& src, int64_t n, int64_t k, U* key, int64_t* expect) {
+  if (n < 256 * 64) return false;
+  // expected sampled elements above the k-th largest: more for larger inputs, where the
+  // sample stays a small share and fewer candidates save more
+  const double want = double(std::min<int64_t>(256, std::max<int64_t>(48, n >> 15)));
+  const int64_t s = std::min<int64_t>(
+      n / 64, std::max<int64_t>(256, static_cast<int64_t>(std::ceil(want * double(n) / double(k)))));
+  const double hits = double(s) * double(k) / double(n);
+  const int64_t q = std::min<int64_t>(s, static_cast<int64_t>(hits + 3.0 * std::sqrt(hits)) + 2);
+  std::unique_ptr<U[]> keys(new U[s]);
+  for (int64_t j = 0; j < s; ++j) {
+    const int64_t lo = (j * n) / s, width = ((j + 1) * n) / s - lo;
+    keys[j] = Key<U>::of(src.raw(lo + int64_t(mix32(uint32_t(j)) % uint64_t(width))));
+  }
+  std::nth_element(keys.get(), keys.get() + (q - 1), keys.get() + s, std::greater<U>());
+  *key = keys[q - 1];
+  *expect = static_cast<int64_t>(double(q) * double(n) / double(s));
+  return true;
+}
+
+// Exact top-k of src's n values into out_v/out_i (index order, positions base + i). After
+// the call src.values() holds every value (the error-feedback source has written them).
+template <typename U, typename I, typename Src>
+void topk_filtered(const Src& src, int64_t n, int64_t k, U* out_v, I* out_i, int64_t base = 0) {
+  U t = 0;
+  int64_t expect = 0;
+  // Filtering pays when the candidates are a small share of the input.
+  if (k == 0 || k == n || k > n / 16 || !sample_key<U>(src, n, k, &t, &expect)) {
+    src.materialize();
+    topk_bits<U, I>(src.values(), n, k, out_v, out_i, base);
+    return;
+  }
+  const Chunks ch(n);
+  const int64_t cap = (2 * expect) / ch.count + 4 * kBlock + 64;
+  const bool sparse = expect * kBlock < n / 10;  // under one block in ten holds a candidate
+  std::unique_ptr<U[]> cv(new U[cap * ch.count]);
+  std::unique_ptr<uint32_t[]> cp(new uint32_t[cap * ch.count]);
+  std::vector<int64_t> count(ch.count + 1, 0);
+  ch.for_each([&](int64_t c) {
+    count[c] = src.filter(ch.begin(c), ch.end(c), t, cv.get() + c * cap, cp.get() + c * cap, cap,
+                          sparse);
+  });
+  std::vector<int64_t> off(count);
+  const int64_t total = exclusive_scan(off.data(), ch.count + 1);
+  const U* x = src.values();
+  if (total < k || total > 4 * expect + 4096) {  // the sample missed: select from everything
+    topk_bits<U, I>(x, n, k, out_v, out_i, base);
+    return;
+  }
+  // Candidates back to back in index order (raw values, absolute positions).
+  std::unique_ptr<U[]> vals(new U[total]);
+  std::unique_ptr<int64_t[]> pos(new int64_t[total]);
+  const bool overflow = std::any_of(count.begin(), count.end() - 1,
+                                    [&](int64_t m) { return m > cap; });
+  std::unique_ptr<uint32_t[]> rel;
+  if (overflow) rel.reset(new uint32_t[total]);
+  ch.for_each([&](int64_t c) {
+    const int64_t m = count[c], o = off[c], b = ch.begin(c);
+    if (m > cap) {  // recollect this chunk from the values, into its exact slot
+      filter_values(x + b, ch.end(c) - b, t, vals.get() + o, rel.get() + o, m);
+      for (int64_t j = 0; j < m; ++j) pos[o + j] = b + rel[o + j];
+      return;
+    }
+    std::memcpy(vals.get() + o, cv.get() + c * cap, m * sizeof(U));
+    const uint32_t* p = cp.get() + c * cap;
+    for (int64_t j = 0; j < m; ++j) pos[o + j] = b + p[j];
+  });
+  // The exact top k of the candidates; positions in the candidate list map back.
+  resolve_candidates<U, I>(vals.get(), total, k, t, out_v, out_i);
+  at::parallel_for(0, k, int64_t(1) << 14, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) out_i[j] = static_cast<I>(base + pos[int64_t(out_i[j])]);
+  });
+}
+
+// Runs fn(s) for segments s of [off[s], off[s+1]), s < nseg: a large segment uses every
+// thread inside its own selection, the small ones run one per thread.
+template <typename F>
+void for_segments(const int64_t* off, int64_t nseg, const F& fn) {
+  constexpr int64_t kLarge = int64_t(1) << 20;
+  std::vector<int64_t> small;
+  for (int64_t s = 0; s < nseg; ++s) {
+    if (off[s + 1] - off[s] >= kLarge) fn(s); else small.push_back(s);
+  }
+  at::parallel_for(0, int64_t(small.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) fn(small[j]);
+  });
+}
+
+}  // namespace cpu
+}  // namespace ssf

@@ -1,0 +1,205 @@
+"""The filtered top-k path and the fused error-feedback selection (ops.ef_topk,
+ops.segmented_ef_topk): native kernels bit for bit against the torch fallback and against
+the unfused ``residual + grad -> topk -> residual update`` in torch; ResidualMemory's fused
+path against its three-call path, for every local rule."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ssfusion_hvd import ops
+from ssfusion_hvd.sparsify import ResidualMemory
+from ssfusion_hvd.sparsify.memory import AdamRule, GradientRule, MomentumRule
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _bits(t):
+    """Raw bits, NaNs made canonical: a NaN's payload after arithmetic depends on how each
+    implementation widened the 16-bit NaN, not on anything the selection decides."""
+    t = t.contiguous().clone()
+    t[torch.isnan(t)] = float("nan")
+    return t.view(torch.uint8)
+
+
+def _same(a, b):
+    assert a[0].dtype == b[0].dtype and a[1].dtype == b[1].dtype
+    assert torch.equal(a[1], b[1])
+    assert torch.equal(_bits(a[0]), _bits(b[0]))
+
+
+def _inputs(n, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        return torch.randn(n, generator=g)
+    if kind == "ties":
+        return torch.randint(-3, 4, (n,), generator=g).float()
+    if kind == "zeros":  # the k-th magnitude is 0: every element is a candidate
+        x = torch.zeros(n)
+        x[torch.randperm(n, generator=g)[: n // 500]] = 1.0
+        return x
+    if kind == "clustered":  # all large values inside one small region: one chunk overflows
+        x = torch.randn(n, generator=g) * 1e-3
+        lo = n // 3
+        x[lo:lo + n // 50] = torch.randn(n // 50, generator=g) * 10  # (empty when n < 50)
+        return x
+    if kind == "nonfinite":
+        x = torch.randn(n, generator=g)
+        special = torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan"), 0.0,
+                                -0.0, 1e-40])[:n]
+        x[torch.randperm(n, generator=g)[:special.numel()]] = special
+        return x
+    raise ValueError(kind)
+
+
+KINDS = ["normal", "ties", "zeros", "clustered", "nonfinite"]
+# sizes past the filter's minimum (2^14) with small k take the sampled filter; the others,
+# and k past n / 16, the radix select
+FILTER_CASES = [(20_000, 1), (20_000, 13), (65_539, 65), (300_001, 3_000), (300_001, 300),
+                (1_000_003, 10_001), (1_000_003, 1_001), (300_001, 30_000)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_filtered_topk_equals_torch(kind, dtype):
+    for n, k in FILTER_CASES:
+        x = _inputs(n, kind, seed=n + k).to(dtype)
+        _same(ops.topk(x, k, backend="native"), ops.topk(x, k, backend="torch"))
+
+
+def _reference(grad, residual, k, wire, offsets=None, ks=None):
+    """The unfused composition in torch: residual + grad -> top-k -> residual update."""
+    acc = residual.clone().view(-1)
+    acc += grad.reshape(-1).to(acc.dtype)
+    if offsets is None:
+        v, i = ops.topk(acc, k, backend="torch")
+    else:
+        v, i = ops.segmented_topk(acc, offsets, ks, backend="torch")
+    if wire == acc.dtype:
+        acc[i.long()] = 0
+    else:
+        acc[i.long()] = v - v.to(wire).to(acc.dtype)
+    return (v, i), acc
+
+
+# (gradient dtype, residual dtype, wire dtype): float32 accumulation takes any gradient
+FEEDBACK_DTYPES = [(torch.float32, torch.float32, torch.float32),
+                   (torch.float16, torch.float32, torch.float16),
+                   (torch.bfloat16, torch.float32, torch.bfloat16),
+                   (torch.float32, torch.float32, torch.float16),
+                   (torch.float16, torch.float16, torch.float16),
+                   (torch.bfloat16, torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("gdt,rdt,wdt", FEEDBACK_DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_ef_topk_equals_unfused_torch(gdt, rdt, wdt, kind):
+    cases = [(0, 0), (1, 1), (5, 0), (100, 7), (4_097, 4_097)] + FILTER_CASES[:6]
+    for n, k in cases:
+        grad = _inputs(n, kind, seed=n).to(gdt)
+        residual = (torch.randn(n, generator=torch.Generator().manual_seed(k)) * 0.5).to(rdt)
+        want, want_res = _reference(grad, residual, k, wdt)
+        for backend in ("native", "torch"):
+            r = residual.clone()
+            got = ops.ef_topk(grad, r, k, wdt, backend=backend)
+            _same(got, want)
+            assert torch.equal(_bits(r), _bits(want_res)), (backend, n, k)
+
+
+@pytest.mark.parametrize("gdt,rdt,wdt", FEEDBACK_DTYPES[:3] + FEEDBACK_DTYPES[4:5])
+def test_segmented_ef_topk_equals_unfused_torch(gdt, rdt, wdt):
+    g = torch.Generator().manual_seed(3)
+    sizes = [1, 64, 0, 4_096, 3, 37_000, 128, 1_200_000, 7, 300] * 3
+    off = torch.tensor([5] + sizes).cumsum(0)  # elements before the first segment and ...
+    n = int(off[-1]) + 11                      # ... after the last: accumulated only
+    grad = (torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 2, (n,), generator=g)).to(gdt)
+    grad[::997] = 0.5  # ties
+    grad[12_345] = float("nan")
+    residual = (torch.randn(n, generator=g) * 0.1).to(rdt)
+    ks = torch.tensor([min(s, max(1, s // 100)) if s else 0 for s in sizes])
+    ks[3] = sizes[3]  # a whole segment
+    ks[9] = 0          # a segment that sends nothing
+    want, want_res = _reference(grad, residual, None, wdt, off, ks)
+    for backend in ("native", "torch"):
+        r = residual.clone()
+        got = ops.segmented_ef_topk(grad, r, off, ks, wdt, backend=backend)
+        _same(got, want)
+        assert torch.equal(_bits(r), _bits(want_res)), backend
+
+
+def test_ef_topk_rejects_bad_input():
+    for backend in ("native", "torch"):
+        with pytest.raises((TypeError, RuntimeError), match="same dtype"):
+            ops.ef_topk(torch.randn(10), torch.zeros(10, dtype=torch.float16), 1, backend=backend)
+        with pytest.raises((ValueError, RuntimeError), match="elements|must match"):
+            ops.ef_topk(torch.randn(10), torch.zeros(9), 1, backend=backend)
+        with pytest.raises((ValueError, RuntimeError), match="out of range"):
+            ops.ef_topk(torch.randn(10), torch.zeros(10), 11, backend=backend)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.ef_topk(torch.randn(10), torch.zeros(20)[::2], 1)
+    with pytest.raises(ValueError, match="offsets"):
+        ops.segmented_ef_topk(torch.randn(10), torch.zeros(10), [0, 10], [1, 1])
+
+
+def test_baseline_isa_filter_equals_torch():
+    """The SSE2 filter loops (what a CPU without AVX-512 runs), on this machine too."""
+    code = (
+        "import torch\nfrom ssfusion_hvd import ops\n"
+        "for n, k in [(20_000, 13), (300_001, 3_000), (1_000_003, 10_001)]:\n"
+        "    for dt in (torch.float32, torch.float16, torch.bfloat16):\n"
+        "        g = torch.Generator().manual_seed(n)\n"
+        "        x = torch.randn(n, generator=g).to(dt)\n"
+        "        x[n // 3: n // 3 + n // 50] *= 100\n"
+        "        a, b = ops.topk(x, k), ops.topk(x, k, backend='torch')\n"
+        "        assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]), (n, k, dt)\n"
+        "        r0 = torch.randn(n, generator=g)\n"
+        "        r1, r2 = r0.clone(), r0.clone()\n"
+        "        a = ops.ef_topk(x, r1, k, dt)\n"
+        "        b = ops.ef_topk(x, r2, k, dt, backend='torch')\n"
+        "        assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]) and torch.equal(r1, r2)\n"
+        "print('baseline ok')\n")
+    env = dict(os.environ, SSF_CPU_ISA="baseline")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "baseline ok" in out.stdout, out.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ ResidualMemory
+
+
+def _rules():
+    return [GradientRule(), MomentumRule(0.9), MomentumRule(0.9, nesterov=True, masking=True),
+            MomentumRule(0.5, dampening=0.1, masking=False), AdamRule()]
+
+
+@pytest.mark.parametrize("ri", range(5))
+@pytest.mark.parametrize("gdt,acc", [(torch.float32, None), (torch.float16, torch.float32),
+                                     (torch.bfloat16, None)])
+def test_memory_select_topk_equals_compensate_topk_update(ri, gdt, acc):
+    """Three steps of the fused path and of compensate + topk + update: same selections,
+    residuals and rule state (velocity, Adam moments, step counts)."""
+    fused, plain = ResidualMemory(_rules()[ri], acc), ResidualMemory(_rules()[ri], acc)
+    fused.rule.density = plain.rule.density = 0.01
+    sizes = [3_000, 40_000, 17]
+    off = torch.tensor([0] + sizes).cumsum(0)
+    ks = [30, 400, 1]
+    g = torch.Generator().manual_seed(ri)
+    for step in range(3):
+        grad = torch.randn(int(off[-1]), generator=g).to(gdt)
+        for key in ("whole", "segments"):
+            if key == "whole":
+                got = fused.select_topk(key, grad, 500, wire_dtype=gdt)
+                a = plain.compensate(key, grad)
+                want = ops.topk(a, 500)
+            else:
+                got = fused.select_topk(key, grad, offsets=off, ks=ks, wire_dtype=gdt)
+                a = plain.compensate(key, grad)
+                want = ops.segmented_topk(a, off, ks)
+            plain.update(key, a, want[1], gdt)
+            _same(got, want)
+            assert torch.equal(fused.residuals[key], plain.residuals[key]), (step, key)
+            for b in fused.rule.buffers:
+                assert torch.equal(fused.rule.state[key][b], plain.rule.state[key][b]), (step, b)
+            assert fused.rule.steps.get(key) == plain.rule.steps.get(key)
