@@ -135,7 +135,7 @@ def segmented_topk(flat: torch.Tensor, offsets, ks, *, backend: Optional[str] = 
 def sampled_threshold(x: torch.Tensor, k: int, samples: int, *, backend: Optional[str] = None) -> float:
     """DGC's threshold estimate (Lin et al. 2018, §3): the magnitude keeping about k of the n
     elements, read off ``samples`` evenly strided elements (``x[j*n // samples]``); NaN
-    counts as +Inf. Deterministic, so every rank estimates alike from the same data."""
+    counts as +Inf, and so does -Inf (|x|). Deterministic, so every rank estimates alike from the same data."""
     _check_values(x, "sampled_threshold")
     flat = x.reshape(-1)
     n = flat.numel()
@@ -148,7 +148,7 @@ def sampled_threshold(x: torch.Tensor, k: int, samples: int, *, backend: Optiona
     samples = max(1, min(int(samples), n))
     kk = max(1, -(-(k * samples) // n))
     pos = torch.arange(samples, dtype=torch.int64, device=flat.device) * n // samples
-    mag = flat[pos].float().abs().nan_to_num(nan=float("inf"))
+    mag = flat[pos].float().abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
     return float(torch.topk(mag, kk).values[-1])
 
 

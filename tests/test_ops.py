@@ -259,6 +259,16 @@ def test_sampled_threshold_native_equals_torch(dtype):
     assert ops.sampled_threshold(x, 777, x.numel()) == float(v.abs().min())
 
 
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_sampled_threshold_nan_and_inf_are_inf(backend):
+    x = torch.tensor([0.5, -float("inf"), 2.0, -3.0])
+    assert ops.sampled_threshold(x, 1, 4, backend=backend) == float("inf")
+    assert ops.sampled_threshold(x, 2, 4, backend=backend) == 3.0
+    x[2] = float("nan")
+    assert ops.sampled_threshold(x, 2, 4, backend=backend) == float("inf")
+    assert ops.sampled_threshold(x, 3, 4, backend=backend) == 3.0
+
+
 def test_large_tensor_ten_million():
     x = torch.randn(10_000_000, generator=torch.Generator().manual_seed(1))
     x[::1000] = 3.0  # heavy ties around the threshold region
