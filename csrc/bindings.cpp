@@ -15,7 +15,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("segmented_topk_" #dev, &ssf::segmented_topk_##dev, py::arg("flat"),                  \
         py::arg("offsets"), py::arg("ks"), nogil);                                            \
   m.def("sampled_threshold_" #dev, &ssf::sampled_threshold_##dev, py::arg("x"), py::arg("k"), \
-        py::arg("samples"), nogil);                                                           \
+        py::arg("samples"), py::arg("seed"), nogil);                                          \
   m.def("threshold_select_" #dev, &ssf::threshold_select_##dev, py::arg("x"), py::arg("thr"), \
         nogil);                                                                               \
   m.def("threshold_count_" #dev, &ssf::threshold_count_##dev, py::arg("x"), py::arg("thr"),   \

@@ -26,9 +26,14 @@ namespace ssf {
 //   segmented_topk(flat, offsets, ks): per-segment top-k: segment s is
 //     flat[offsets[s], offsets[s+1]), ks[s] elements are taken from it; results are
 //     concatenated in segment order, indices are positions in flat.
-//   sampled_threshold(x, k, samples): DGC's sampled threshold, the magnitude that keeps about
-//     k of x's n elements, estimated from `samples` evenly strided elements (NaN counts as
-//     +Inf).
+//   sampled_threshold(x, k, samples, seed): DGC's sampled threshold, the magnitude that keeps
+//     about k of x's n elements: the ceil(k * samples / n)-th largest magnitude (NaN counts as
+//     +Inf) of `samples` elements (clamped to [1, n]), sample j drawn uniformly from the j-th
+//     of `samples` equal strata of x by a hash of (seed, j) (sampling.h). The positions
+//     depend on n, samples and seed only, so every rank and backend passing the same seed
+//     samples alike; a random rather than a fixed-stride sample cannot alias with a weight
+//     layout (a stride equal to a row length reads one column only). `seed` is the bits of
+//     a uint64 (as for the hash ops).
 //   threshold_select(x, thr): all elements with |x| >= thr (compared in float64) plus every
 //     NaN, in index order.
 //   threshold_count(x, thr): the number of elements threshold_select would return.
@@ -83,7 +88,8 @@ namespace ssf {
   std::tuple<at::Tensor, at::Tensor> topk_##dev(const at::Tensor& x, int64_t k);            \
   std::tuple<at::Tensor, at::Tensor> segmented_topk_##dev(                                  \
       const at::Tensor& flat, const at::Tensor& offsets, const at::Tensor& ks);             \
-  double sampled_threshold_##dev(const at::Tensor& x, int64_t k, int64_t samples);          \
+  double sampled_threshold_##dev(const at::Tensor& x, int64_t k, int64_t samples,           \
+                                int64_t seed);                                              \
   std::tuple<at::Tensor, at::Tensor> threshold_select_##dev(const at::Tensor& x, double thr); \
   std::tuple<at::Tensor, at::Tensor> ef_topk_##dev(const at::Tensor& grad, at::Tensor& residual, \
                                                    int64_t k, at::ScalarType wire_dtype);   \

@@ -132,24 +132,56 @@ def segmented_topk(flat: torch.Tensor, offsets, ks, *, backend: Optional[str] = 
     return torch.cat(vals), torch.cat(idxs)
 
 
-def sampled_threshold(x: torch.Tensor, k: int, samples: int, *, backend: Optional[str] = None) -> float:
+def sampled_threshold(x: torch.Tensor, k: int, samples: int, seed: int = 0, *,
+                      backend: Optional[str] = None) -> float:
     """DGC's threshold estimate (Lin et al. 2018, §3): the magnitude keeping about k of the n
-    elements, read off ``samples`` evenly strided elements (``x[j*n // samples]``); NaN
-    counts as +Inf. Deterministic, so every rank estimates alike from the same data."""
+    elements, read off a sample of ``samples`` elements (clamped to [1, n]) as its
+    ``ceil(k * samples / n)``-th largest magnitude; NaN counts as +Inf.
+
+    The sample is stratified and jittered: sample ``j`` is drawn uniformly from the j-th of
+    ``samples`` equal strata of ``x.flatten()`` by a hash of ``(seed, j)``
+    (:func:`sample_positions`, ``csrc/sampling.h``). The positions depend on ``n``,
+    ``samples`` and ``seed`` only, so every rank (and backend) passing the same seed samples
+    the same positions, and a new seed per step samples new ones. A random sample is used
+    rather than a fixed stride because a stride aliases with weight layouts: a stride equal
+    to a row length reads a single column, and large gradients in the other columns are then
+    never seen. ``seed`` is taken mod 2^64."""
     _check_values(x, "sampled_threshold")
     flat = x.reshape(-1)
     n = flat.numel()
     k = int(k)
     if not 1 <= k <= n:
         raise ValueError(f"sampled_threshold: k={k} out of range [1, {n}]")
+    seed = int(seed) & _M64
     fn = _native(flat, "sampled_threshold", backend)
     if fn is not None:
-        return float(fn(flat.contiguous(), k, int(samples)))
+        return float(fn(flat.contiguous(), k, int(samples), _signed64(seed)))
     samples = max(1, min(int(samples), n))
     kk = max(1, -(-(k * samples) // n))
-    pos = torch.arange(samples, dtype=torch.int64, device=flat.device) * n // samples
-    mag = flat[pos].float().abs().nan_to_num(nan=float("inf"))
+    mag = flat[sample_positions(n, samples, seed, device=flat.device)]
+    mag = mag.float().abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
     return float(torch.topk(mag, kk).values[-1])
+
+
+def sample_positions(n: int, samples: int, seed: int, *, device=None) -> torch.Tensor:
+    """The positions (int64, ascending, one per stratum) that :func:`sampled_threshold` reads
+    from ``n`` elements: ``csrc/sampling.h``'s ``sample_position`` for ``j < samples``
+    (``samples`` clamped to [1, n]) on int64 tensors, bit for bit::
+
+        lo_j  = floor(j * n / samples)                 (as j*q + (j*r) // samples)
+        h_j   = fmix64(j ^ fmix64(seed + 0x9E3779B97F4A7C15))
+        pos_j = lo_j + (h_j >> 1) % (lo_{j+1} - lo_j)
+    """
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"sample_positions: n={n} must be positive")
+    samples = max(1, min(int(samples), n))
+    q, r = divmod(n, samples)
+    j = torch.arange(samples + 1, dtype=torch.int64, device=device)
+    bounds = j * q + (j * r) // samples  # stratum j is [bounds[j], bounds[j + 1])
+    j = j[:-1]
+    h = _fmix64(j ^ _signed64(hash_seed(int(seed) & _M64, 0)))
+    return bounds[:-1] + ((h >> 1) & _I64_MAX) % (bounds[1:] - bounds[:-1])
 
 
 # --------------------------------------------------------------------------- error feedback
@@ -369,6 +401,7 @@ def scatter_add_chunks(dense: torch.Tensor, gathered: torch.Tensor, nchunks: int
 # C++ uint64_t, ">>" is made logical by masking, constants are their signed 64-bit images.
 
 _M64 = (1 << 64) - 1
+_I64_MAX = (1 << 63) - 1
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53
 _MAX_RANGE = 2**31 - 1
 _MAX_ROUNDS = 64

@@ -247,16 +247,145 @@ def test_segmented_topk_rejects_bad_segments():
         ops.segmented_topk(torch.randn(10), [0, 10], [1, 1])
 
 
+SAMPLE_SEEDS = [0, 1, 0x444743, 2**64 - 1]
+
+
+def _with_nonfinite(x):
+    """x with NaN, +Inf and -Inf at a few fixed positions."""
+    x = x.clone()
+    n = x.numel()
+    for i, v in enumerate([float("nan"), float("inf"), -float("inf")] * 3):
+        x[(i * 7919 + 13) % n] = v
+    return x
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sampled_threshold_native_equals_torch(dtype):
-    x = _data(1_000_003, dtype, "scaled", 11)
-    x[17] = float("nan")
-    for k, samples in [(1, 10), (10_000, 10_000), (500, 1_000_003), (1_000_003, 64)]:
-        a = ops.sampled_threshold(x, k, samples, backend="native")
-        assert a == ops.sampled_threshold(x, k, samples, backend="torch")
-    # with every element sampled the estimate is the exact k-th magnitude
-    v, _ = ops.topk(x.float().nan_to_num(nan=float("inf")), 777)
-    assert ops.sampled_threshold(x, 777, x.numel()) == float(v.abs().min())
+    for n in (1, 2, 7, 1000, 65536 + 3, 1_000_003):
+        x = _with_nonfinite(_data(n, dtype, "scaled", n))
+        for samples in (1, 7, 1000, 10_000, n, n + 5):
+            for k in sorted({1, max(1, n // 1000), max(1, n // 100), n // 2 or 1, n}):
+                for seed in SAMPLE_SEEDS:
+                    a = ops.sampled_threshold(x, k, samples, seed, backend="native")
+                    assert a == ops.sampled_threshold(x, k, samples, seed, backend="torch"), \
+                        (n, samples, k, seed)
+    x = _with_nonfinite(_data(1_000_003, dtype, "scaled", 11))
+    # with every element sampled the estimate is the exact k-th magnitude, whatever the seed
+    mag = x.float().abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
+    kth = float(mag.topk(777).values[-1])
+    for seed in SAMPLE_SEEDS:
+        assert ops.sampled_threshold(x, 777, x.numel(), seed) == kth
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_sampled_threshold_nan_and_inf_are_inf(backend):
+    x = torch.tensor([0.5, -float("inf"), 2.0, -3.0])
+    assert ops.sampled_threshold(x, 1, 4, backend=backend) == float("inf")
+    assert ops.sampled_threshold(x, 2, 4, backend=backend) == 3.0
+    x[2] = float("nan")
+    assert ops.sampled_threshold(x, 2, 4, backend=backend) == float("inf")
+    assert ops.sampled_threshold(x, 3, 4, backend=backend) == 3.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 6000), st.integers(0, 2**64 - 1),
+       st.sampled_from(DTYPES), st.data())
+def test_sampled_threshold_random(n, samples, seed, dtype, data):
+    x = _data(n, dtype, data.draw(st.sampled_from(["normal", "ties", "scaled"])),
+              data.draw(st.integers(0, 2**31 - 1)))
+    if data.draw(st.booleans()):
+        x = _with_nonfinite(x)
+    k = data.draw(st.integers(1, n))
+    assert ops.sampled_threshold(x, k, samples, seed, backend="native") == \
+        ops.sampled_threshold(x, k, samples, seed, backend="torch")
+
+
+_M64 = 2**64 - 1
+
+
+def _fmix64_py(h):
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & _M64
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & _M64
+    return h ^ (h >> 33)
+
+
+def _positions_py(n, samples, seed):
+    """csrc/sampling.h's sample positions with plain Python ints (unbounded, no int64 tricks)."""
+    samples = max(1, min(samples, n))
+    s = _fmix64_py((seed + 0x9E3779B97F4A7C15) & _M64)
+    out = []
+    for j in range(samples):
+        lo, hi = j * n // samples, (j + 1) * n // samples
+        out.append(lo + (_fmix64_py(j ^ s) >> 1) % (hi - lo))
+    return out
+
+
+def test_sample_positions_mirror_sampling_h():
+    for n, samples in [(1, 1), (5, 9), (10, 10), (1000, 7), (4097, 64), (300_001, 2048),
+                       (2**40 + 12345, 1000)]:  # also far beyond int32, no overflow
+        for seed in SAMPLE_SEEDS + [-1]:
+            pos = ops.sample_positions(n, samples, seed)
+            assert pos.dtype == torch.int64
+            assert pos.tolist() == _positions_py(n, samples, seed % 2**64), (n, samples, seed)
+
+
+def test_sample_positions_one_per_stratum_and_seeded():
+    n, samples = 100_000, 999  # strata of 100 or 101 elements
+    pos = ops.sample_positions(n, samples, 5)
+    j = torch.arange(samples)
+    assert bool(((j * n // samples <= pos) & (pos < (j + 1) * n // samples)).all())
+    assert torch.equal(pos, ops.sample_positions(n, samples, 5))  # same seed, same positions
+    others = [ops.sample_positions(n, samples, seed) for seed in (0, 6, 2**64 - 1)]
+    for other in others:  # another seed: positions agree only by chance (~1 in 100 per stratum)
+        assert float((other == pos).float().mean()) < 0.05
+    # the offsets inside the strata are spread over the whole width, not stuck at a phase
+    off = torch.cat([pos, *others]) - torch.cat([j * n // samples] * 4)
+    assert int(off.min()) <= 2 and int(off.max()) >= 98
+    assert torch.equal(ops.sample_positions(n, n, 3), torch.arange(n))  # width 1: all
+
+
+def _sampled_set(x, samples, seed):
+    """The magnitudes a native sampled_threshold reads: over k = 1..n its rank
+    ceil(k * samples / n) takes every value 1..samples, so the thresholds are all of them."""
+    return {ops.sampled_threshold(x, k, samples, seed, backend="native")
+            for k in range(1, x.numel() + 1)}
+
+
+def test_native_kernel_samples_the_mirrored_positions():
+    n, samples = 300, 23
+    x = torch.arange(1, n + 1, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(n // 2)
+    got = {seed: _sampled_set(x, samples, seed) for seed in (0, 1, 2**64 - 1)}
+    for seed, mags in got.items():  # |x[i]| = i + 1 reveals the positions read
+        assert mags == {float(p + 1) for p in _positions_py(n, samples, seed)}, seed
+    assert got[0] != got[1] and got[0] != got[2**64 - 1]
+    assert _sampled_set(x, samples, 1) == got[1]
+
+
+def test_sampled_threshold_does_not_alias_with_rows():
+    """A weight-shaped gradient whose large entries all sit in one column: a stride equal to
+    the row length (the former fixed-stride sample, x[j * n // samples]) reads column 0 only
+    and never sees them; the stratified random sample does."""
+    rows, cols, col = 4096, 64, 37
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(rows, cols, generator=g)  # small: [0, 1)
+    x[:, col] = 10 + torch.rand(rows, generator=g)  # large: [10, 11), 1/64 of the elements
+    n, samples, k = x.numel(), rows, rows // 2
+    true = float(ops.topk(x, k)[0].abs().min())  # about 10.5: the median large entry
+    strided = torch.arange(samples) * n // samples
+    assert bool((strided % cols == 0).all())  # the old positions: column 0, every row
+    kk = -(-k * samples // n)  # 32: the sample rank that estimates the k-th of n
+    assert float(x.flatten()[strided].topk(kk).values[-1]) < 1  # the old estimate: a small one
+    # Tolerance. A sample holds L ~ Binomial(4096, 1/64) = 64 +- 8 large entries and the
+    # estimate is their 32nd largest, about 11 - 32 / (L + 1): L's spread moves it by
+    # 32 / 65^2 * 8 ~ 0.06 (one sd) and the order statistic's own spread is
+    # sqrt(32 * 32) / 64^1.5 ~ 0.06, together ~0.085; 0.3 is 3.5 sd. The mean of 20 seeds
+    # has sd ~0.02 (plus a bias of ~-0.01 from E[1 / (L + 1)]): within 0.08.
+    est = [ops.sampled_threshold(x, k, samples, seed) for seed in range(20)]
+    assert all(abs(e - true) <= 0.3 for e in est), (true, est)
+    assert abs(sum(est) / len(est) - true) <= 0.08, (true, est)
+    assert len(set(est)) > 10  # the seeds draw different samples
 
 
 def test_large_tensor_ten_million():

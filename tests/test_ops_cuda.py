@@ -236,26 +236,42 @@ def _same_float(a, b):
     assert (math.isinf(a) and a == b) or a == b, (a, b)
 
 
+SAMPLE_SEEDS = (0, 1, 2**64 - 1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["normal", "ties", "scaled", "special"])
 def test_sampled_threshold_cuda_equals_cpu(dtype, kind):
+    """The same seeded stratified positions (csrc/sampling.h) and the same estimate."""
     for n in (1, 2, 17, 1000, 65537, 1_000_003):
         c, g = _both(_data(n, dtype, kind, seed=n))
         for k in sorted({1, max(1, n // 1000), max(1, n // 100), n // 2 or 1, n}):
             for samples in (1, 7, 1000, n, n + 5, 10**6):
-                _same_float(ops.sampled_threshold(g, k, samples, backend="native"),
-                            ops.sampled_threshold(c, k, samples, backend="native"))
+                for seed in SAMPLE_SEEDS:
+                    _same_float(ops.sampled_threshold(g, k, samples, seed, backend="native"),
+                                ops.sampled_threshold(c, k, samples, seed, backend="native"))
+
+
+def test_sampled_threshold_cuda_reads_the_mirrored_positions():
+    """|x[i]| = i + 1: over k = 1..n the estimates are exactly the sampled magnitudes."""
+    n, samples = 300, 23
+    x = torch.arange(1, n + 1, dtype=torch.float32).to(DEV)
+    for seed in SAMPLE_SEEDS:
+        got = {ops.sampled_threshold(x, k, samples, seed, backend="native")
+               for k in range(1, n + 1)}
+        assert got == {float(p + 1) for p in ops.sample_positions(n, samples, seed).tolist()}
 
 
 def test_sampled_threshold_cuda_large_and_noncontiguous():
     x = _data(10**7, torch.float32, "scaled", seed=9)
     c, g = _both(x)
     for k, samples in ((10**4, 10**4), (10**5, 10**5), (10**5, 123_457)):
-        _same_float(ops.sampled_threshold(g, k, samples, backend="native"),
-                    ops.sampled_threshold(c, k, samples, backend="native"))
+        for seed in SAMPLE_SEEDS:
+            _same_float(ops.sampled_threshold(g, k, samples, seed, backend="native"),
+                        ops.sampled_threshold(c, k, samples, seed, backend="native"))
     nc = torch.randn(300, 40)[:, ::3]
-    _same_float(ops.sampled_threshold(nc.to(DEV), 50, 500, backend="native"),
-                ops.sampled_threshold(nc, 50, 500, backend="native"))
+    _same_float(ops.sampled_threshold(nc.to(DEV), 50, 500, 7, backend="native"),
+                ops.sampled_threshold(nc, 50, 500, 7, backend="native"))
 
 
 def test_sampled_threshold_cuda_nan_is_inf():

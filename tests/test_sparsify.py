@@ -88,6 +88,47 @@ def test_state_roundtrip(name):
     assert all(torch.equal(p, q) for p, q in zip(a.select(y, 100), b.select(y, 100)))
 
 
+def test_dgc_samples_alike_across_ranks_and_steps_differ():
+    """Two "ranks" with the same base seed sample the same positions at every step, whatever
+    their data; consecutive steps sample different positions."""
+    a, b = make_sparsifier("dgc", seed=7), make_sparsifier("dgc", seed=7)
+    n, samples, seeds = 100_000, 2048, []
+    for step in range(4):
+        assert a.sample_seed() == b.sample_seed()
+        seeds.append(a.sample_seed())
+        a.select(torch.randn(n), 100)
+        b.select(torch.randn(n) * 5, 100)
+    assert a.calls == b.calls == 4
+    assert len(set(seeds)) == 4
+    pos = [ops.sample_positions(n, samples, s) for s in seeds]
+    assert all(not torch.equal(p, q) for p, q in zip(pos, pos[1:]))
+    assert make_sparsifier("dgc", seed=8).sample_seed() != seeds[0]  # the base seed counts
+
+
+def test_dgc_state_roundtrip_reproduces_the_sample_sequence():
+    """A resumed instance continues the call counter, so it draws the very samples (and
+    selections) the original draws; a fresh one (counter 0) does not. A coarse sample
+    (64 elements) and no overshoot make the selection depend on the sample: when the
+    estimate lands above the k-th magnitude fewer than k elements are selected."""
+    opts = dict(sample_fraction=0.0, min_samples=64, min_hits=0, overshoot=1.0, seed=3)
+    xs = [torch.randn(50_000, generator=torch.Generator().manual_seed(s)) for s in range(8)]
+    a = make_sparsifier("dgc", **opts)
+    for x in xs[:3]:
+        a.select(x, 500)
+    state = a.state_dict()
+    assert state == {"seed": 3, "calls": 3}
+    b, fresh = make_sparsifier("dgc", **opts), make_sparsifier("dgc", **opts)
+    b.load_state_dict(dict(state))
+    ours, resumed, restarted = ([s.select(x, 500) for x in xs[3:]] for s in (a, b, fresh))
+    for (v, i), (w, j) in zip(ours, resumed):
+        assert torch.equal(i, j) and torch.equal(v, w)
+    assert b.state_dict() == a.state_dict() == {"seed": 3, "calls": 8}
+    assert len({i.numel() for _, i in ours}) > 1  # the counts follow the samples
+    assert any(not torch.equal(i, j) for (_, i), (_, j) in zip(ours, restarted))
+    fresh.load_state_dict({})  # a checkpoint from before DGC had state: counter from 0
+    assert fresh.calls == 0 and fresh.seed == 3
+
+
 @pytest.mark.parametrize("name", sorted(SPARSIFIERS))
 def test_nonfinite_gradients_are_selected_not_dropped(name):
     x = torch.randn(20_000)

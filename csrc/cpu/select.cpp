@@ -118,20 +118,22 @@ std::tuple<at::Tensor, at::Tensor> segmented_topk_cpu(const at::Tensor& flat_in,
   return {values, indices};
 }
 
-double sampled_threshold_cpu(const at::Tensor& x_in, int64_t k, int64_t samples) {
+double sampled_threshold_cpu(const at::Tensor& x_in, int64_t k, int64_t samples, int64_t seed) {
   const at::Tensor x = flat_values(x_in, "sampled_threshold", at::kCPU);
   const int64_t n = x.numel();
   check_k(k, 1, n, "sampled_threshold");
   samples = sampling::clamp_samples(n, samples);
-  // The k-th largest of n is estimated by the kk-th largest of an evenly strided sample
-  // (deterministic: every rank estimates the same way from the same data).
+  // The k-th largest of n is estimated by the kk-th largest of a stratified sample whose
+  // positions depend on the seed only (sampling.h): every rank passing the same seed samples
+  // the same positions.
   const int64_t kk = sampling::sample_rank(n, k, samples);
+  const uint64_t stream = sampling::sample_stream(static_cast<uint64_t>(seed));
   double thr = 0.0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sampled_threshold", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();
     std::vector<float> mag(samples);
     for (int64_t j = 0; j < samples; ++j) {
-      const float f = static_cast<float>(px[(j * n) / samples]);
+      const float f = static_cast<float>(px[sampling::sample_position(n, samples, j, stream)]);
       mag[j] = std::isnan(f) ? std::numeric_limits<float>::infinity() : std::fabs(f);
     }
     std::nth_element(mag.begin(), mag.begin() + (kk - 1), mag.end(), std::greater<float>());

@@ -153,7 +153,8 @@ std::tuple<at::Tensor, at::Tensor> segmented_topk_cuda(const at::Tensor& flat_in
   return {values, indices};
 }
 
-double sampled_threshold_cuda(const at::Tensor& x_in, int64_t k, int64_t samples) {
+double sampled_threshold_cuda(const at::Tensor& x_in, int64_t k, int64_t samples,
+                              int64_t seed) {
   const at::Tensor x = flat_values(x_in, "sampled_threshold", at::kCUDA);
   const int64_t n = x.numel();
   check_k(k, 1, n, "sampled_threshold");
@@ -163,8 +164,8 @@ double sampled_threshold_cuda(const at::Tensor& x_in, int64_t k, int64_t samples
   dispatch_bits_index(x.element_size(), at::kInt, [&](auto u, auto) {
     using U = decltype(u);
     thr = cuda::sampled_threshold<U>(static_cast<const U*>(x.const_data_ptr()), n, k, samples,
-                                     kind_of(x.scalar_type()), ws.data_ptr(), size_t(ws.numel()),
-                                     on.stream);
+                                     static_cast<uint64_t>(seed), kind_of(x.scalar_type()),
+                                     ws.data_ptr(), size_t(ws.numel()), on.stream);
   });
   return thr;
 }

@@ -98,12 +98,14 @@ void segmented_topk(const U* x, const SegmentedPlan& plan, const int64_t* meta_d
                     I* out_i, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // DGC's sampled threshold (segmented.cu): the ceil(k*samples/n)-th largest float magnitude
-// (NaN as +Inf) of x[(j*n)/samples], j < samples (samples clamped to [1, n]), exactly
-// like the CPU; 1 <= k <= n. Synchronizes the stream once to return the value.
+// (NaN as +Inf) of x[sample_position(n, samples, j, sample_stream(seed))], j < samples
+// (../sampling.h: one seeded draw per stratum; samples clamped to [1, n]), exactly like the
+// CPU; 1 <= k <= n. Synchronizes the stream once to return the value.
 size_t sampled_threshold_workspace_bytes(int64_t n, int64_t samples);
 template <typename U>
-double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, ValueKind kind,
-                         void* workspace, size_t workspace_bytes, cudaStream_t stream);
+double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, uint64_t seed,
+                         ValueKind kind, void* workspace, size_t workspace_bytes,
+                         cudaStream_t stream);
 
 // ----------------------------------------------------------------------------- codec
 

@@ -26,10 +26,11 @@
 //           ties, and segments are concatenated in order.
 // No host synchronization: k_total is known on the host from the CPU ks.
 //
-// Sampled threshold: a gather kernel writes the float magnitudes of x[(j*n)/samples]
-// (NaN -> +Inf, as the CPU) as float32 bits, which order like the values since they are
-// non-negative; the single-segment radix passes above find the kk-th largest bit pattern,
-// i.e. exactly the float nth_element finds on the CPU. Its value is copied to the host:
+// Sampled threshold: a gather kernel writes the float magnitudes of the samples at
+// sampling.h's seeded stratified positions, the CPU's, (NaN -> +Inf, as the CPU) as float32
+// bits, which order like the values since they are non-negative; the single-segment radix
+// passes above find the kk-th largest bit pattern, i.e. exactly the float nth_element finds
+// on the CPU. Its value is copied to the host:
 // the one sync this op has (it returns a number to the host).
 #include "kernels.cuh"
 #include "common.cuh"
@@ -256,12 +257,13 @@ __device__ __forceinline__ uint32_t magnitude_bits<int(ValueKind::kFloat16)>(uin
   return magnitude_bits<int(ValueKind::kFloat32)>(__float_as_uint(f));
 }
 
+// mag[j] = the magnitude bits of sample j, at sampling.h's position (the CPU's positions).
 template <typename U, int KIND>
 __global__ void sample_gather_kernel(const U* __restrict__ x, int64_t n, int64_t samples,
-                                     uint32_t* __restrict__ mag) {
+                                     uint64_t stream, uint32_t* __restrict__ mag) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < samples; j += stride)
-    mag[j] = magnitude_bits<KIND>(uint32_t(x[(j * n) / samples]));  // the CPU's positions
+    mag[j] = magnitude_bits<KIND>(uint32_t(x[sampling::sample_position(n, samples, j, stream)]));
 }
 
 }  // namespace
@@ -353,12 +355,14 @@ size_t sampled_threshold_workspace_bytes(int64_t n, int64_t samples) {
 }
 
 template <typename U>
-double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, ValueKind kind,
-                         void* workspace, size_t workspace_bytes, cudaStream_t s) {
+double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, uint64_t seed,
+                         ValueKind kind, void* workspace, size_t workspace_bytes,
+                         cudaStream_t s) {
   if (n <= 0 || k < 1 || k > n)
     throw std::runtime_error("ssfusion_hvd CUDA sampled_threshold: k out of range");
   samples = sampling::clamp_samples(n, samples);
   const int64_t kk = sampling::sample_rank(n, k, samples);
+  const uint64_t stream = sampling::sample_stream(seed);
   std::vector<int64_t> meta(segmented_meta_len(1));  // alive until the sync below
   const SegmentedPlan p = sample_plan(samples, kk, meta.data());
   Carver c(workspace);
@@ -371,13 +375,16 @@ double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, Valu
   const unsigned grid = grid_for(samples, 256, 4096);
   switch (kind) {
     case ValueKind::kFloat32:
-      sample_gather_kernel<U, int(ValueKind::kFloat32)><<<grid, 256, 0, s>>>(x, n, samples, mag);
+      sample_gather_kernel<U, int(ValueKind::kFloat32)>
+          <<<grid, 256, 0, s>>>(x, n, samples, stream, mag);
       break;
     case ValueKind::kFloat16:
-      sample_gather_kernel<U, int(ValueKind::kFloat16)><<<grid, 256, 0, s>>>(x, n, samples, mag);
+      sample_gather_kernel<U, int(ValueKind::kFloat16)>
+          <<<grid, 256, 0, s>>>(x, n, samples, stream, mag);
       break;
     case ValueKind::kBFloat16:
-      sample_gather_kernel<U, int(ValueKind::kBFloat16)><<<grid, 256, 0, s>>>(x, n, samples, mag);
+      sample_gather_kernel<U, int(ValueKind::kBFloat16)>
+          <<<grid, 256, 0, s>>>(x, n, samples, stream, mag);
       break;
   }
   SSF_CUDA_CHECK_LAUNCH();
@@ -392,8 +399,8 @@ double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, Valu
 
 #define SSF_INST_U(U)                                                                   \
   template size_t segmented_topk_workspace_bytes<U>(const SegmentedPlan&);              \
-  template double sampled_threshold<U>(const U*, int64_t, int64_t, int64_t, ValueKind,  \
-                                       void*, size_t, cudaStream_t);
+  template double sampled_threshold<U>(const U*, int64_t, int64_t, int64_t, uint64_t,   \
+                                       ValueKind, void*, size_t, cudaStream_t);
 #define SSF_INST_UI(U, I)                                                                    \
   template void segmented_topk<U, I>(const U*, const SegmentedPlan&, const int64_t*, U*, I*, \
                                      void*, size_t, cudaStream_t);
