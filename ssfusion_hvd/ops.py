@@ -184,6 +184,35 @@ def sample_positions(n: int, samples: int, seed: int, *, device=None) -> torch.T
     return bounds[:-1] + ((h >> 1) & _I64_MAX) % (bounds[1:] - bounds[:-1])
 
 
+def _threshold_input(x: torch.Tensor, thr: float, op: str):
+    """``(flat x, threshold as float)``, checked (the threshold ops' shared preamble)."""
+    _check_values(x, op)
+    thr = float(thr)
+    if thr != thr:
+        raise ValueError(f"{op}: threshold is NaN")
+    return x.reshape(-1), thr
+
+
+def threshold_select(x: torch.Tensor, thr: float, *, backend: Optional[str] = None):
+    """All elements with ``|x| >= thr`` (compared in float64) and every NaN, in index order."""
+    flat, thr = _threshold_input(x, thr, "threshold_select")
+    fn = _native(x, "threshold_select", backend)
+    if fn is not None:
+        return fn(flat.contiguous(), thr)
+    mask = (flat.abs().double() >= thr) | flat.isnan()
+    idx = mask.nonzero().flatten()
+    return flat[idx], idx.to(index_dtype(flat.numel()))
+
+
+def threshold_count(x: torch.Tensor, thr: float, *, backend: Optional[str] = None) -> int:
+    """Number of elements :func:`threshold_select` would return."""
+    flat, thr = _threshold_input(x, thr, "threshold_count")
+    fn = _native(x, "threshold_count", backend)
+    if fn is not None:
+        return int(fn(flat.contiguous(), thr))
+    return int(((flat.abs().double() >= thr) | flat.isnan()).sum())
+
+
 # --------------------------------------------------------------------------- error feedback
 
 
@@ -261,35 +290,6 @@ def segmented_ef_topk(grad: torch.Tensor, residual: torch.Tensor, offsets, ks, w
     values, indices = segmented_topk(acc, offsets, ks, backend="torch")
     _wire_error(acc, values, indices, wire)
     return values, indices
-
-
-def _threshold_input(x: torch.Tensor, thr: float, op: str):
-    """``(flat x, threshold as float)``, checked (the threshold ops' shared preamble)."""
-    _check_values(x, op)
-    thr = float(thr)
-    if thr != thr:
-        raise ValueError(f"{op}: threshold is NaN")
-    return x.reshape(-1), thr
-
-
-def threshold_select(x: torch.Tensor, thr: float, *, backend: Optional[str] = None):
-    """All elements with ``|x| >= thr`` (compared in float64) and every NaN, in index order."""
-    flat, thr = _threshold_input(x, thr, "threshold_select")
-    fn = _native(x, "threshold_select", backend)
-    if fn is not None:
-        return fn(flat.contiguous(), thr)
-    mask = (flat.abs().double() >= thr) | flat.isnan()
-    idx = mask.nonzero().flatten()
-    return flat[idx], idx.to(index_dtype(flat.numel()))
-
-
-def threshold_count(x: torch.Tensor, thr: float, *, backend: Optional[str] = None) -> int:
-    """Number of elements :func:`threshold_select` would return."""
-    flat, thr = _threshold_input(x, thr, "threshold_count")
-    fn = _native(x, "threshold_count", backend)
-    if fn is not None:
-        return int(fn(flat.contiguous(), thr))
-    return int(((flat.abs().double() >= thr) | flat.isnan()).sum())
 
 
 # --------------------------------------------------------------------------- codec
