@@ -54,8 +54,7 @@ inline A wire_error(A a) {
 // residual + grad formed, stored and tested in the same registers).
 __attribute__((target("avx512f"))) int64_t filter_avx512(const float* g, float* r, int64_t n,
                                                           uint32_t t, uint32_t* cv,
-                                                          uint32_t* cp, int64_t cap,
-                                                          bool sparse) {
+                                                          uint32_t* cp, int64_t cap) {
   const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF), tv = _mm512_set1_epi32(int32_t(t));
   const __m512i step = _mm512_set1_epi32(16);
   __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -65,12 +64,12 @@ __attribute__((target("avx512f"))) int64_t filter_avx512(const float* g, float* 
     _mm512_storeu_ps(r + i, sum);
     const __m512i v = _mm512_castps_si512(sum);
     const __mmask16 hits = _mm512_cmpge_epu32_mask(_mm512_and_si512(v, mask), tv);
-    if (sparse && !hits) continue;
+    if (!hits) continue;
     if (m + 16 <= cap) {
       _mm512_storeu_si512(cv + m, _mm512_maskz_compress_epi32(hits, v));
       _mm512_storeu_si512(cp + m, _mm512_maskz_compress_epi32(hits, pos));
       m += __builtin_popcount(hits);
-    } else if (hits) {
+    } else {
       uint32_t bits[16];
       _mm512_storeu_si512(bits, v);
       m = cpu::append_hits(bits, hits, i, cv, cp, m, cap);
@@ -107,11 +106,10 @@ struct Feedback {
       for (int64_t i = b; i < e; ++i) r[i] = accumulate(r[i], g[i]);
     });
   }
-  int64_t filter(int64_t b, int64_t e, U t, U* cv, uint32_t* cp, int64_t cap,
-                 bool sparse) const {
+  int64_t filter(int64_t b, int64_t e, U t, U* cv, uint32_t* cp, int64_t cap) const {
 #ifdef SSF_X86_DISPATCH
     if constexpr (std::is_same_v<A, float> && std::is_same_v<G, float>) {
-      if (cpu::use_avx512()) return filter_avx512(g + b, r + b, e - b, t, cv, cp, cap, sparse);
+      if (cpu::use_avx512()) return filter_avx512(g + b, r + b, e - b, t, cv, cp, cap);
     }
 #endif
     constexpr int B = cpu::kBlock;

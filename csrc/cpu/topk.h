@@ -229,44 +229,6 @@ inline int64_t filter_values(const U* u, int64_t n, U t, U* cv, uint32_t* cp, in
   return append_tail(u + i, n - i, t, i, cv, cp, m, cap);
 }
 
-// The exact top k of candidates vals[0, c) whose keys are all >= t (index order, ties to
-// the lower position): out_v gets the raw values, out_pos their positions in vals. A radix
-// select like topk_bits, but its 2048 bins span [t, largest key] rather than the whole
-// key range, so the candidates (all in a narrow band above t) spread over them and the
-// bin holding the k-th key is small.
-template <typename U, typename I>
-void resolve_candidates(const U* vals, int64_t c, int64_t k, U t, U* out_v, I* out_pos) {
-  constexpr int64_t kBins = 2048;
-  U top = t;
-  for (int64_t j = 0; j < c; ++j) top = std::max(top, Key<U>::of(vals[j]));
-  int shift = 0;
-  while ((static_cast<uint64_t>(top - t) >> shift) >= uint64_t(kBins)) ++shift;
-  auto bin = [&](U v) { return static_cast<int64_t>((Key<U>::of(v) - t) >> shift); };
-  std::vector<int64_t> hist(kBins, 0);
-  for (int64_t j = 0; j < c; ++j) ++hist[bin(vals[j])];
-  int64_t pivot = kBins - 1, above = 0;
-  for (; pivot > 0 && above + hist[pivot] < k; --pivot) above += hist[pivot];
-  const int64_t need = k - above;  // taken from the pivot bin, 1 <= need <= hist[pivot]
-  std::vector<U> in_pivot;
-  in_pivot.reserve(hist[pivot]);
-  for (int64_t j = 0; j < c; ++j)
-    if (bin(vals[j]) == pivot) in_pivot.push_back(Key<U>::of(vals[j]));
-  std::nth_element(in_pivot.begin(), in_pivot.begin() + (need - 1), in_pivot.end(),
-                   std::greater<U>());
-  const U kth = in_pivot[need - 1];
-  int64_t ties_left = need;  // keys equal to kth taken, lowest positions first
-  for (const U key : in_pivot) ties_left -= key > kth;
-  int64_t o = 0;
-  for (int64_t j = 0; j < c; ++j) {
-    const U key = Key<U>::of(vals[j]);
-    const bool take = key > kth || (key == kth && ties_left-- > 0);
-    if (take) {
-      out_v[o] = vals[j];
-      out_pos[o++] = static_cast<I>(j);
-    }
-  }
-}
-
 // Whether the filter loops may use AVX-512 (checked once: the CPU has it and SSF_CPU_ISA
 // is not "baseline", which the tests set to run the SSE2 loops on the same machine).
 bool use_avx512();
@@ -274,11 +236,11 @@ bool use_avx512();
 #ifdef SSF_X86_DISPATCH
 // filter_values for 32-bit keys with AVX-512: one compare gives the block's hit mask and
 // two compress-stores append the hits' values and positions, without a branch per block.
-// `sparse`: hits are rare (well under one block in ten), so blocks without any are skipped.
+// Blocks without a hit are skipped: at the densities selected (hits in well under half of
+// the blocks) the predicted branch is cheaper than compressing every block (measured).
 __attribute__((target("avx512f"))) inline int64_t filter_avx512(const uint32_t* u, int64_t n,
                                                                  uint32_t t, uint32_t* cv,
-                                                                 uint32_t* cp, int64_t cap,
-                                                                 bool sparse) {
+                                                                 uint32_t* cp, int64_t cap) {
   const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF), tv = _mm512_set1_epi32(int32_t(t));
   const __m512i step = _mm512_set1_epi32(16);
   __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -286,12 +248,12 @@ __attribute__((target("avx512f"))) inline int64_t filter_avx512(const uint32_t* 
   for (; i + 16 <= n; i += 16, pos = _mm512_add_epi32(pos, step)) {
     const __m512i v = _mm512_loadu_si512(u + i);
     const __mmask16 hits = _mm512_cmpge_epu32_mask(_mm512_and_si512(v, mask), tv);
-    if (sparse && !hits) continue;  // rare hits: a well-predicted skip beats the stores
+    if (!hits) continue;
     if (m + 16 <= cap) {
       _mm512_storeu_si512(cv + m, _mm512_maskz_compress_epi32(hits, v));
       _mm512_storeu_si512(cp + m, _mm512_maskz_compress_epi32(hits, pos));
       m += __builtin_popcount(hits);
-    } else if (hits) {
+    } else {
       m = append_hits(u + i, hits, i, cv, cp, m, cap);
     }
   }
@@ -307,11 +269,10 @@ struct Plain {
   U raw(int64_t i) const { return x[i]; }
   const U* values() const { return x; }
   void materialize() const {}
-  int64_t filter(int64_t b, int64_t e, U t, U* cv, uint32_t* cp, int64_t cap,
-                 bool sparse) const {
+  int64_t filter(int64_t b, int64_t e, U t, U* cv, uint32_t* cp, int64_t cap) const {
 #ifdef SSF_X86_DISPATCH
     if constexpr (sizeof(U) == 4) {
-      if (use_avx512()) return filter_avx512(x + b, e - b, t, cv, cp, cap, sparse);
+      if (use_avx512()) return filter_avx512(x + b, e - b, t, cv, cp, cap);
     }
 #endif
     return filter_values(x + b, e - b, t, cv, cp, cap);
@@ -329,17 +290,20 @@ inline uint32_t mix32(uint32_t h) {
 }
 
 // A key that somewhat more than k of the n values exceed, from a stratified sample
-// (sample j is a pseudo-random element of the j-th of `s` equal strata, s at most n / 64):
+// (sample j is a pseudo-random element of the j-th of `s` equal strata):
 // the q-th largest sampled key, q = the expected hits above the k-th largest value plus 3
-// standard deviations plus 2. Returns false for inputs too small to sample.
+// standard deviations plus 2; `top` gets the largest sampled key. Returns false for
+// inputs too small to sample.
 template <typename U, typename Src>
-bool sample_key(const Src& src, int64_t n, int64_t k, U* key, int64_t* expect) {
+bool sample_key(const Src& src, int64_t n, int64_t k, U* key, U* top, int64_t* expect) {
   if (n < 256 * 64) return false;
   // expected sampled elements above the k-th largest: more for larger inputs, where the
   // sample stays a small share and fewer candidates save more
   const double want = double(std::min<int64_t>(256, std::max<int64_t>(48, n >> 15)));
+  // at most 1/64 of the input and 32768 reads (each a likely cache miss, then sorted)
   const int64_t s = std::min<int64_t>(
-      n / 64, std::max<int64_t>(256, static_cast<int64_t>(std::ceil(want * double(n) / double(k)))));
+      std::min<int64_t>(n / 64, 32768),
+      std::max<int64_t>(256, static_cast<int64_t>(std::ceil(want * double(n) / double(k)))));
   const double hits = double(s) * double(k) / double(n);
   const int64_t q = std::min<int64_t>(s, static_cast<int64_t>(hits + 3.0 * std::sqrt(hits)) + 2);
   std::unique_ptr<U[]> keys(new U[s]);
@@ -349,62 +313,139 @@ bool sample_key(const Src& src, int64_t n, int64_t k, U* key, int64_t* expect) {
   }
   std::nth_element(keys.get(), keys.get() + (q - 1), keys.get() + s, std::greater<U>());
   *key = keys[q - 1];
+  *top = *std::max_element(keys.get(), keys.get() + q);
   *expect = static_cast<int64_t>(double(q) * double(n) / double(s));
   return true;
+}
+
+// The candidates one chunk kept: raw values and positions relative to the chunk start.
+template <typename U>
+struct ChunkCandidates {
+  const U* v = nullptr;
+  const uint32_t* p = nullptr;
+  int64_t m = 0;
+  int64_t begin = 0;  // the chunk's first position
+};
+
+// The exact top k of candidates whose keys are all >= t, the chunks' lists in index order:
+// out_v/out_i (positions base + chunk begin + p), index order, ties to the lower index. A
+// radix select like topk_bits, but its 2048 bins span the band above t that the sample saw
+// (up to `top`; larger keys share the last bin), so the candidates spread over them and the
+// bin holding the k-th key is small. Every pass runs over the chunks in parallel.
+template <typename U, typename I>
+void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U t, U top,
+                        U* out_v, I* out_i, int64_t base) {
+  constexpr int64_t kBins = 2048;
+  const int64_t nc = int64_t(cc.size());
+  int shift = 0;
+  while ((static_cast<uint64_t>(top - t) >> shift) >= uint64_t(kBins / 2)) ++shift;
+  auto bin = [&](U v) {
+    return std::min<int64_t>(kBins - 1, static_cast<int64_t>((Key<U>::of(v) - t) >> shift));
+  };
+  auto each_chunk = [&](const auto& fn) {
+    at::parallel_for(0, nc, 1, [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) fn(c);
+    });
+  };
+  std::vector<int64_t> hist(nc * kBins, 0);
+  each_chunk([&](int64_t c) {
+    int64_t* h = hist.data() + c * kBins;
+    for (int64_t j = 0; j < cc[c].m; ++j) ++h[bin(cc[c].v[j])];
+  });
+  std::vector<int64_t> total(kBins, 0);
+  for (int64_t c = 0; c < nc; ++c)
+    for (int64_t b = 0; b < kBins; ++b) total[b] += hist[c * kBins + b];
+  int64_t pivot = kBins - 1, above = 0;
+  for (; pivot > 0 && above + total[pivot] < k; --pivot) above += total[pivot];
+  const int64_t need = k - above;  // taken from the pivot bin, 1 <= need <= total[pivot]
+  // The pivot bin's keys, chunk by chunk in index order, and the exact k-th key among them.
+  std::vector<int64_t> piv_off(nc + 1, 0);
+  for (int64_t c = 0; c < nc; ++c) piv_off[c] = hist[c * kBins + pivot];
+  exclusive_scan(piv_off.data(), nc + 1);
+  std::vector<U> piv(piv_off[nc]);
+  each_chunk([&](int64_t c) {
+    int64_t q = piv_off[c];
+    for (int64_t j = 0; j < cc[c].m; ++j)
+      if (bin(cc[c].v[j]) == pivot) piv[q++] = Key<U>::of(cc[c].v[j]);
+  });
+  std::vector<U> sel(piv);
+  std::nth_element(sel.begin(), sel.begin() + (need - 1), sel.end(), std::greater<U>());
+  const U kth = sel[need - 1];
+  int64_t ties_left = need;  // keys equal to kth are taken, lowest indices first
+  for (const U key : piv) ties_left -= key > kth;
+  // Per chunk: its share of the ties and where its output starts.
+  std::vector<int64_t> ties(nc, 0), out_off(nc + 1, 0);
+  for (int64_t c = 0; c < nc; ++c) {
+    int64_t greater = 0, equal = 0;
+    for (int64_t q = piv_off[c]; q < piv_off[c + 1]; ++q) {
+      greater += piv[q] > kth;
+      equal += piv[q] == kth;
+    }
+    ties[c] = std::min(equal, ties_left);
+    ties_left -= ties[c];
+    int64_t a = 0;
+    for (int64_t b = pivot + 1; b < kBins; ++b) a += hist[c * kBins + b];
+    out_off[c] = a + greater + ties[c];
+  }
+  exclusive_scan(out_off.data(), nc + 1);
+  each_chunk([&](int64_t c) {
+    int64_t o = out_off[c], tie = ties[c];
+    for (int64_t j = 0; j < cc[c].m; ++j) {
+      const U v = cc[c].v[j];
+      const int64_t b = bin(v);
+      if (b < pivot) continue;
+      if (b == pivot) {
+        const U key = Key<U>::of(v);
+        if (key < kth || (key == kth && tie-- <= 0)) continue;
+      }
+      out_v[o] = v;
+      out_i[o++] = static_cast<I>(base + cc[c].begin + cc[c].p[j]);
+    }
+  });
 }
 
 // Exact top-k of src's n values into out_v/out_i (index order, positions base + i). After
 // the call src.values() holds every value (the error-feedback source has written them).
 template <typename U, typename I, typename Src>
 void topk_filtered(const Src& src, int64_t n, int64_t k, U* out_v, I* out_i, int64_t base = 0) {
-  U t = 0;
+  U t = 0, top = 0;
   int64_t expect = 0;
   // Filtering pays when the candidates are a small share of the input.
-  if (k == 0 || k == n || k > n / 16 || !sample_key<U>(src, n, k, &t, &expect)) {
+  if (k == 0 || k == n || k > n / 16 || !sample_key<U>(src, n, k, &t, &top, &expect)) {
     src.materialize();
     topk_bits<U, I>(src.values(), n, k, out_v, out_i, base);
     return;
   }
   const Chunks ch(n);
   const int64_t cap = (2 * expect) / ch.count + 4 * kBlock + 64;
-  const bool sparse = expect * kBlock < n / 10;  // under one block in ten holds a candidate
   std::unique_ptr<U[]> cv(new U[cap * ch.count]);
   std::unique_ptr<uint32_t[]> cp(new uint32_t[cap * ch.count]);
-  std::vector<int64_t> count(ch.count + 1, 0);
+  std::vector<int64_t> count(ch.count, 0);
   ch.for_each([&](int64_t c) {
-    count[c] = src.filter(ch.begin(c), ch.end(c), t, cv.get() + c * cap, cp.get() + c * cap, cap,
-                          sparse);
+    count[c] = src.filter(ch.begin(c), ch.end(c), t, cv.get() + c * cap, cp.get() + c * cap, cap);
   });
-  std::vector<int64_t> off(count);
-  const int64_t total = exclusive_scan(off.data(), ch.count + 1);
+  int64_t total = 0;
+  for (int64_t m : count) total += m;
   const U* x = src.values();
   if (total < k || total > 4 * expect + 4096) {  // the sample missed: select from everything
     topk_bits<U, I>(x, n, k, out_v, out_i, base);
     return;
   }
-  // Candidates back to back in index order (raw values, absolute positions).
-  std::unique_ptr<U[]> vals(new U[total]);
-  std::unique_ptr<int64_t[]> pos(new int64_t[total]);
-  const bool overflow = std::any_of(count.begin(), count.end() - 1,
-                                    [&](int64_t m) { return m > cap; });
-  std::unique_ptr<uint32_t[]> rel;
-  if (overflow) rel.reset(new uint32_t[total]);
+  std::vector<ChunkCandidates<U>> cc(ch.count);
+  std::vector<std::vector<U>> more_v(ch.count);  // chunks that overflowed, recollected
+  std::vector<std::vector<uint32_t>> more_p(ch.count);
   ch.for_each([&](int64_t c) {
-    const int64_t m = count[c], o = off[c], b = ch.begin(c);
-    if (m > cap) {  // recollect this chunk from the values, into its exact slot
-      filter_values(x + b, ch.end(c) - b, t, vals.get() + o, rel.get() + o, m);
-      for (int64_t j = 0; j < m; ++j) pos[o + j] = b + rel[o + j];
-      return;
+    const int64_t m = count[c], b = ch.begin(c);
+    cc[c] = {cv.get() + c * cap, cp.get() + c * cap, m, b};
+    if (m > cap) {
+      more_v[c].resize(m);
+      more_p[c].resize(m);
+      filter_values(x + b, ch.end(c) - b, t, more_v[c].data(), more_p[c].data(), m);
+      cc[c].v = more_v[c].data();
+      cc[c].p = more_p[c].data();
     }
-    std::memcpy(vals.get() + o, cv.get() + c * cap, m * sizeof(U));
-    const uint32_t* p = cp.get() + c * cap;
-    for (int64_t j = 0; j < m; ++j) pos[o + j] = b + p[j];
   });
-  // The exact top k of the candidates; positions in the candidate list map back.
-  resolve_candidates<U, I>(vals.get(), total, k, t, out_v, out_i);
-  at::parallel_for(0, k, int64_t(1) << 14, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; ++j) out_i[j] = static_cast<I>(base + pos[int64_t(out_i[j])]);
-  });
+  resolve_candidates<U, I>(cc, k, t, top, out_v, out_i, base);
 }
 
 // Runs fn(s) for segments s of [off[s], off[s+1]), s < nseg: a large segment uses every

@@ -90,9 +90,11 @@ class PlannedScheme(Scheme):
 
     def _sparsifier_for(self, key: str):
         """The sparsifier of a tensor (its name) or a fusion buffer (its part key): one
-        instance for the whole run of a plan; random-k's seed is the same on every rank."""
+        instance for the whole run of a plan. Random-k's and DGC's seeds come from the key:
+        the same on every rank, different between tensors."""
         if key not in self._sparsifiers:
-            kwargs = {"seed": zlib.crc32(key.encode())} if self.config.sparsifier == "randomk" else {}
+            seeded = self.config.sparsifier in ("randomk", "dgc")
+            kwargs = {"seed": zlib.crc32(key.encode())} if seeded else {}
             self._sparsifiers[key] = make_sparsifier(self.config.sparsifier, **kwargs)
         return self._sparsifiers[key]
 

@@ -145,7 +145,7 @@ class ZenScheme(WholeGradientScheme):
         self._nranks, self._rank = self.transport.size, self.transport.rank
         self._prescale, self._postscale = self.transport.scales()
         self._idx_dtype = ops.index_dtype(self._n)
-        kwargs = {"seed": zlib.crc32(b"zen")} if config.sparsifier == "randomk" else {}
+        kwargs = {"seed": zlib.crc32(b"zen")} if config.sparsifier in ("randomk", "dgc") else {}
         self._sparsifier = make_sparsifier(config.sparsifier, **kwargs)
         self._sets = None  # built on first use: _build_sets()
         self.reset()
