@@ -331,7 +331,8 @@ struct ChunkCandidates {
 // out_v/out_i (positions base + chunk begin + p), index order, ties to the lower index. A
 // radix select like topk_bits, but its 2048 bins span the band above t that the sample saw
 // (up to `top`; larger keys share the last bin), so the candidates spread over them and the
-// bin holding the k-th key is small. Every pass runs over the chunks in parallel.
+// bin holding the k-th key is small. Many candidates: every pass runs over the chunks in
+// parallel; few: one thread, no per-chunk setup (what dominates a mid-size tensor).
 template <typename U, typename I>
 void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U t, U top,
                         U* out_v, I* out_i, int64_t base) {
@@ -347,6 +348,40 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
       for (int64_t c = b; c < e; ++c) fn(c);
     });
   };
+  int64_t total_c = 0;
+  for (const auto& ch : cc) total_c += ch.m;
+  if (total_c < (int64_t(1) << 16)) {  // few: one thread, one histogram, no setup per chunk
+    std::vector<int32_t> h(kBins, 0);
+    for (const auto& ch : cc)
+      for (int64_t j = 0; j < ch.m; ++j) ++h[bin(ch.v[j])];
+    int64_t pivot = kBins - 1, above = 0;
+    for (; pivot > 0 && above + h[pivot] < k; --pivot) above += h[pivot];
+    std::vector<U> piv;
+    piv.reserve(h[pivot]);
+    for (const auto& ch : cc)
+      for (int64_t j = 0; j < ch.m; ++j)
+        if (bin(ch.v[j]) == pivot) piv.push_back(Key<U>::of(ch.v[j]));
+    const int64_t need = k - above;
+    std::nth_element(piv.begin(), piv.begin() + (need - 1), piv.end(), std::greater<U>());
+    const U kth = piv[need - 1];
+    int64_t tie = need;  // keys equal to kth are taken, lowest indices first
+    for (const U key : piv) tie -= key > kth;
+    int64_t o = 0;
+    for (const auto& ch : cc) {
+      for (int64_t j = 0; j < ch.m; ++j) {
+        const U v = ch.v[j];
+        const int64_t b = bin(v);
+        if (b < pivot) continue;
+        if (b == pivot) {
+          const U key = Key<U>::of(v);
+          if (key < kth || (key == kth && tie-- <= 0)) continue;
+        }
+        out_v[o] = v;
+        out_i[o++] = static_cast<I>(base + ch.begin + ch.p[j]);
+      }
+    }
+    return;
+  }
   std::vector<int64_t> hist(nc * kBins, 0);
   each_chunk([&](int64_t c) {
     int64_t* h = hist.data() + c * kBins;
