@@ -292,15 +292,15 @@ inline uint32_t mix32(uint32_t h) {
 // A key that somewhat more than k of the n values exceed, from a stratified sample
 // (sample j is a pseudo-random element of the j-th of `s` equal strata):
 // the q-th largest sampled key, q = the expected hits above the k-th largest value plus 3
-// standard deviations plus 2; `top` gets the largest sampled key. Returns false for
-// inputs too small to sample.
+// standard deviations plus 2. Returns false for inputs too small to sample.
 template <typename U, typename Src>
-bool sample_key(const Src& src, int64_t n, int64_t k, U* key, U* top, int64_t* expect) {
+bool sample_key(const Src& src, int64_t n, int64_t k, U* key, int64_t* expect) {
   if (n < 256 * 64) return false;
-  // expected sampled elements above the k-th largest: more for larger inputs, where the
-  // sample stays a small share and fewer candidates save more
-  const double want = double(std::min<int64_t>(256, std::max<int64_t>(48, n >> 15)));
-  // at most 1/64 of the input and 32768 reads (each a likely cache miss, then sorted)
+  // Expected sampled elements above the k-th largest, h: the sample costs ~h n / k reads
+  // and a selection among them, the candidates beyond k (~3 k / sqrt(h)) a resolve step and
+  // a filter branch each; with the second ~3x the first per element (measured), their sum
+  // is least at h = (4.5 k^2 / n)^(2/3). At most 1/64 of the input and 32768 samples.
+  const double want = std::min(256.0, std::max(2.0, std::cbrt(std::pow(4.5 * double(k) * double(k) / double(n), 2.0))));
   const int64_t s = std::min<int64_t>(
       std::min<int64_t>(n / 64, 32768),
       std::max<int64_t>(256, static_cast<int64_t>(std::ceil(want * double(n) / double(k)))));
@@ -313,7 +313,6 @@ bool sample_key(const Src& src, int64_t n, int64_t k, U* key, U* top, int64_t* e
   }
   std::nth_element(keys.get(), keys.get() + (q - 1), keys.get() + s, std::greater<U>());
   *key = keys[q - 1];
-  *top = *std::max_element(keys.get(), keys.get() + q);
   *expect = static_cast<int64_t>(double(q) * double(n) / double(s));
   return true;
 }
@@ -329,20 +328,24 @@ struct ChunkCandidates {
 
 // The exact top k of candidates whose keys are all >= t, the chunks' lists in index order:
 // out_v/out_i (positions base + chunk begin + p), index order, ties to the lower index. A
-// radix select like topk_bits, but its 2048 bins span the band above t that the sample saw
-// (up to `top`; larger keys share the last bin), so the candidates spread over them and the
+// radix select like topk_bits, but its 2048 bins span only the candidates' band [t, largest
+// key], so the candidates spread over them and the
 // bin holding the k-th key is small. Many candidates: every pass runs over the chunks in
 // parallel; few: one thread, no per-chunk setup (what dominates a mid-size tensor).
 template <typename U, typename I>
-void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U t, U top,
+void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U t,
                         U* out_v, I* out_i, int64_t base) {
   constexpr int64_t kBins = 2048;
   const int64_t nc = int64_t(cc.size());
+  std::vector<U> tops(nc, t);
+  at::parallel_for(0, nc, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c)
+      for (int64_t j = 0; j < cc[c].m; ++j) tops[c] = std::max(tops[c], Key<U>::of(cc[c].v[j]));
+  });
+  const U top = *std::max_element(tops.begin(), tops.end());
   int shift = 0;
-  while ((static_cast<uint64_t>(top - t) >> shift) >= uint64_t(kBins / 2)) ++shift;
-  auto bin = [&](U v) {
-    return std::min<int64_t>(kBins - 1, static_cast<int64_t>((Key<U>::of(v) - t) >> shift));
-  };
+  while ((static_cast<uint64_t>(top - t) >> shift) >= uint64_t(kBins)) ++shift;
+  auto bin = [&](U v) { return static_cast<int64_t>((Key<U>::of(v) - t) >> shift); };
   auto each_chunk = [&](const auto& fn) {
     at::parallel_for(0, nc, 1, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) fn(c);
@@ -443,10 +446,10 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
 // the call src.values() holds every value (the error-feedback source has written them).
 template <typename U, typename I, typename Src>
 void topk_filtered(const Src& src, int64_t n, int64_t k, U* out_v, I* out_i, int64_t base = 0) {
-  U t = 0, top = 0;
+  U t = 0;
   int64_t expect = 0;
   // Filtering pays when the candidates are a small share of the input.
-  if (k == 0 || k == n || k > n / 16 || !sample_key<U>(src, n, k, &t, &top, &expect)) {
+  if (k == 0 || k == n || k > n / 16 || !sample_key<U>(src, n, k, &t, &expect)) {
     src.materialize();
     topk_bits<U, I>(src.values(), n, k, out_v, out_i, base);
     return;
@@ -480,7 +483,7 @@ void topk_filtered(const Src& src, int64_t n, int64_t k, U* out_v, I* out_i, int
       cc[c].p = more_p[c].data();
     }
   });
-  resolve_candidates<U, I>(cc, k, t, top, out_v, out_i, base);
+  resolve_candidates<U, I>(cc, k, t, out_v, out_i, base);
 }
 
 // Runs fn(s) for segments s of [off[s], off[s+1]), s < nseg: a large segment uses every
