@@ -1,5 +1,6 @@
 // Sparse record codec on the CPU: pack (values, indices) into a flat buffer, scatter-add
-// decode. The record layout is defined once, in ../record.h.
+// decode, delivery of the touched positions into the gradients. The record layout is
+// defined once, in ../record.h.
 #include "../ops.h"
 #include "../checks.h"
 #include "../record.h"
@@ -7,7 +8,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace ssf {
 
@@ -113,6 +117,108 @@ void scatter_add_chunks_cpu(at::Tensor& dense, const at::Tensor& gathered, int64
                                           offset, k, vspan);
     });
   });
+}
+
+namespace {
+
+// Index j of a record whose index area starts at byte `pib` (read bytewise: a record may
+// start at any value-aligned element).
+template <typename index_t>
+inline index_t record_index(const char* pib, int64_t j) {
+  index_t i;
+  std::memcpy(&i, pib + j * sizeof(index_t), sizeof(index_t));
+  return i;
+}
+
+// The value deliver_chunks writes for an element a of out: out.mul_(scale) (the product in
+// float, rounded to acc_t) then a copy into grad_t, as torch does them.
+template <typename acc_t, typename grad_t>
+inline grad_t delivered(acc_t a, float scale, bool scaled) {
+  if (scaled) a = static_cast<acc_t>(static_cast<float>(a) * scale);
+  return static_cast<grad_t>(a);
+}
+
+// deliver_chunks on raw pointers (ops.h): out of acc_t, tensors of grad_t (records of
+// grad_t). Chunk by chunk, parallel within a chunk, where indices are distinct.
+template <typename acc_t, typename grad_t, typename index_t>
+int64_t deliver(acc_t* out, int64_t out_n, const std::vector<int64_t>& bounds,
+                const std::vector<grad_t*>& dst, const char* g, int64_t nchunks,
+                int64_t chunk_len, int64_t offset, int64_t k, int64_t vspan, double scale) {
+  const int64_t vb = sizeof(grad_t);
+  auto index_area = [&](int64_t p) { return g + (p * chunk_len + offset + vspan) * vb; };
+  for (int64_t p = 0; p < nchunks; ++p) {  // every index checked before anything is written
+    const char* pib = index_area(p);
+    for (int64_t j = 0; j < k; ++j) {
+      const index_t i = record_index<index_t>(pib, j);
+      TORCH_CHECK(i >= 0 && int64_t(i) < out_n, "deliver_chunks: index ", int64_t(i),
+                  " out of range [0, ", out_n, ") in chunk ", p);
+    }
+  }
+  const int64_t numel = bounds.back();
+  const float s = static_cast<float>(scale);
+  const bool scaled = scale != 1.0;
+  constexpr int64_t kGrain = int64_t(1) << 14;
+  for (int64_t p = 0; p < nchunks; ++p) {  // 1. write every touched position
+    const char* pib = index_area(p);
+    at::parallel_for(0, k, kGrain, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) {
+        const int64_t i = record_index<index_t>(pib, j);
+        if (i >= numel) continue;  // the sink
+        // the tensor of position i: the last t with bounds[t] <= i (never an empty one)
+        const int64_t t = std::upper_bound(bounds.begin() + 1, bounds.end(), i) - bounds.begin() - 1;
+        dst[t][i - bounds[t]] = delivered<acc_t, grad_t>(out[i], s, scaled);
+      }
+    });
+  }
+  int64_t nonfinite = 0;
+  for (int64_t p = 0; p < nchunks; ++p) {  // 2. then clear them; the first clear counts
+    const char* pib = index_area(p);
+    nonfinite += at::parallel_reduce(
+        0, k, kGrain, int64_t(0),
+        [&](int64_t b, int64_t e, int64_t acc) {
+          for (int64_t j = b; j < e; ++j) {
+            const int64_t i = record_index<index_t>(pib, j);
+            const acc_t a = out[i];
+            if (i < numel && static_cast<float>(a) != 0.0f &&
+                !std::isfinite(static_cast<float>(delivered<acc_t, grad_t>(a, s, scaled))))
+              ++acc;
+            out[i] = acc_t(0);
+          }
+          return acc;
+        },
+        [](int64_t x, int64_t y) { return x + y; });
+  }
+  return nonfinite;
+}
+
+}  // namespace
+
+at::Tensor deliver_chunks_cpu(at::Tensor& out, const std::vector<at::Tensor>& tensors,
+                              const at::Tensor& gathered, int64_t nchunks, int64_t chunk_len,
+                              int64_t offset, int64_t k, at::ScalarType index_dtype,
+                              double scale) {
+  const std::vector<int64_t> bounds = check_deliver(out, tensors, gathered, nchunks, chunk_len,
+                                                    offset, k, index_dtype, at::kCPU);
+  const int64_t vspan = std::get<0>(record_spans(k, gathered.scalar_type(), index_dtype));
+  const char* g = static_cast<const char*>(gathered.const_data_ptr());
+  const bool widen = out.scalar_type() != gathered.scalar_type();
+  int64_t nonfinite = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gathered.scalar_type(), "deliver_chunks", [&] {
+    using grad_t = scalar_t;
+    std::vector<grad_t*> dst;
+    for (const at::Tensor& x : tensors) dst.push_back(static_cast<grad_t*>(x.data_ptr()));
+    AT_DISPATCH_INDEX_TYPES(index_dtype, "deliver_chunks", [&] {
+      if (widen)
+        nonfinite = deliver<float, grad_t, index_t>(out.data_ptr<float>(), out.numel(), bounds,
+                                                    dst, g, nchunks, chunk_len, offset, k,
+                                                    vspan, scale);
+      else
+        nonfinite = deliver<grad_t, grad_t, index_t>(out.data_ptr<grad_t>(), out.numel(),
+                                                     bounds, dst, g, nchunks, chunk_len, offset,
+                                                     k, vspan, scale);
+    });
+  });
+  return at::scalar_tensor(nonfinite, out.options().dtype(at::kLong));
 }
 
 }  // namespace ssf
