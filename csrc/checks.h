@@ -150,16 +150,20 @@ inline std::tuple<int64_t, int64_t> check_chunks(const at::Tensor& dense, const 
   return spans;
 }
 
-// deliver_chunks: the records as check_chunks takes them (`out` summed them), and the
-// tensors they are delivered to: contiguous, of the records' dtype, on out's device, their
-// numels back to back within out. Returns the bounds b_0 = 0, b_{t+1} = b_t + numel(t).
+// deliver_chunks: the records as check_chunks takes them (`out` summed them), the tensors
+// they are delivered to (contiguous, of the records' dtype, on out's device, their numels
+// back to back within out) and a finite scale >= 0 (which keeps a +0 sum +0). Returns the
+// bounds b_0 = 0, b_{t+1} = b_t + numel(t).
 inline std::vector<int64_t> check_deliver(const at::Tensor& out,
                                           const std::vector<at::Tensor>& tensors,
                                           const at::Tensor& gathered, int64_t nchunks,
                                           int64_t chunk_len, int64_t offset, int64_t k,
-                                          at::ScalarType index_dtype, c10::DeviceType device) {
+                                          at::ScalarType index_dtype, double scale,
+                                          c10::DeviceType device) {
   check_chunks(out, gathered, nchunks, chunk_len, offset, k, index_dtype, device,
                "deliver_chunks");
+  TORCH_CHECK(std::isfinite(scale) && scale >= 0.0, "deliver_chunks: scale ", scale,
+              " must be finite and >= 0");
   std::vector<int64_t> bounds(tensors.size() + 1, 0);
   for (size_t t = 0; t < tensors.size(); ++t) {
     const at::Tensor& x = tensors[t];

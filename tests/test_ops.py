@@ -212,16 +212,23 @@ def deliver_records(sizes, k, nchunks, dtype, idx_dtype, off=3, seed=0):
     """Gathered records as a sparse part's decode sees them: chunk p names k distinct
     positions of out (the tensors back to back, then a sink of k): mostly positions of the
     tensors, drawn independently per chunk (so chunks overlap), some chunks ending in zero
-    padding at sink positions. Returns (gathered, chunk_len, out_numel)."""
+    padding at sink positions. Chunk 1 cancels chunk 0's first value (a +0 sum). Returns
+    (gathered, chunk_len, out_numel)."""
     g = torch.Generator().manual_seed(seed)
     numel = sum(sizes)
     chunk_len = off + ops.record_numel(k, dtype, idx_dtype) + 5
     gathered = torch.zeros(nchunks * chunk_len, dtype=dtype)
+    first = None
     for p in range(nchunks):
         pad = (p % 3) * (k // 4)
-        idx = torch.cat([torch.randperm(numel, generator=g)[:k - pad],
-                         numel + torch.randperm(k, generator=g)[:pad]])
+        live = torch.randperm(numel, generator=g)
         vals = torch.randn(k, generator=g) * 4
+        if p == 0:
+            first = (int(live[0]), float(vals[0].to(dtype)))
+        elif p == 1:  # the same position, the opposite value
+            live = torch.cat([torch.tensor([first[0]]), live[live != first[0]]])
+            vals[0] = -first[1]
+        idx = torch.cat([live[:k - pad], numel + torch.randperm(k, generator=g)[:pad]])
         vals[k - pad:] = 0
         ops.pack(vals.to(dtype), idx.to(idx_dtype), gathered[p * chunk_len:(p + 1) * chunk_len],
                  off)
@@ -285,19 +292,21 @@ def test_deliver_chunks_native_equals_torch_and_the_full_decode(dtype, acc, idx_
                                                                 scale):
     sizes, k, off = DELIVER_SIZES, 700, 3
     gathered, _, out_numel = deliver_records(sizes, k, nchunks, dtype, idx_dtype, off, seed=nchunks)
-    a, ca = deliver(gathered, nchunks, off, k, idx_dtype, out_numel, acc, sizes, dtype, scale,
-                    "native")
-    b, cb = deliver(gathered, nchunks, off, k, idx_dtype, out_numel, acc, sizes, dtype, scale,
-                    "torch")
-    assert all(_bits_equal(x, y) for x, y in zip(a, b)) and ca == cb == 0
-    # where a record points: the full decode's value, bit for bit; elsewhere untouched
-    ref = torch.cat(full_decode(gathered, nchunks, off, k, idx_dtype, out_numel, acc, sizes,
-                                dtype, scale))
+    args = (gathered, nchunks, off, k, idx_dtype, out_numel, acc, sizes, dtype, scale)
+    # into zeroed tensors, as a decode runs it: the full decode, bit for bit
+    ref = torch.cat(full_decode(*args))
+    a, ca = deliver(*args, "native", fill=0.0)
+    b, cb = deliver(*args, "torch", fill=0.0)
+    assert _bits_equal(torch.cat(a), ref) and _bits_equal(torch.cat(b), ref) and ca == cb == 0
     named = _named(gathered, nchunks, off, k, idx_dtype, sum(sizes))
-    if nchunks > 1:  # chunks overlap partly
+    if nchunks > 1:  # chunks overlap partly; one position sums to +0
         assert k < named.sum() < nchunks * k
-    want = torch.where(named, ref, torch.full_like(ref, 7.0))
-    assert _bits_equal(torch.cat(a), want)
+        assert int(((ref == 0) & named).sum()) >= 1
+    # elements no record names are never written
+    a, _ = deliver(*args, "native", fill=7.0)
+    b, _ = deliver(*args, "torch", fill=7.0)
+    assert all(_bits_equal(x, y) for x, y in zip(a, b))
+    assert torch.cat(a)[~named].eq(7.0).all()
 
 
 def nonfinite_records(dtype, idx_dtype=torch.int32):
@@ -374,7 +383,7 @@ def test_deliver_chunks_rejects_indices_out_of_range_before_writing(backend, bad
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
-def test_deliver_chunks_rejects_bad_tensors(backend):
+def test_deliver_chunks_rejects_bad_tensors_and_scales(backend):
     gathered = torch.zeros(ops.record_numel(1, torch.float16), dtype=torch.float16)
     out = torch.zeros(8)
     for ts, what in (([torch.zeros(4)], "records' dtype"),  # float32, not the records' float16
@@ -386,6 +395,14 @@ def test_deliver_chunks_rejects_bad_tensors(backend):
             with pytest.raises(RuntimeError, match=what):
                 ops._C.deliver_chunks_cpu(out, ts, gathered, 1, gathered.numel(), 0, 1,
                                           torch.int32, 1.0)
+    for scale in (-0.5, float("inf"), float("nan")):  # a +0 sum must stay +0 when scaled
+        with pytest.raises((ValueError, RuntimeError), match="finite and >= 0"):
+            ops.deliver_chunks(out, [torch.zeros(4, dtype=torch.float16)], gathered, 1, 0, 1,
+                               torch.int32, scale, backend=backend)
+        if backend == "native":
+            with pytest.raises(RuntimeError, match="finite and >= 0"):
+                ops._C.deliver_chunks_cpu(out, [torch.zeros(4, dtype=torch.float16)], gathered,
+                                          1, gathered.numel(), 0, 1, torch.int32, scale)
     with pytest.raises((ValueError, RuntimeError), match="cannot"):  # float16 out, float32 records
         ops.deliver_chunks(torch.zeros(8, dtype=torch.float16), [torch.zeros(2)],
                            torch.zeros(ops.record_numel(1, torch.float32)), 1, 0, 1, torch.int32,

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace ssf {
@@ -138,53 +139,80 @@ inline grad_t delivered(acc_t a, float scale, bool scaled) {
   return static_cast<grad_t>(a);
 }
 
+// Whether out still holds a value: any bits but +0's (-0.0 included).
+template <typename acc_t>
+inline bool holds(acc_t x) {
+  using bits_t = std::conditional_t<sizeof(acc_t) == 8, uint64_t,
+                                    std::conditional_t<sizeof(acc_t) == 4, uint32_t, uint16_t>>;
+  static_assert(sizeof(bits_t) == sizeof(acc_t), "a 2-, 4- or 8-byte value");
+  bits_t bits;
+  std::memcpy(&bits, &x, sizeof(acc_t));
+  return bits != 0;
+}
+
 // deliver_chunks on raw pointers (ops.h): out of acc_t, tensors of grad_t (records of
-// grad_t). Chunk by chunk, parallel within a chunk, where indices are distinct.
+// grad_t). One pass over the records, chunk by chunk, parallel within a chunk, where
+// indices are distinct: the first entry to meet a position still holding a value delivers
+// and clears it; the entries after it (later chunks) find +0 there and skip it.
 template <typename acc_t, typename grad_t, typename index_t>
 int64_t deliver(acc_t* out, int64_t out_n, const std::vector<int64_t>& bounds,
                 const std::vector<grad_t*>& dst, const char* g, int64_t nchunks,
                 int64_t chunk_len, int64_t offset, int64_t k, int64_t vspan, double scale) {
   const int64_t vb = sizeof(grad_t);
   auto index_area = [&](int64_t p) { return g + (p * chunk_len + offset + vspan) * vb; };
+  constexpr int64_t kGrain = int64_t(1) << 14, kAhead = 32;
   for (int64_t p = 0; p < nchunks; ++p) {  // every index checked before anything is written
     const char* pib = index_area(p);
-    for (int64_t j = 0; j < k; ++j) {
+    const bool ok = at::parallel_reduce(
+        0, k, kGrain, true,
+        [&](int64_t b, int64_t e, bool acc) {
+          for (int64_t j = b; j < e; ++j) {
+            const index_t i = record_index<index_t>(pib, j);
+            acc = acc && i >= 0 && int64_t(i) < out_n;
+          }
+          return acc;
+        },
+        [](bool x, bool y) { return x && y; });
+    for (int64_t j = 0; !ok && j < k; ++j) {  // name the first bad index
       const index_t i = record_index<index_t>(pib, j);
       TORCH_CHECK(i >= 0 && int64_t(i) < out_n, "deliver_chunks: index ", int64_t(i),
                   " out of range [0, ", out_n, ") in chunk ", p);
     }
   }
-  const int64_t numel = bounds.back();
+  const int64_t ntensors = int64_t(dst.size()), numel = bounds.back();
+  const int64_t* bd = bounds.data();
   const float s = static_cast<float>(scale);
   const bool scaled = scale != 1.0;
-  constexpr int64_t kGrain = int64_t(1) << 14;
-  for (int64_t p = 0; p < nchunks; ++p) {  // 1. write every touched position
-    const char* pib = index_area(p);
-    at::parallel_for(0, k, kGrain, [&](int64_t b, int64_t e) {
-      for (int64_t j = b; j < e; ++j) {
-        const int64_t i = record_index<index_t>(pib, j);
-        if (i >= numel) continue;  // the sink
-        // the tensor of position i: the last t with bounds[t] <= i (never an empty one)
-        const int64_t t = std::upper_bound(bounds.begin() + 1, bounds.end(), i) - bounds.begin() - 1;
-        dst[t][i - bounds[t]] = delivered<acc_t, grad_t>(out[i], s, scaled);
-      }
-    });
-  }
   int64_t nonfinite = 0;
-  for (int64_t p = 0; p < nchunks; ++p) {  // 2. then clear them; the first clear counts
+  for (int64_t p = 0; p < nchunks; ++p) {
     const char* pib = index_area(p);
     nonfinite += at::parallel_reduce(
         0, k, kGrain, int64_t(0),
-        [&](int64_t b, int64_t e, int64_t acc) {
+        [&](int64_t b, int64_t e, int64_t count) {
+          // Where position i < numel goes; t: the tensor of the last position asked for
+          // (records run tensor by tensor), else the last t with bounds[t] <= i.
+          auto dest = [&](int64_t i, int64_t& t) {
+            if (i < bd[t] || i >= bd[t + 1])
+              t = std::upper_bound(bd + 1, bd + ntensors + 1, i) - bd - 1;
+            return dst[t] + (i - bd[t]);
+          };
+          int64_t t = 0, t_ahead = 0;
           for (int64_t j = b; j < e; ++j) {
+            if (j + kAhead < e) {  // random accesses: start the loads kAhead entries early
+              const int64_t ia = record_index<index_t>(pib, j + kAhead);
+              __builtin_prefetch(out + ia, 1);
+              if (ia < numel) __builtin_prefetch(dest(ia, t_ahead), 1);
+            }
             const int64_t i = record_index<index_t>(pib, j);
             const acc_t a = out[i];
-            if (i < numel && static_cast<float>(a) != 0.0f &&
-                !std::isfinite(static_cast<float>(delivered<acc_t, grad_t>(a, s, scaled))))
-              ++acc;
+            if (!holds(a)) continue;  // delivered by an earlier chunk, or a +0 sum
             out[i] = acc_t(0);
+            if (i >= numel) continue;  // the sink
+            const grad_t v = delivered<acc_t, grad_t>(a, s, scaled);
+            *dest(i, t) = v;
+            if (!std::isfinite(static_cast<float>(v))) ++count;
           }
-          return acc;
+          return count;
         },
         [](int64_t x, int64_t y) { return x + y; });
   }
@@ -198,7 +226,7 @@ at::Tensor deliver_chunks_cpu(at::Tensor& out, const std::vector<at::Tensor>& te
                               int64_t offset, int64_t k, at::ScalarType index_dtype,
                               double scale) {
   const std::vector<int64_t> bounds = check_deliver(out, tensors, gathered, nchunks, chunk_len,
-                                                    offset, k, index_dtype, at::kCPU);
+                                                    offset, k, index_dtype, scale, at::kCPU);
   const int64_t vspan = std::get<0>(record_spans(k, gathered.scalar_type(), index_dtype));
   const char* g = static_cast<const char*>(gathered.const_data_ptr());
   const bool widen = out.scalar_type() != gathered.scalar_type();

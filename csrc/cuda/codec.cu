@@ -11,11 +11,11 @@
 //   scatter_add_chunks: indices are distinct within a chunk, so a chunk is one kernel with
 //         a plain read-add-write per element; chunks are launched in order on one stream,
 //         which is the CPU's summation order.
-//   deliver_chunks: two passes over the same records, one launch per chunk each, in order:
-//         a thread per record entry finds its tensor by binary search over the bounds and
-//         writes the scaled, converted value there; then a thread per entry clears out's
-//         position, counting a non-finite delivered value where it clears a position first
-//         (its value is still non-zero), one integer atomic per thread (deterministic).
+//   deliver_chunks: one launch per chunk, in order; a thread per record entry takes its
+//         position if out still holds a value there (earlier chunks clear what they take),
+//         clears it, finds its tensor by binary search over the bounds and writes the
+//         scaled, converted value there; non-finite values counted with one integer atomic
+//         per thread (deterministic).
 // Adds round like the CPU: float32 adds in float32; float16/bfloat16 convert both operands
 // to float32, add, and round to nearest even (c10::Half / c10::BFloat16 arithmetic).
 #include "kernels.cuh"
@@ -229,51 +229,37 @@ __device__ __forceinline__ typename RawOf<GK>::type delivered(typename RawOf<AK>
   return from_float<GK>(v);
 }
 
-// Pass 1 of deliver_chunks for one chunk's record: entry j writes position i = idx[j] into
-// tensor t, the last with bounds[t] <= i (meta: bounds[0..T], then T data pointers).
+// deliver_chunks for one chunk's record: entry j takes position i = idx[j] if out still
+// holds a value there (not +0 bits: earlier chunks have not delivered it), clears it, and
+// writes it into tensor t, the last with bounds[t] <= i (meta: bounds[0..T], then the T
+// data pointers). Indices are distinct within a chunk: no two threads share a position.
 template <int AK, int GK, typename I>
-__global__ void deliver_write_kernel(const typename RawOf<AK>::type* __restrict__ out,
-                                     int64_t out_n, const int64_t* __restrict__ meta,
-                                     int64_t ntensors, int64_t numel,
-                                     const typename RawOf<GK>::type* __restrict__ idx_words,
-                                     int64_t k, float scale, bool scaled) {
+__global__ void deliver_kernel(typename RawOf<AK>::type* __restrict__ out, int64_t out_n,
+                               const int64_t* __restrict__ meta, int64_t ntensors, int64_t numel,
+                               const typename RawOf<GK>::type* __restrict__ idx_words, int64_t k,
+                               float scale, bool scaled, unsigned long long* __restrict__ nonfinite) {
+  using A = typename RawOf<AK>::type;
   using G = typename RawOf<GK>::type;
   const int64_t* bounds = meta;
   const int64_t* ptrs = meta + ntensors + 1;
+  unsigned long long mine = 0;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
     const int64_t i = int64_t(load_index<G, I>(idx_words, j));
     SSF_KERNEL_ASSERT(i >= 0 && i < out_n);
-    if (i < 0 || i >= numel) continue;  // out of range, or the sink
+    if (i < 0 || i >= out_n) continue;
+    const A a = out[i];
+    if (a == A(0)) continue;  // delivered by an earlier chunk, or a +0 sum
+    out[i] = A(0);
+    if (i >= numel) continue;  // the sink
     int64_t lo = 0, hi = ntensors;  // bounds[lo] <= i < bounds[hi]
     while (hi - lo > 1) {
       const int64_t mid = lo + (hi - lo) / 2;
       if (bounds[mid] <= i) lo = mid; else hi = mid;
     }
-    G* dst = reinterpret_cast<G*>(static_cast<uintptr_t>(ptrs[lo]));
-    dst[i - bounds[lo]] = delivered<AK, GK>(out[i], scale, scaled);
-  }
-}
-
-// Pass 2 for one chunk's record: clears out at its positions; a position still non-zero is
-// cleared here first, and counted when its delivered value is not finite.
-template <int AK, int GK, typename I>
-__global__ void deliver_clear_kernel(typename RawOf<AK>::type* __restrict__ out, int64_t out_n,
-                                     int64_t numel,
-                                     const typename RawOf<GK>::type* __restrict__ idx_words,
-                                     int64_t k, float scale, bool scaled,
-                                     unsigned long long* __restrict__ nonfinite) {
-  using A = typename RawOf<AK>::type;
-  unsigned long long mine = 0;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
-    const int64_t i = int64_t(load_index<typename RawOf<GK>::type, I>(idx_words, j));
-    if (i < 0 || i >= out_n) continue;  // asserted in pass 1
-    const A a = out[i];
-    if (i < numel && to_float<AK>(a) != 0.0f &&
-        !isfinite(to_float<GK>(delivered<AK, GK>(a, scale, scaled))))
-      ++mine;
-    out[i] = A(0);
+    const G v = delivered<AK, GK>(a, scale, scaled);
+    reinterpret_cast<G*>(static_cast<uintptr_t>(ptrs[lo]))[i - bounds[lo]] = v;
+    if (!isfinite(to_float<GK>(v))) ++mine;
   }
   if (mine) atomicAdd(nonfinite, mine);
 }
@@ -289,16 +275,10 @@ void deliver_launch(void* out, int64_t out_n, const int64_t* meta, int64_t ntens
   const float fs = static_cast<float>(scale);
   const bool scaled = scale != 1.0;
   const G* g = static_cast<const G*>(gathered);
-  for (int64_t p = 0; p < nchunks; ++p) {  // every write before any clear
-    deliver_write_kernel<AK, GK, I><<<grid, kThreads, 0, s>>>(
-        static_cast<const A*>(out), out_n, meta, ntensors, numel,
-        g + p * chunk_len + offset + vspan, k, fs, scaled);
-    SSF_CUDA_CHECK_LAUNCH();
-  }
-  for (int64_t p = 0; p < nchunks; ++p) {
-    deliver_clear_kernel<AK, GK, I><<<grid, kThreads, 0, s>>>(
-        static_cast<A*>(out), out_n, numel, g + p * chunk_len + offset + vspan, k, fs, scaled,
-        reinterpret_cast<unsigned long long*>(nonfinite));
+  for (int64_t p = 0; p < nchunks; ++p) {  // stream order: chunk p sees what p-1 cleared
+    deliver_kernel<AK, GK, I><<<grid, kThreads, 0, s>>>(
+        static_cast<A*>(out), out_n, meta, ntensors, numel, g + p * chunk_len + offset + vspan,
+        k, fs, scaled, reinterpret_cast<unsigned long long*>(nonfinite));
     SSF_CUDA_CHECK_LAUNCH();
   }
 }

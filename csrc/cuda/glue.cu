@@ -244,7 +244,7 @@ at::Tensor deliver_chunks_cuda(at::Tensor& out, const std::vector<at::Tensor>& t
                                int64_t offset, int64_t k, at::ScalarType index_dtype,
                                double scale) {
   const std::vector<int64_t> bounds = check_deliver(out, tensors, gathered, nchunks, chunk_len,
-                                                    offset, k, index_dtype, at::kCUDA);
+                                                    offset, k, index_dtype, scale, at::kCUDA);
   const OnDevice on(out);
   at::Tensor nonfinite = at::zeros({}, out.options().dtype(at::kLong));
   if (k == 0 || nchunks == 0) return nonfinite;
