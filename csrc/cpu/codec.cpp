@@ -89,9 +89,14 @@ void add_chunks(acc_t* d, int64_t n, const char* g, int64_t nchunks, int64_t chu
       TORCH_CHECK(i >= 0 && i < n, "scatter_add_chunks: index ", int64_t(i),
                   " out of range in chunk ", p);
     }
-    // Indices are distinct within a chunk, so its adds can run in parallel.
+    // Indices are distinct within a chunk, so its adds can run in parallel. The accesses are
+    // random: each starts its load kAhead entries early.
+    constexpr int64_t kAhead = 32;
     at::parallel_for(0, k, int64_t(1) << 14, [&](int64_t b, int64_t e) {
-      for (int64_t j = b; j < e; ++j) d[idx_at(j)] += static_cast<acc_t>(pv[j]);
+      for (int64_t j = b; j < e; ++j) {
+        if (j + kAhead < e) __builtin_prefetch(d + idx_at(j + kAhead), 1);
+        d[idx_at(j)] += static_cast<acc_t>(pv[j]);
+      }
     });
   }
 }
