@@ -31,6 +31,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("scatter_add_chunks_" #dev, &ssf::scatter_add_chunks_##dev, py::arg("dense"),         \
         py::arg("gathered"), py::arg("nchunks"), py::arg("chunk_len"), py::arg("offset"),     \
         py::arg("k"), py::arg("index_dtype"), nogil);                                         \
+  m.def("deliver_chunks_" #dev, &ssf::deliver_chunks_##dev, py::arg("out"),                   \
+        py::arg("tensors"), py::arg("gathered"), py::arg("nchunks"), py::arg("chunk_len"),    \
+        py::arg("offset"), py::arg("k"), py::arg("index_dtype"), py::arg("scale"), nogil);    \
   m.def("hash_partition_" #dev, &ssf::hash_partition_##dev, py::arg("indices"),               \
         py::arg("nparts"), py::arg("seed"), py::arg("table_size"), py::arg("rounds"), nogil); \
   m.def("hash_owner_" #dev, &ssf::hash_owner_##dev, py::arg("indices"), py::arg("nparts"),    \

@@ -142,30 +142,60 @@ inline std::vector<int64_t> check_segments(const at::Tensor& offsets, const at::
 }
 
 // Decode of the record (k elements at `offset`) in each of nchunks chunks of chunk_len
-// elements of `gathered` into `dense`; returns the record's (value span, index span).
+// elements of `gathered` into `dense` (scatter_add_chunks; deliver_chunks, `op`, reads the
+// same records back out of it); returns the record's (value span, index span).
 inline std::tuple<int64_t, int64_t> check_chunks(const at::Tensor& dense, const at::Tensor& gathered,
                                                  int64_t nchunks, int64_t chunk_len, int64_t offset,
                                                  int64_t k, at::ScalarType index_dtype,
-                                                 c10::DeviceType device) {
+                                                 c10::DeviceType device,
+                                                 const char* op = "scatter_add_chunks") {
   TORCH_CHECK(dense.is_contiguous() && dense.device().type() == device &&
                   gathered.is_contiguous() && gathered.dim() == 1 &&
                   gathered.device() == dense.device(),
-              "scatter_add_chunks: contiguous ", c10::DeviceTypeName(device),
+              op, ": contiguous ", c10::DeviceTypeName(device),
               " dense and 1-D gathered buffer on one device required");
   // Same dtype, or a float32 sum of float16/bfloat16 records (widening decode).
   TORCH_CHECK(dense.scalar_type() == gathered.scalar_type() ||
                   (dense.scalar_type() == at::kFloat && gathered.element_size() == 2),
-              "scatter_add_chunks: dense ", dense.scalar_type(), " cannot sum records of ",
+              op, ": dense ", dense.scalar_type(), " cannot sum records of ",
               gathered.scalar_type(), " (same dtype, or float32 for float16/bfloat16)");
-  check_value_dtype(dense, "scatter_add_chunks");
-  check_value_dtype(gathered, "scatter_add_chunks");
+  check_value_dtype(dense, op);
+  check_value_dtype(gathered, op);
   TORCH_CHECK(nchunks >= 0 && chunk_len >= 0 && nchunks * chunk_len == gathered.numel(),
-              "scatter_add_chunks: gathered has ", gathered.numel(), " elements, not ", nchunks,
-              " x ", chunk_len);
+              op, ": gathered has ", gathered.numel(), " elements, not ", nchunks, " x ",
+              chunk_len);
   auto spans = record_spans(k, gathered.scalar_type(), index_dtype);
   TORCH_CHECK(offset >= 0 && offset + std::get<0>(spans) + std::get<1>(spans) <= chunk_len,
-              "scatter_add_chunks: record outside the chunk");
+              op, ": record outside the chunk");
   return spans;
+}
+
+// deliver_chunks: the records as check_chunks takes them (`out` summed them), the tensors
+// they are delivered to (contiguous, of the records' dtype, on out's device, their numels
+// back to back within out) and a finite scale >= 0 (which keeps a +0 sum +0). Returns the
+// bounds b_0 = 0, b_{t+1} = b_t + numel(t).
+inline std::vector<int64_t> check_deliver(const at::Tensor& out,
+                                          const std::vector<at::Tensor>& tensors,
+                                          const at::Tensor& gathered, int64_t nchunks,
+                                          int64_t chunk_len, int64_t offset, int64_t k,
+                                          at::ScalarType index_dtype, double scale,
+                                          c10::DeviceType device) {
+  check_chunks(out, gathered, nchunks, chunk_len, offset, k, index_dtype, device,
+               "deliver_chunks");
+  TORCH_CHECK(std::isfinite(scale) && scale >= 0.0, "deliver_chunks: scale ", scale,
+              " must be finite and >= 0");
+  std::vector<int64_t> bounds(tensors.size() + 1, 0);
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const at::Tensor& x = tensors[t];
+    TORCH_CHECK(x.defined() && x.scalar_type() == gathered.scalar_type() &&
+                    x.device() == out.device() && x.is_contiguous(),
+                "deliver_chunks: tensor ", t, " must be a contiguous ", gathered.scalar_type(),
+                " tensor on ", out.device(), " (the records' dtype)");
+    bounds[t + 1] = bounds[t] + x.numel();
+  }
+  TORCH_CHECK(bounds.back() <= out.numel(), "deliver_chunks: the tensors hold ", bounds.back(),
+              " elements, out only ", out.numel());
+  return bounds;
 }
 
 // Arguments of the hash ops (hash_partition, hash_owner): 1-D int32/int64 indices on the

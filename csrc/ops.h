@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace ssf {
 
@@ -59,6 +60,29 @@ namespace ssf {
 //     the record at `offset` of each of the `nchunks` equal chunks of `gathered` (an
 //     allgather of per-rank buffers of chunk_len elements) into dense: chunk 0 first, so
 //     every rank accumulates in the same order. Indices must be distinct within one chunk.
+//   deliver_chunks(out, tensors, gathered, nchunks, chunk_len, offset, k, index_dtype, scale):
+//     the rest of a sparse decode after scatter_add_chunks(out, ...) on the same records,
+//     into tensors the caller has zeroed: moves the sums at the positions the records name
+//     out of `out` into a LIST of tensors, scaled, and leaves +0 behind, so `out` is all
+//     zero again without a pass over it.
+//     `tensors` (contiguous, one dtype: the records'; numels n_0, n_1, ...) lie back to back
+//     in out's layout: position i in [b_t, b_{t+1}) of bounds b_0 = 0, b_{t+1} = b_t + n_t
+//     is element i - b_t of tensors[t] (found by binary search over the bounds; empty
+//     tensors take no position). Positions in [b_T, out.numel()) are the sink of padding
+//     entries: cleared, never delivered. For the records of chunk 0, 1, ... in order, every
+//     entry's position i where out still holds a value (bits not all zero) is cleared and,
+//     if i < b_T, delivered:
+//       tensors[t].view(-1)[i - b_t] = G(A(float(out[i]) * float(scale))),
+//     A being out's dtype and G the tensors' (the product skipped when scale == 1). Later
+//     chunks naming i find +0 there and skip it: each position is delivered once, whole.
+//     A position whose sum is +0 is not written; the tensors hold +0 there already, which is
+//     also what the full decode gives, as scale must be finite and >= 0. So the tensors end
+//     bit for bit as out.mul_(scale) and a copy of out into zeroed tensors leave them (NaN
+//     payloads aside). Elements no record names are not written. out's dtype is the
+//     tensors' dtype, or float32 for float16/bfloat16 tensors. Every index must lie in
+//     [0, out.numel()) (checked before anything is written on the CPU; a device-side
+//     assertion on CUDA). Returns a 0-d int64 tensor on out's device: the number of
+//     delivered values that are NaN or +-Inf.
 //
 // ZEN's hierarchical hashing ("ZEN: Empowering Distributed Training with Sparsity-driven
 // Data Synchronization", OSDI'25, §3.2, Algorithm 1); the hash functions are in hash.h.
@@ -105,6 +129,10 @@ namespace ssf {
   void scatter_add_chunks_##dev(at::Tensor& dense, const at::Tensor& gathered,              \
                                 int64_t nchunks, int64_t chunk_len, int64_t offset,         \
                                 int64_t k, at::ScalarType index_dtype);                     \
+  at::Tensor deliver_chunks_##dev(at::Tensor& out, const std::vector<at::Tensor>& tensors,  \
+                                  const at::Tensor& gathered, int64_t nchunks,              \
+                                  int64_t chunk_len, int64_t offset, int64_t k,             \
+                                  at::ScalarType index_dtype, double scale);                \
                                                                                             \
   std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_##dev(                      \
       const at::Tensor& indices, int64_t nparts, int64_t seed, int64_t table_size,          \

@@ -13,9 +13,16 @@ this one process:
    separate torch calls around our top-k, against top-k alone and a memcpy of the
    gradient;
 3. segmented top-k over a real model's gradient list (GPT-2 small and ResNet-50) vs one
-   top-k call per tensor vs one call over the concatenation, and the fused segmented op.
+   top-k call per tensor vs one call over the concatenation, and the fused segmented op;
+4. a sparse part's decode (``core/buffers.unpack``) of GPT-2's 148 tensors at a fifth of
+   their size (~25M elements), density 0.01, P = 2 and 4 ranks' records: the decode as it
+   runs vs the full decode (zero the output, scatter-add, scale it, copy it into the
+   gradients), and a memcpy of the group's bytes (interleaved medians).
 
-    .venv/bin/python scripts/bench_kernels.py [--quick] [--threads N]
+Inputs rotate among several tensors from one repetition to the next (a single input lets
+the branch predictor learn the filter's branches: 2-3x optimistic at 1e5-1e6 elements).
+
+    .venv/bin/python scripts/bench_kernels.py [--quick] [--threads N] [--only TABLE]
 
 Targets (issue 17; reported, not asserted): top-k at density 0.01 within 3x the memcpy
 floor for every n >= 1e5 and >= 10x faster than torch.topk; the fused op within 4x one
@@ -50,14 +57,38 @@ class Timing(float):
 
 
 def median_time(fn, reps: int, min_time: float = 0.2) -> Timing:
-    fn()  # warm-up
+    """Timing of ``fn(i)`` over repetitions i = 0, 1, ... (``fn`` may pick its input by i)."""
+    fn(0)  # warm-up
     times = []
     start = time.perf_counter()
     while len(times) < reps or (time.perf_counter() - start < min_time and len(times) < 100):
         t = time.perf_counter()
-        fn()
+        fn(len(times) + 1)
         times.append(time.perf_counter() - t)
     return Timing(times)
+
+
+def interleaved_medians(fns, reps: int, min_time: float = 0.2) -> list:
+    """Timing of each of ``fns``, run in turn (one call of each per round), so that load from
+    elsewhere on the machine falls on all of them alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times = [[] for _ in fns]
+    start = time.perf_counter()
+    while len(times[0]) < reps or (time.perf_counter() - start < min_time * len(fns)
+                                   and len(times[0]) < 100):
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [Timing(ts) for ts in times]
+
+
+def inputs(n: int, seed: int, count: int = 0) -> list:
+    """Distinct standard-normal inputs of n floats to rotate through (fewer when large)."""
+    count = count or (8 if n <= 2_000_000 else 2)
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) for _ in range(count)]
 
 
 def kthvalue_select(x, k):
@@ -70,15 +101,15 @@ def kthvalue_select(x, k):
 def bench_topk(sizes, densities, reps):
     rows = []
     for n in sizes:
-        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        xs = inputs(n, seed=n)
+        dst = torch.empty(n)  # preallocated: the floor is the copy, not page faults
         for d in densities:
             k = max(1, math.ceil(d * n))
             r = reps if n < 5_000_000 else max(3, reps // 3)
-            ours = median_time(lambda: ops.topk(x, k), r)
-            torch_topk = median_time(lambda: torch.topk(x.abs(), k, sorted=False), r)
-            kth = median_time(lambda: kthvalue_select(x, k), r)
-            dst = torch.empty_like(x)  # preallocated: the floor is the copy, not page faults
-            memcpy = median_time(lambda: dst.copy_(x), r)
+            ours = median_time(lambda i: ops.topk(xs[i % len(xs)], k), r)
+            torch_topk = median_time(lambda i: torch.topk(xs[i % len(xs)].abs(), k, sorted=False), r)
+            kth = median_time(lambda i: kthvalue_select(xs[i % len(xs)], k), r)
+            memcpy = median_time(lambda i: dst.copy_(xs[i % len(xs)]), r)
             rows.append((n, d, k, ours, torch_topk, kth, memcpy))
     return rows
 
@@ -92,41 +123,88 @@ def unfused_feedback(grad, residual, k):
 
 
 def bench_feedback(sizes, density, reps):
+    """Error feedback over a stream of gradients (rotating inputs), the residual carried
+    from call to call as in training: fused, unfused, top-k alone on such a sum, memcpy."""
     rows = []
     for n in sizes:
-        g = torch.Generator().manual_seed(n + 1)
-        grad = torch.randn(n, generator=g)
+        grads = inputs(n, seed=n + 1)
         k = max(1, math.ceil(density * n))
         r = reps if n < 5_000_000 else max(3, reps // 3)
-        res = torch.randn(n, generator=g) * 0.1
-        fused = median_time(lambda: ops.ef_topk(grad, res, k), r)
-        res = torch.randn(n, generator=g) * 0.1
-        unfused = median_time(lambda: unfused_feedback(grad, res, k), r)
-        acc = grad + torch.randn(n, generator=g) * 0.1
-        alone = median_time(lambda: ops.topk(acc, k), r)
-        dst = torch.empty_like(grad)
-        memcpy = median_time(lambda: dst.copy_(grad), r)
+        res = torch.zeros(n)
+        fused = median_time(lambda i: ops.ef_topk(grads[i % len(grads)], res, k), r)
+        res = torch.zeros(n)
+        unfused = median_time(lambda i: unfused_feedback(grads[i % len(grads)], res, k), r)
+        sums = [g + res for g in grads]
+        alone = median_time(lambda i: ops.topk(sums[i % len(sums)], k), r)
+        dst = torch.empty(n)
+        memcpy = median_time(lambda i: dst.copy_(grads[i % len(grads)]), r)
         rows.append((n, density, k, fused, unfused, alone, memcpy))
+        del sums
     return rows
 
 
 def bench_segmented(model, density, reps):
     sizes = [n for _, n in model_tensors(model)]
     offsets = torch.tensor([0] + sizes).cumsum(0)
-    flat = torch.randn(int(offsets[-1]), generator=torch.Generator().manual_seed(0))
     # per-layer scale differences, like real gradients
     scales = torch.logspace(-4, 0, len(sizes))[torch.randperm(len(sizes), generator=torch.Generator().manual_seed(1))]
-    flat.mul_(torch.repeat_interleave(scales, torch.tensor(sizes)))
+    flats = inputs(int(offsets[-1]), seed=0, count=2)
+    for f in flats:
+        f.mul_(torch.repeat_interleave(scales, torch.tensor(sizes)))
     ks = torch.tensor([max(1, math.ceil(density * s)) for s in sizes])
     total_k = int(ks.sum())
-    views = [flat[int(offsets[i]):int(offsets[i + 1])] for i in range(len(sizes))]
-    seg = median_time(lambda: ops.segmented_topk(flat, offsets, ks), reps)
-    loop = median_time(lambda: [ops.topk(v, int(k)) for v, k in zip(views, ks)], reps)
-    single = median_time(lambda: ops.topk(flat, total_k), reps)
-    torch_loop = median_time(lambda: [torch.topk(v.abs(), int(k), sorted=False) for v, k in zip(views, ks)], reps)
-    residual = torch.zeros_like(flat)
-    fused = median_time(lambda: ops.segmented_ef_topk(flat, residual, offsets, ks), reps)
-    return (model, len(sizes), flat.numel(), total_k, seg, loop, single, torch_loop, fused)
+    views = [[f[int(offsets[i]):int(offsets[i + 1])] for i in range(len(sizes))] for f in flats]
+
+    def flat(i):
+        return flats[i % len(flats)]
+
+    seg = median_time(lambda i: ops.segmented_topk(flat(i), offsets, ks), reps)
+    loop = median_time(lambda i: [ops.topk(v, int(k)) for v, k in zip(views[i % 2], ks)], reps)
+    single = median_time(lambda i: ops.topk(flat(i), total_k), reps)
+    torch_loop = median_time(lambda i: [torch.topk(v.abs(), int(k), sorted=False)
+                                        for v, k in zip(views[i % 2], ks)], reps)
+    residual = torch.zeros_like(flats[0])
+    fused = median_time(lambda i: ops.segmented_ef_topk(flat(i), residual, offsets, ks), reps)
+    return (model, len(sizes), flats[0].numel(), total_k, seg, loop, single, torch_loop, fused)
+
+
+def bench_decode(model, shrink, density, nranks, reps):
+    """(elements, tensors, k total, full decode, decode, memcpy) for one sparse part holding
+    every tensor of ``model`` (sizes // shrink), float32, Average over ``nranks``."""
+    from ssfusion_hvd.core.buffers import SelectionResult, SparsePart, unpack
+    from ssfusion_hvd.sparsify import make_sparsifier
+
+    sizes = [max(1, n // shrink) for _, n in model_tensors(model)]
+    shapes = [torch.Size([n]) for n in sizes]
+    ks = [max(1, math.ceil(density * n)) for n in sizes]
+
+    def new_part():
+        return SparsePart("bench", range(len(sizes)), shapes, ks, "segmented",
+                          [make_sparsifier("topk") for _ in sizes], 0, torch.float32,
+                          torch.device("cpu"))
+
+    part, old = new_part(), new_part()  # the full decode leaves its output dirty: its own
+    offsets = torch.tensor([0] + sizes).cumsum(0)
+    gathered = torch.empty(nranks * part.length)
+    g = torch.Generator().manual_seed(nranks)
+    for r in range(nranks):  # each rank's own per-tensor top-k: records overlap partly
+        v, i = ops.segmented_topk(torch.randn(part.numel, generator=g), offsets, torch.tensor(ks))
+        part.pack(SelectionResult(v, i), gathered[r * part.length:(r + 1) * part.length], 1.0)
+    grads = [torch.empty(s) for s in shapes]
+    scale = 1.0 / nranks
+
+    def full():  # the decode before deliver_chunks (zero the output, scatter, scale, copy)
+        old.out.zero_()
+        ops.scatter_add_chunks(old.out, gathered, nranks, old.offset, old.capacity, old.idx_dtype)
+        old.out[:old.numel].mul_(scale)
+        torch._foreach_copy_(grads, old.out_views)
+
+    def new():  # as step() runs it
+        unpack(part, gathered, nranks, part.length, grads, scale)
+
+    src, dst = torch.randn(part.numel), torch.empty(part.numel)
+    t_full, t_new, t_copy = interleaved_medians([full, new, lambda: dst.copy_(src)], reps)
+    return part.numel, len(sizes), sum(ks), t_full, t_new, t_copy
 
 
 def fmt_ms(s):
@@ -138,36 +216,52 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all)")
+    ap.add_argument("--only", choices=("topk", "feedback", "segmented", "decode"), default=None,
+                    help="run one of the four tables")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    run = {t: args.only in (None, t) for t in ("topk", "feedback", "segmented", "decode")}
     sizes = [1_000, 100_000, 1_000_000, 25_000_000] if args.quick else \
         [1_000, 10_000, 100_000, 1_000_000, 10_000_000, 25_000_000]
     reps = 5 if args.quick else args.reps
     print(f"# CPU kernel benchmark: {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}; medians in ms")
-    print()
-    print("| n | density | k | ours (IQR) | torch.topk | kthvalue | memcpy (IQR) | topk/ours "
-          "| ours/memcpy |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n, d, k, ours, tt, kth, mc in bench_topk(sizes, (0.01, 0.001), reps):
-        print(f"| {n:,} | {d} | {k:,} | {ours.ms()} | {fmt_ms(tt)} | {fmt_ms(kth)} | {mc.ms()} "
-              f"| {tt / ours:6.1f}x | {ours / mc:5.2f}x |")
-    print()
-    print("| n | k | fused ef_topk (IQR) | unfused (add, topk, index_fill) | topk alone | memcpy "
-          "| fused/memcpy | fused/topk | unfused/fused |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n, d, k, fused, unfused, alone, mc in bench_feedback(sizes, 0.01, reps):
-        print(f"| {n:,} | {k:,} | {fused.ms()} | {fmt_ms(unfused)} | {fmt_ms(alone)} | {mc.ms()} "
-              f"| {fused / mc:5.2f}x | {fused / alone:5.2f}x | {unfused / fused:5.2f}x |")
-    print()
-    print("| model | tensors | elements | k total | segmented (IQR) | loop (ours) "
-          "| one call on concat (IQR) | loop (torch.topk) | segmented/concat | fused segmented ef |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for model in ("resnet50", "gpt2"):
-        m, t, n, k, seg, loop, single, tl, fused = bench_segmented(model, 0.01, 3 if args.quick else 5)
-        print(f"| {m} | {t} | {n:,} | {k:,} | {seg.ms()} | {fmt_ms(loop)} | {single.ms()} "
-              f"| {fmt_ms(tl)} | {seg / single:5.2f}x | {fmt_ms(fused)} |")
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}; medians in ms "
+          "(interquartile range)")
+    if run["topk"]:
+        print()
+        print("| n | density | k | ours | torch.topk | kthvalue | memcpy | topk/ours | ours/memcpy |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for n, d, k, ours, tt, kth, mc in bench_topk(sizes, (0.01, 0.001), reps):
+            print(f"| {n:,} | {d} | {k:,} | {ours.ms()} | {fmt_ms(tt)} | {fmt_ms(kth)} | {mc.ms()} "
+                  f"| {tt / ours:6.1f}x | {ours / mc:5.2f}x |")
+    if run["feedback"]:
+        print()
+        print("| n | k | fused ef_topk | unfused (add, topk, index_fill) | topk alone | memcpy "
+              "| fused/memcpy | fused/topk | unfused/fused |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for n, d, k, fused, unfused, alone, mc in bench_feedback(sizes, 0.01, reps):
+            print(f"| {n:,} | {k:,} | {fused.ms()} | {fmt_ms(unfused)} | {fmt_ms(alone)} | {mc.ms()} "
+                  f"| {fused / mc:5.2f}x | {fused / alone:5.2f}x | {unfused / fused:5.2f}x |")
+    if run["segmented"]:
+        print()
+        print("| model | tensors | elements | k total | segmented | loop (ours) | one call on concat "
+              "| loop (torch.topk) | segmented/concat | fused segmented ef |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for model in ("resnet50", "gpt2"):
+            m, t, n, k, seg, loop, single, tl, fused = bench_segmented(model, 0.01, 3 if args.quick else 5)
+            print(f"| {m} | {t} | {n:,} | {k:,} | {seg.ms()} | {fmt_ms(loop)} | {single.ms()} "
+                  f"| {fmt_ms(tl)} | {seg / single:5.2f}x | {fmt_ms(fused)} |")
+    if run["decode"]:
+        print()
+        print("| group | tensors | elements | P | k per rank | full decode | decode | memcpy "
+              "| full/decode | decode/memcpy |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for nranks in (2, 4):
+            n, t, k, full, new, mc = bench_decode("gpt2", 5, 0.01, nranks, max(7, reps))
+            print(f"| gpt2 / 5 | {t} | {n:,} | {nranks} | {k:,} | {full.ms()} | {new.ms()} "
+                  f"| {mc.ms()} | {full / new:5.2f}x | {new / mc:5.2f}x |")
+
 
 if __name__ == "__main__":
     main()

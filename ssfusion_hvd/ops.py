@@ -19,6 +19,7 @@ Shared semantics (also documented in ``csrc/ops.h``):
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -393,6 +394,84 @@ def scatter_add_chunks(dense: torch.Tensor, gathered: torch.Tensor, nchunks: int
         v, i = unpack(gathered, p * chunk_len + offset, k, idx_dtype)
         scatter_add(dense, v.to(dense.dtype), i, backend="torch")
     return dense
+
+
+def deliver_chunks(out: torch.Tensor, tensors, gathered: torch.Tensor, nchunks: int, offset: int,
+                   k: int, idx_dtype: torch.dtype = torch.int32, scale: float = 1.0,
+                   *, backend: Optional[str] = None) -> torch.Tensor:
+    """The rest of a sparse decode after :func:`scatter_add_chunks` ``(out, gathered, ...)``
+    on the same records, into ``tensors`` the caller has zeroed: moves the sums at the
+    positions the records name out of ``out`` into the list ``tensors``, scaled, and leaves
+    +0 behind, so a decode costs one zeroing pass over the tensors and work in proportion to
+    the records, not passes over ``out``.
+
+    ``tensors`` (contiguous, of the records' dtype, on ``out``'s device) lie back to back in
+    ``out``'s layout: position ``i`` in ``[b_t, b_t + numel(t))`` (``b_0 = 0``) is element
+    ``i - b_t`` of ``tensors[t]``; positions from ``b_T = sum of numels`` to ``out.numel()``
+    are the sink of padding entries, cleared and never delivered. For the records of chunk
+    0, 1, ... in order, each entry's position ``i`` where ``out`` still holds a value (bits
+    not all zero) is cleared and, below ``b_T``, delivered:
+    ``tensors[t].view(-1)[i - b_t] = out[i] * scale``, computed as ``out.mul_(scale)``
+    computes it (skipped for ``scale == 1``) and cast to the tensors' dtype as a copy casts.
+    Later chunks naming ``i`` find +0 and skip it, so each position is delivered once,
+    whole. A +0 sum is not written (the zeroed tensors hold +0, and ``scale`` must be finite
+    and >= 0), so the tensors end bit for bit as ``out.mul_(scale)`` followed by
+    ``torch._foreach_copy_(tensors, views of out)`` leaves them; elements no record names
+    are not written. ``out`` has the records' dtype, or float32 for float16/bfloat16
+    records. An index outside ``[0, out.numel())`` raises before anything is written (a
+    device-side assertion on CUDA). Returns a 0-d int64 tensor on ``out``'s device: the
+    delivered values that are NaN or +-Inf (no host sync). NaN payload bits may differ
+    between backends (torch's own vectorized casts canonicalize some NaNs)."""
+    tensors = list(tensors)
+    _check_values(out, "deliver_chunks")
+    _check_values(gathered, "deliver_chunks")
+    if out.dtype != gathered.dtype and not (out.dtype == torch.float32
+                                            and gathered.element_size() == 2):
+        raise ValueError(f"deliver_chunks: out {out.dtype} cannot hold sums of records of "
+                         f"{gathered.dtype} (same dtype, or float32 for float16/bfloat16)")
+    if not out.is_contiguous() or gathered.dim() != 1 or gathered.numel() % max(nchunks, 1):
+        raise ValueError(f"deliver_chunks: contiguous out and a 1-D gathered buffer of "
+                         f"{nchunks} chunks required")
+    for t, x in enumerate(tensors):
+        if not isinstance(x, torch.Tensor) or x.dtype != gathered.dtype \
+                or x.device != out.device or not x.is_contiguous():
+            raise ValueError(f"deliver_chunks: tensor {t} must be a contiguous {gathered.dtype} "
+                             f"tensor on {out.device} (the records' dtype)")
+    bounds = [0]
+    for x in tensors:
+        bounds.append(bounds[-1] + x.numel())
+    if bounds[-1] > out.numel():
+        raise ValueError(f"deliver_chunks: the tensors hold {bounds[-1]} elements, out only "
+                         f"{out.numel()}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale >= 0.0):
+        raise ValueError(f"deliver_chunks: scale {scale} must be finite and >= 0")
+    chunk_len = gathered.numel() // nchunks if nchunks else 0
+    fn = _native(out, "deliver_chunks", backend)
+    if fn is not None:
+        return fn(out, tensors, gathered, int(nchunks), chunk_len, int(offset), int(k),
+                  idx_dtype, scale)
+    if not 0 <= offset <= chunk_len - record_numel(k, gathered.dtype, idx_dtype):
+        raise ValueError("deliver_chunks: record outside the chunk")
+    if nchunks == 0 or k == 0:
+        return torch.zeros((), dtype=torch.int64, device=out.device)
+    idx = torch.cat([unpack(gathered, p * chunk_len + offset, k, idx_dtype)[1]
+                     for p in range(nchunks)]).long()
+    if int(idx.min()) < 0 or int(idx.max()) >= out.numel():
+        raise IndexError("deliver_chunks: index out of range")
+    flat = out.view(-1)
+    named = torch.unique(idx)  # sorted, each position once
+    live = named[:int(torch.searchsorted(named, bounds[-1]))]  # without the sink
+    sums = flat[live]
+    held = sums.view(_SIGN_CLEAR[sums.element_size()][0]) != 0  # not +0
+    live, sums = live[held], sums[held]
+    vals = (sums * scale if scale != 1.0 else sums).to(gathered.dtype)
+    cuts = torch.searchsorted(live, torch.tensor(bounds, device=live.device)).tolist()
+    for t, x in enumerate(tensors):  # a loop over tensors, not positions
+        if cuts[t] < cuts[t + 1]:
+            x.view(-1)[live[cuts[t]:cuts[t + 1]] - bounds[t]] = vals[cuts[t]:cuts[t + 1]]
+    flat[named] = 0
+    return torch.isfinite(vals).logical_not_().sum()
 
 
 # --------------------------------------------------------------------------- hash (ZEN)

@@ -6,8 +6,8 @@ measured on the running job (docs/design.md "How a plan is made").
 * :func:`time_sparsifier`: ``h(x) = α_h + β_h·x`` of one sparsifier on one device (Cupcake
   §4.1 compression time; SSFusion §IV-A "sparsification time", timed over several sizes
   and repeats).
-* :func:`time_decode`: ``d(x) = α_d + β_d·x`` of one group's decode (zero the output,
-  scatter-add every rank's record), ``x`` the bytes it touches.
+* :func:`time_decode`: ``d(x) = α_d + β_d·x`` of one group's decode (zero the gradient,
+  scatter-add every rank's record, write the touched positions), ``x`` the bytes it touches.
 * :class:`BackwardTimer`: per-tensor backward time ``T_b`` and the backward order, from the
   gradient-ready hooks of the warm-up iterations (SSFusion §IV-A "computation time",
   §IV-B "online profiling" during the first iterations).
@@ -239,11 +239,12 @@ def _median_seconds(run, dev, repeats: int) -> float:
 def time_decode(device="cpu", world_size=2, density=0.01, sizes_bytes=DECODE_SIZES,
                 repeats=3, dtype=torch.float32) -> tuple[float, float]:
     """``d(x)`` of one group's decode on ``device``, as ``step()`` runs it for a sparse part
-    of one tensor of each size (``core/buffers.unpack``: zero the output, scatter-add
-    ``world_size`` records of ``k = ceil(density·n)`` elements, scale by ``1/world_size``
-    (Average), copy into the gradient), ``x`` the bytes it touches as the simulator counts
-    them (:func:`~ssfusion_hvd.plan.timeline.decode_bytes`). Fitted with relative
-    residuals. Local: no collective."""
+    of one tensor of each size (``core/buffers.unpack``: zero the gradient, scatter-add
+    ``world_size`` records of ``k = ceil(density·n)`` elements into the part's output, write
+    the touched positions scaled by ``1/world_size`` (Average) into the gradient and clear
+    them), ``x`` the bytes it touches as the simulator counts them
+    (:func:`~ssfusion_hvd.plan.timeline.decode_bytes`). Fitted with relative residuals.
+    Local: no collective."""
     from . import ops
     from .core.buffers import SparsePart, unpack
     from .plan.cost import index_size

@@ -203,6 +203,212 @@ def test_scatter_add_duplicates_add_in_order():
             ops.scatter_add(d, torch.tensor([1.0]), torch.tensor([4]), backend=backend)
 
 
+# ------------------------------------------------------------------ deliver_chunks
+
+DELIVER_SIZES = [300, 0, 1, 2000, 0, 57]  # a part's tensors, empty ones included
+
+
+def deliver_records(sizes, k, nchunks, dtype, idx_dtype, off=3, seed=0):
+    """Gathered records as a sparse part's decode sees them: chunk p names k distinct
+    positions of out (the tensors back to back, then a sink of k): mostly positions of the
+    tensors, drawn independently per chunk (so chunks overlap), some chunks ending in zero
+    padding at sink positions. Chunk 1 cancels chunk 0's first value (a +0 sum). Returns
+    (gathered, chunk_len, out_numel)."""
+    g = torch.Generator().manual_seed(seed)
+    numel = sum(sizes)
+    chunk_len = off + ops.record_numel(k, dtype, idx_dtype) + 5
+    gathered = torch.zeros(nchunks * chunk_len, dtype=dtype)
+    first = None
+    for p in range(nchunks):
+        pad = (p % 3) * (k // 4)
+        live = torch.randperm(numel, generator=g)
+        vals = torch.randn(k, generator=g) * 4
+        if p == 0:
+            first = (int(live[0]), float(vals[0].to(dtype)))
+        elif p == 1:  # the same position, the opposite value
+            live = torch.cat([torch.tensor([first[0]]), live[live != first[0]]])
+            vals[0] = -first[1]
+        idx = torch.cat([live[:k - pad], numel + torch.randperm(k, generator=g)[:pad]])
+        vals[k - pad:] = 0
+        ops.pack(vals.to(dtype), idx.to(idx_dtype), gathered[p * chunk_len:(p + 1) * chunk_len],
+                 off)
+    return gathered, chunk_len, numel + k
+
+
+def _named(gathered, nchunks, off, k, idx_dtype, numel):
+    """Mask of the tensors' positions any record names."""
+    chunk_len = gathered.numel() // nchunks
+    mask = torch.zeros(numel, dtype=torch.bool)
+    for p in range(nchunks):
+        i = ops.unpack(gathered, p * chunk_len + off, k, idx_dtype)[1].long()
+        mask[i[i < numel]] = True
+    return mask
+
+
+def full_decode(gathered, nchunks, off, k, idx_dtype, out_numel, acc, sizes, dtype, scale):
+    """The decode before deliver_chunks, from torch primitives: zero out, add the records
+    chunk by chunk (index_add_, distinct indices per chunk), scale all of out, copy it."""
+    chunk_len = gathered.numel() // nchunks if nchunks else 0
+    out = torch.zeros(out_numel, dtype=acc)
+    for p in range(nchunks):
+        v, i = ops.unpack(gathered, p * chunk_len + off, k, idx_dtype)
+        out.index_add_(0, i.long(), v.to(acc))
+    if scale != 1.0:
+        out.mul_(scale)
+    ts = [torch.empty(n, dtype=dtype) for n in sizes]
+    torch._foreach_copy_(ts, list(out[:sum(sizes)].split(sizes)))
+    return ts
+
+
+def deliver(gathered, nchunks, off, k, idx_dtype, out_numel, acc, sizes, dtype, scale, backend,
+            fill=7.0, device="cpu"):
+    """scatter_add_chunks then deliver_chunks into tensors filled with `fill`; checks that
+    out is all (+)zero afterwards. Returns (tensors, count)."""
+    out = torch.zeros(out_numel, dtype=acc, device=device)
+    gathered = gathered.to(device)
+    ops.scatter_add_chunks(out, gathered, nchunks, off, k, idx_dtype, backend=backend)
+    ts = [torch.full((n,), fill, dtype=dtype, device=device) for n in sizes]
+    count = ops.deliver_chunks(out, ts, gathered, nchunks, off, k, idx_dtype, scale,
+                               backend=backend)
+    assert count.dtype == torch.int64 and count.dim() == 0 and count.device == out.device
+    assert int(out.view(torch.uint8).count_nonzero()) == 0  # +0.0 everywhere, sink included
+    return ts, int(count)
+
+
+def _bits_equal(a, b):
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+DELIVER_KINDS = [(torch.float32, torch.float32), (torch.float16, torch.float32),
+                 (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+                 (torch.bfloat16, torch.bfloat16)]  # (tensors' dtype, out's dtype)
+
+
+@pytest.mark.parametrize("dtype,acc", DELIVER_KINDS)
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("nchunks", [1, 2, 5])
+@pytest.mark.parametrize("scale", [1.0, 0.2])
+def test_deliver_chunks_native_equals_torch_and_the_full_decode(dtype, acc, idx_dtype, nchunks,
+                                                                scale):
+    sizes, k, off = DELIVER_SIZES, 700, 3
+    gathered, _, out_numel = deliver_records(sizes, k, nchunks, dtype, idx_dtype, off, seed=nchunks)
+    args = (gathered, nchunks, off, k, idx_dtype, out_numel, acc, sizes, dtype, scale)
+    # into zeroed tensors, as a decode runs it: the full decode, bit for bit
+    ref = torch.cat(full_decode(*args))
+    a, ca = deliver(*args, "native", fill=0.0)
+    b, cb = deliver(*args, "torch", fill=0.0)
+    assert _bits_equal(torch.cat(a), ref) and _bits_equal(torch.cat(b), ref) and ca == cb == 0
+    named = _named(gathered, nchunks, off, k, idx_dtype, sum(sizes))
+    if nchunks > 1:  # chunks overlap partly; one position sums to +0
+        assert k < named.sum() < nchunks * k
+        assert int(((ref == 0) & named).sum()) >= 1
+    # elements no record names are never written
+    a, _ = deliver(*args, "native", fill=7.0)
+    b, _ = deliver(*args, "torch", fill=7.0)
+    assert all(_bits_equal(x, y) for x, y in zip(a, b))
+    assert torch.cat(a)[~named].eq(7.0).all()
+
+
+def nonfinite_records(dtype, idx_dtype=torch.int32):
+    """Three chunks of 20 entries over tensors of [50, 0, 30] elements (and a sink of 20):
+    NaN and Inf in the records, Inf + -Inf across chunks, and three copies of a value whose
+    sum overflows 16-bit types (finite in a float32 out, until it is cast). Returns
+    (gathered, sizes, k, nchunks)."""
+    sizes, k, nchunks = [50, 0, 30], 20, 3
+    big = {torch.float32: 3e38, torch.float16: 40000.0, torch.bfloat16: 3e38}[dtype]
+    nan, inf = float("nan"), float("inf")
+    chunk_len = ops.record_numel(k, dtype, idx_dtype)
+    gathered = torch.zeros(nchunks * chunk_len, dtype=dtype)
+    for p in range(nchunks):
+        # positions 0-3 in every chunk, then 12 + 4j + p: chunk p's own
+        idx = torch.cat([torch.arange(4), 12 + torch.arange(k - 4) * 4 + p])
+        vals = torch.arange(1, k + 1, dtype=torch.float32)
+        vals[:4] = torch.tensor([nan if p == 0 else 1.0,  # NaN + 1 + 1
+                                 inf if p == 1 else 2.0,  # 2 + Inf + 2
+                                 [inf, -inf, 0.0][p],  # Inf - Inf
+                                 big])  # overflows the 16-bit types
+        ops.pack(vals.to(dtype), idx.to(idx_dtype), gathered[p * chunk_len:(p + 1) * chunk_len], 0)
+    return gathered, sizes, k, nchunks
+
+
+@pytest.mark.parametrize("dtype,acc", DELIVER_KINDS)
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_deliver_chunks_counts_nonfinite_values_once(dtype, acc, scale):
+    """Each non-finite delivered position counts once, whatever the chunks that name it
+    (nonfinite_records; with float32 out and scale 0.5 the 16-bit overflow is finite)."""
+    gathered, sizes, k, nchunks = nonfinite_records(dtype)
+    args = (gathered, nchunks, 0, k, torch.int32, sum(sizes) + k, acc, sizes, dtype, scale)
+    a, ca = deliver(*args, "native", fill=0.0)
+    b, cb = deliver(*args, "torch", fill=0.0)
+    ref = torch.cat(full_decode(*args))
+    for got in (torch.cat(a), torch.cat(b)):  # NaN payloads aside (ops.deliver_chunks)
+        assert torch.equal(torch.isnan(got), torch.isnan(ref))
+        assert _bits_equal(got[~got.isnan()], ref[~ref.isnan()])
+    assert ca == cb == int((~torch.isfinite(ref)).sum()) >= 3
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_deliver_chunks_empty_records_and_tensors(backend):
+    dtype, idx_dtype = torch.float32, torch.int32
+    out = torch.zeros(10)
+    ts = [torch.full((3,), 7.0), torch.empty(0)]
+    gathered = torch.zeros(2 * ops.record_numel(0, dtype, idx_dtype) + 2)
+    assert int(ops.deliver_chunks(out, ts, gathered, 2, 0, 0, idx_dtype, 0.5, backend=backend)) == 0
+    assert int(ops.deliver_chunks(out, ts, torch.zeros(0), 0, 0, 0, idx_dtype, 0.5,
+                                  backend=backend)) == 0
+    assert ts[0].tolist() == [7.0] * 3
+    # no tensors at all: every position is sink, cleared and never delivered
+    rec = ops.record_numel(2, dtype, idx_dtype)
+    gathered = torch.zeros(rec)
+    ops.pack(torch.tensor([1.0, 2.0]), torch.tensor([4, 9], dtype=idx_dtype), gathered, 0)
+    out = torch.zeros(10)
+    ops.scatter_add_chunks(out, gathered, 1, 0, 2, idx_dtype, backend=backend)
+    count = ops.deliver_chunks(out, [], gathered, 1, 0, 2, idx_dtype, 1.0, backend=backend)
+    assert int(count) == 0 and not out.any()
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("bad", [-1, 12])
+def test_deliver_chunks_rejects_indices_out_of_range_before_writing(backend, bad):
+    dtype, idx_dtype, k = torch.float32, torch.int32, 2
+    rec = ops.record_numel(k, dtype, idx_dtype)
+    gathered = torch.zeros(2 * rec)
+    ops.pack(torch.tensor([1.0, 2.0]), torch.tensor([0, 5], dtype=idx_dtype), gathered, 0)
+    ops.pack(torch.tensor([3.0, 4.0]), torch.tensor([1, bad], dtype=idx_dtype), gathered, rec)
+    out = torch.arange(12.0)  # 8 positions of the tensors, 4 of sink
+    ts = [torch.full((5,), 7.0), torch.full((3,), 7.0)]
+    with pytest.raises((IndexError, RuntimeError), match="out of range"):
+        ops.deliver_chunks(out, ts, gathered, 2, 0, k, idx_dtype, 1.0, backend=backend)
+    assert torch.equal(out, torch.arange(12.0)) and all(t.eq(7.0).all() for t in ts)
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_deliver_chunks_rejects_bad_tensors_and_scales(backend):
+    gathered = torch.zeros(ops.record_numel(1, torch.float16), dtype=torch.float16)
+    out = torch.zeros(8)
+    for ts, what in (([torch.zeros(4)], "records' dtype"),  # float32, not the records' float16
+                     ([torch.zeros(4, 2, dtype=torch.float16).t()], "contiguous"),
+                     ([torch.zeros(5, dtype=torch.float16)] * 2, "hold 10")):
+        with pytest.raises((ValueError, RuntimeError), match=what):
+            ops.deliver_chunks(out, ts, gathered, 1, 0, 1, torch.int32, 1.0, backend=backend)
+        if backend == "native":  # the extension's own checks (csrc/checks.h), which CUDA shares
+            with pytest.raises(RuntimeError, match=what):
+                ops._C.deliver_chunks_cpu(out, ts, gathered, 1, gathered.numel(), 0, 1,
+                                          torch.int32, 1.0)
+    for scale in (-0.5, float("inf"), float("nan")):  # a +0 sum must stay +0 when scaled
+        with pytest.raises((ValueError, RuntimeError), match="finite and >= 0"):
+            ops.deliver_chunks(out, [torch.zeros(4, dtype=torch.float16)], gathered, 1, 0, 1,
+                               torch.int32, scale, backend=backend)
+        if backend == "native":
+            with pytest.raises(RuntimeError, match="finite and >= 0"):
+                ops._C.deliver_chunks_cpu(out, [torch.zeros(4, dtype=torch.float16)], gathered,
+                                          1, gathered.numel(), 0, 1, torch.int32, scale)
+    with pytest.raises((ValueError, RuntimeError), match="cannot"):  # float16 out, float32 records
+        ops.deliver_chunks(torch.zeros(8, dtype=torch.float16), [torch.zeros(2)],
+                           torch.zeros(ops.record_numel(1, torch.float32)), 1, 0, 1, torch.int32,
+                           1.0, backend=backend)
+
+
 # ------------------------------------------------------------------ segmented top-k, DGC
 
 

@@ -18,6 +18,8 @@ import torch
 
 from ssfusion_hvd import ops
 from ssfusion_hvd.plan.models import model_tensors
+from test_ops import (DELIVER_KINDS, DELIVER_SIZES, deliver, deliver_records,
+                      nonfinite_records)
 from test_ops import _data as _base_data
 
 if not torch.cuda.is_available() or not ops.build_info().get("cuda_kernels", False):
@@ -384,6 +386,51 @@ def test_widening_decode_cuda_equals_cpu(dtype, idx_dtype):
     ops.scatter_add_chunks(a, gathered, nchunks, off, k, idx_dtype, backend="native")
     ops.scatter_add_chunks(b, gathered.to(DEV), nchunks, off, k, idx_dtype, backend="native")
     assert torch.equal(b.cpu(), a)
+
+
+@pytest.mark.parametrize("dtype,acc", DELIVER_KINDS)
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("nchunks", [1, 2, 5])
+@pytest.mark.parametrize("scale", [1.0, 0.2])
+def test_deliver_chunks_cuda_equals_cpu(dtype, acc, idx_dtype, nchunks, scale):
+    """Overlapping chunks, sink entries, empty tensors (test_ops.deliver_records); out is
+    all zero afterwards on both (checked by test_ops.deliver)."""
+    sizes, k, off = DELIVER_SIZES, 700, 3
+    gathered, _, out_numel = deliver_records(sizes, k, nchunks, dtype, idx_dtype, off, seed=nchunks)
+    args = (gathered, nchunks, off, k, idx_dtype, out_numel, acc, sizes, dtype, scale, "native")
+    a, ca = deliver(*args)
+    b, cb = deliver(*args, device=DEV)
+    for x, y in zip(b, a):
+        _same_sum(x, y)
+    assert ca == cb == 0
+
+
+@pytest.mark.parametrize("dtype,acc", DELIVER_KINDS)
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_deliver_chunks_cuda_counts_nonfinite_like_cpu(dtype, acc, idx_dtype, scale):
+    gathered, sizes, k, nchunks = nonfinite_records(dtype, idx_dtype)
+    args = (gathered, nchunks, 0, k, idx_dtype, sum(sizes) + k, acc, sizes, dtype, scale, "native")
+    a, ca = deliver(*args, fill=0.0)
+    b, cb = deliver(*args, fill=0.0, device=DEV)
+    for x, y in zip(b, a):
+        _same_sum(x, y)
+    assert ca == cb >= 3
+
+
+def test_deliver_chunks_cuda_many_tensors_large():
+    """ResNet-50's 161 tensor sizes at half width: the binary search over many
+    bounds, chunks of 250k entries."""
+    sizes = resnet50_sizes(width_div=2)
+    numel, k, nchunks = sum(sizes), 250_000, 4
+    gathered, _, out_numel = deliver_records(sizes, k, nchunks, torch.float16, torch.int32, 0, 9)
+    args = (gathered, nchunks, 0, k, torch.int32, out_numel, torch.float32, sizes, torch.float16,
+            0.25, "native")
+    a, ca = deliver(*args)
+    b, cb = deliver(*args, device=DEV)
+    for x, y in zip(b, a):
+        _same_sum(x, y)
+    assert ca == cb == 0 and numel > k
 
 
 # ------------------------------------------------------------------------------- huge

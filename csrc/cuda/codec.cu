@@ -11,6 +11,11 @@
 //   scatter_add_chunks: indices are distinct within a chunk, so a chunk is one kernel with
 //         a plain read-add-write per element; chunks are launched in order on one stream,
 //         which is the CPU's summation order.
+//   deliver_chunks: one launch per chunk, in order; a thread per record entry takes its
+//         position if out still holds a value there (earlier chunks clear what they take),
+//         clears it, finds its tensor by binary search over the bounds and writes the
+//         scaled, converted value there; non-finite values counted with one integer atomic
+//         per thread (deterministic).
 // Adds round like the CPU: float32 adds in float32; float16/bfloat16 convert both operands
 // to float32, add, and round to nearest even (c10::Half / c10::BFloat16 arithmetic).
 #include "kernels.cuh"
@@ -190,6 +195,94 @@ void dispatch_kind(ValueKind kind, const F& fn) {
   throw std::runtime_error("ssfusion_hvd CUDA: value kind does not match the value width");
 }
 
+// ------------------------------------------------------------------- deliver_chunks
+
+template <int KIND>
+struct RawOf {  // the raw bits of a value kind
+  using type = uint16_t;
+};
+template <>
+struct RawOf<int(ValueKind::kFloat32)> {
+  using type = uint32_t;
+};
+
+template <int KIND>
+__device__ __forceinline__ float to_float(typename RawOf<KIND>::type u) {
+  if constexpr (KIND == int(ValueKind::kFloat32)) return __uint_as_float(u);
+  else return widen<KIND>(u);
+}
+
+// Rounds to nearest even, as c10::Half / c10::BFloat16 do.
+template <int KIND>
+__device__ __forceinline__ typename RawOf<KIND>::type from_float(float v) {
+  if constexpr (KIND == int(ValueKind::kFloat32)) return __float_as_uint(v);
+  else if constexpr (KIND == int(ValueKind::kFloat16)) return __half_as_ushort(__float2half_rn(v));
+  else return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+// What out.mul_(scale) (product in float, rounded to AK) then a copy into GK make of a.
+template <int AK, int GK>
+__device__ __forceinline__ typename RawOf<GK>::type delivered(typename RawOf<AK>::type a,
+                                                              float scale, bool scaled) {
+  float v = to_float<AK>(a);
+  if (scaled) v = to_float<AK>(from_float<AK>(__fmul_rn(v, scale)));
+  return from_float<GK>(v);
+}
+
+// deliver_chunks for one chunk's record: entry j takes position i = idx[j] if out still
+// holds a value there (not +0 bits: earlier chunks have not delivered it), clears it, and
+// writes it into tensor t, the last with bounds[t] <= i (meta: bounds[0..T], then the T
+// data pointers). Indices are distinct within a chunk: no two threads share a position.
+template <int AK, int GK, typename I>
+__global__ void deliver_kernel(typename RawOf<AK>::type* __restrict__ out, int64_t out_n,
+                               const int64_t* __restrict__ meta, int64_t ntensors, int64_t numel,
+                               const typename RawOf<GK>::type* __restrict__ idx_words, int64_t k,
+                               float scale, bool scaled, unsigned long long* __restrict__ nonfinite) {
+  using A = typename RawOf<AK>::type;
+  using G = typename RawOf<GK>::type;
+  const int64_t* bounds = meta;
+  const int64_t* ptrs = meta + ntensors + 1;
+  unsigned long long mine = 0;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
+    const int64_t i = int64_t(load_index<G, I>(idx_words, j));
+    SSF_KERNEL_ASSERT(i >= 0 && i < out_n);
+    if (i < 0 || i >= out_n) continue;
+    const A a = out[i];
+    if (a == A(0)) continue;  // delivered by an earlier chunk, or a +0 sum
+    out[i] = A(0);
+    if (i >= numel) continue;  // the sink
+    int64_t lo = 0, hi = ntensors;  // bounds[lo] <= i < bounds[hi]
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (bounds[mid] <= i) lo = mid; else hi = mid;
+    }
+    const G v = delivered<AK, GK>(a, scale, scaled);
+    reinterpret_cast<G*>(static_cast<uintptr_t>(ptrs[lo]))[i - bounds[lo]] = v;
+    if (!isfinite(to_float<GK>(v))) ++mine;
+  }
+  if (mine) atomicAdd(nonfinite, mine);
+}
+
+template <int AK, int GK, typename I>
+void deliver_launch(void* out, int64_t out_n, const int64_t* meta, int64_t ntensors,
+                    int64_t numel, const void* gathered, int64_t nchunks, int64_t chunk_len,
+                    int64_t offset, int64_t k, double scale, int64_t* nonfinite, cudaStream_t s) {
+  using A = typename RawOf<AK>::type;
+  using G = typename RawOf<GK>::type;
+  const int64_t vspan = record_layout(k, sizeof(G), sizeof(I)).values;
+  const unsigned grid = grid_for(k, kThreads, kMaxBlocks);
+  const float fs = static_cast<float>(scale);
+  const bool scaled = scale != 1.0;
+  const G* g = static_cast<const G*>(gathered);
+  for (int64_t p = 0; p < nchunks; ++p) {  // stream order: chunk p sees what p-1 cleared
+    deliver_kernel<AK, GK, I><<<grid, kThreads, 0, s>>>(
+        static_cast<A*>(out), out_n, meta, ntensors, numel, g + p * chunk_len + offset + vspan,
+        k, fs, scaled, reinterpret_cast<unsigned long long*>(nonfinite));
+    SSF_CUDA_CHECK_LAUNCH();
+  }
+}
+
 }  // namespace
 
 template <typename U, typename I>
@@ -262,10 +355,46 @@ void scatter_add_chunks_widen(float* dense, int64_t n, ValueKind kind, const uin
                                                        offset, k, s);
 }
 
+int64_t deliver_meta_len(int64_t ntensors) { return 2 * ntensors + 1; }
+
+template <typename I>
+void deliver_chunks(void* out, ValueKind out_kind, int64_t out_n, ValueKind tensor_kind,
+                    const int64_t* meta, int64_t ntensors, int64_t numel, const void* gathered,
+                    int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k, double scale,
+                    int64_t* nonfinite, cudaStream_t s) {
+  if (k <= 0 || nchunks <= 0) return;
+  constexpr int F32 = int(ValueKind::kFloat32), F16 = int(ValueKind::kFloat16),
+                BF16 = int(ValueKind::kBFloat16);
+  const auto run = [&](auto ak, auto gk) {
+    deliver_launch<decltype(ak)::value, decltype(gk)::value, I>(
+        out, out_n, meta, ntensors, numel, gathered, nchunks, chunk_len, offset, k, scale,
+        nonfinite, s);
+  };
+  using KF32 = std::integral_constant<int, F32>;
+  using KF16 = std::integral_constant<int, F16>;
+  using KBF16 = std::integral_constant<int, BF16>;
+  if (out_kind == tensor_kind) {
+    if (tensor_kind == ValueKind::kFloat32) run(KF32{}, KF32{});
+    else if (tensor_kind == ValueKind::kFloat16) run(KF16{}, KF16{});
+    else run(KBF16{}, KBF16{});
+  } else if (out_kind == ValueKind::kFloat32 && tensor_kind == ValueKind::kFloat16) {
+    run(KF32{}, KF16{});
+  } else if (out_kind == ValueKind::kFloat32 && tensor_kind == ValueKind::kBFloat16) {
+    run(KF32{}, KBF16{});
+  } else {
+    throw std::runtime_error(
+        "ssfusion_hvd CUDA deliver_chunks: out must have the tensors' kind, or float32 for "
+        "16-bit tensors");
+  }
+}
+
 #define SSF_INST_I(I)                                                                       \
   template size_t scatter_add_workspace_bytes<I>(int64_t);                                  \
   template void scatter_add_chunks_widen<I>(float*, int64_t, ValueKind, const uint16_t*,    \
-                                            int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+                                            int64_t, int64_t, int64_t, int64_t, cudaStream_t); \
+  template void deliver_chunks<I>(void*, ValueKind, int64_t, ValueKind, const int64_t*,      \
+                                  int64_t, int64_t, const void*, int64_t, int64_t, int64_t,  \
+                                  int64_t, double, int64_t*, cudaStream_t);
 #define SSF_INST_UI(U, I)                                                                   \
   template int64_t pack<U, I>(const U*, const I*, int64_t, U*, int64_t, cudaStream_t);      \
   template void scatter_add<U, I>(U*, int64_t, ValueKind, const U*, const I*, int64_t,      \

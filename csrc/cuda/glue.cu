@@ -15,7 +15,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace ssf {
 namespace {
@@ -282,6 +284,34 @@ void scatter_add_chunks_cuda(at::Tensor& dense, const at::Tensor& gathered, int6
                                    static_cast<const U*>(gathered.const_data_ptr()), nchunks,
                                    chunk_len, offset, k, on.stream);
   });
+}
+
+at::Tensor deliver_chunks_cuda(at::Tensor& out, const std::vector<at::Tensor>& tensors,
+                               const at::Tensor& gathered, int64_t nchunks, int64_t chunk_len,
+                               int64_t offset, int64_t k, at::ScalarType index_dtype,
+                               double scale) {
+  const std::vector<int64_t> bounds = check_deliver(out, tensors, gathered, nchunks, chunk_len,
+                                                    offset, k, index_dtype, scale, at::kCUDA);
+  const OnDevice on(out);
+  at::Tensor nonfinite = at::zeros({}, out.options().dtype(at::kLong));
+  if (k == 0 || nchunks == 0) return nonfinite;
+  const int64_t ntensors = int64_t(tensors.size());
+  // bounds, then data pointers; pinned, so the copy is asynchronous (as segmented_topk's meta)
+  at::Tensor meta_host = at::empty({cuda::deliver_meta_len(ntensors)},
+                                   at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* m = meta_host.data_ptr<int64_t>();
+  std::copy(bounds.begin(), bounds.end(), m);
+  for (int64_t t = 0; t < ntensors; ++t)
+    m[ntensors + 1 + t] = int64_t(reinterpret_cast<uintptr_t>(tensors[t].data_ptr()));
+  const at::Tensor meta = meta_host.to(out.device(), at::kLong, /*non_blocking=*/true);
+  dispatch_index(index_dtype, [&](auto i) {
+    cuda::deliver_chunks<decltype(i)>(out.data_ptr(), kind_of(out.scalar_type()), out.numel(),
+                                      kind_of(gathered.scalar_type()),
+                                      meta.const_data_ptr<int64_t>(), ntensors, bounds.back(),
+                                      gathered.const_data_ptr(), nchunks, chunk_len, offset, k,
+                                      scale, nonfinite.data_ptr<int64_t>(), on.stream);
+  });
+  return nonfinite;
 }
 
 // ---------------------------------------------------------------------------- hash (hash.cu)

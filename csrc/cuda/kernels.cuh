@@ -141,6 +141,24 @@ void scatter_add_chunks_widen(float* dense, int64_t n, ValueKind kind, const uin
                               int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k,
                               cudaStream_t stream);
 
+// The rest of a sparse decode after scatter_add_chunks into `out` (semantics of
+// ssf::deliver_chunks_cpu in ../ops.h): for the records of chunk 0, 1, ... in order, every
+// named position i where out does not hold +0 is cleared and, if i < numel, delivered:
+// out[i] * scale (in float, rounded to out_kind, skipped when scale == 1) converted to
+// tensor_kind, into element i - bounds[t] of tensor t. `meta` (device,
+// deliver_meta_len(ntensors) int64s) holds the bounds b_0 = 0 .. b_T = numel, then the T
+// tensors' data pointers; out_kind is tensor_kind, or kFloat32 for 16-bit tensors; the
+// records hold values of tensor_kind. One launch per chunk, in stream order (a position is
+// taken by the first chunk that names it); the tensor of a position is found by binary
+// search over the bounds. *nonfinite (device int64, zeroed by the caller) receives the
+// number of delivered values that are NaN or +-Inf. No host sync.
+int64_t deliver_meta_len(int64_t ntensors);
+template <typename I>
+void deliver_chunks(void* out, ValueKind out_kind, int64_t out_n, ValueKind tensor_kind,
+                    const int64_t* meta, int64_t ntensors, int64_t numel, const void* gathered,
+                    int64_t nchunks, int64_t chunk_len, int64_t offset, int64_t k, double scale,
+                    int64_t* nonfinite, cudaStream_t stream);
+
 // ----------------------------------------------------------------------------- hash
 
 // ZEN's hierarchical hashing (hash.cu; semantics of ssf::hash_partition_cpu in ops.h, hash

@@ -28,7 +28,12 @@ positions this rank selected.
 Sparsifiers that return fewer than ``capacity`` elements are padded with zero values at
 distinct *sink* positions past the end of the staged data, so decoding (a scatter-add of P
 chunks, which needs distinct indices within a chunk) stays one kernel call and the sink is
-simply never read.
+never delivered.
+
+A sparse part decodes without a pass over its dense output: ``SparsePart.out`` is zero
+between decodes, the records are added into it, and ``ops.deliver_chunks`` moves the
+positions they touched, scaled, into the freshly zeroed ``.grad`` tensors and clears them
+(:meth:`SparsePart.decode_into`).
 
 Nothing here talks to Horovod: encode/decode are pure functions of tensors, shared by the
 live schemes and by the tests' reference.
@@ -45,7 +50,8 @@ from .. import ops
 from ..sparsify import ResidualMemory, Sparsifier
 from .layout import views
 
-__all__ = ["DensePart", "SparsePart", "GroupBuffers", "SelectionResult", "unpack"]
+__all__ = ["DensePart", "SparsePart", "GroupBuffers", "SelectionResult", "nonfinite_count",
+           "unpack"]
 
 
 @dataclass
@@ -59,15 +65,21 @@ class SelectionResult:
 
 def unpack(part, gathered: torch.Tensor, nranks: int, record_len: int,
            grads: Sequence[torch.Tensor], postscale: float) -> torch.Tensor:
-    """Decodes ``part`` (a :class:`DensePart` or :class:`SparsePart`) from the gathered
-    records, scales it by ``postscale`` and copies it into ``grads`` (its tensors' ``.grad``):
-    the whole decode of one part, as ``step()`` runs it and as ``profile.time_decode``
-    times it. Returns the decoded flat output."""
-    out = part.decode(gathered, nranks, record_len)
-    if postscale != 1.0:
-        out.mul_(postscale)
-    torch._foreach_copy_(list(grads), part.out_views)
-    return out
+    """The whole decode of ``part`` (a :class:`DensePart` or :class:`SparsePart`) from the
+    gathered records into ``grads`` (its tensors' ``.grad``, written in place), scaled by
+    ``postscale``: as ``step()`` runs it and as ``profile.time_decode`` times it.
+
+    Returns what the step's ``nonfinite`` count is read from: the decoded flat output (to
+    be scanned), or, for a sparse part decoded straight into ``grads``, a 0-d int64 tensor
+    already holding the count of non-finite values it wrote."""
+    return part.decode_into(gathered, nranks, record_len, list(grads), postscale)
+
+
+def nonfinite_count(decoded: torch.Tensor) -> int:
+    """Non-finite elements of what :func:`unpack` returned."""
+    if not decoded.is_floating_point():
+        return int(decoded)
+    return int(torch.isfinite(decoded).logical_not_().sum())
 
 
 class DensePart:
@@ -93,6 +105,15 @@ class DensePart:
         chunks = gathered.view(nranks, record_len)[:, self.offset:self.offset + self.length]
         torch.sum(chunks, dim=0, dtype=self.out.dtype, out=self.out)
         return self.out
+
+    def decode_into(self, gathered: torch.Tensor, nranks: int, record_len: int,
+                    grads: List[torch.Tensor], postscale: float) -> torch.Tensor:
+        """Sum of the chunks, scaled, copied into ``grads``; returns the sum."""
+        out = self.decode(gathered, nranks, record_len)
+        if postscale != 1.0:
+            out.mul_(postscale)
+        torch._foreach_copy_(grads, self.out_views)
+        return out
 
 
 class SparsePart:
@@ -138,9 +159,11 @@ class SparsePart:
         stage_device = device if stage_device is None else stage_device
         pin = stage_device.type == "cpu" and device.type == "cuda" and torch.cuda.is_available()
         self.stage = torch.empty(self.numel, dtype=self.acc_dtype, device=stage_device, pin_memory=pin)
-        # decode target: the part's tensors plus the sink that padding entries point into
-        self.out = torch.empty(self.numel + self.capacity, dtype=self.acc_dtype, device=device)
+        # decode target: the part's tensors plus the sink that padding entries point into;
+        # zero wherever the last decode did not write (decode_into keeps it so)
+        self.out = torch.zeros(self.numel + self.capacity, dtype=self.acc_dtype, device=device)
         self.out_views = views(self.out, shapes)
+        self._out_zero = True  # out is all zero: the next decode needs no zeroing pass
         self._offsets = torch.tensor(self.bounds, dtype=torch.int64)
         self._ks = torch.tensor(self.ks, dtype=torch.int64)
         self._sink = torch.arange(self.numel, self.numel + self.capacity,
@@ -201,7 +224,10 @@ class SparsePart:
 
     # -- decode ------------------------------------------------------------------------
     def decode(self, gathered: torch.Tensor, nranks: int, record_len: int) -> torch.Tensor:
+        """The summed records in ``out``, unscaled, after a zeroing pass over ``out``: the
+        full path's first half (see :meth:`decode_into`)."""
         self.out.zero_()
+        self._out_zero = False
         if self.shared_indices:  # the same positions on every rank: sum the values there
             chunks = gathered.view(nranks, record_len)[:, self.offset:self.offset + self.capacity]
             summed = torch.sum(chunks, dim=0, dtype=self.out.dtype)
@@ -210,6 +236,44 @@ class SparsePart:
             ops.scatter_add_chunks(self.out, gathered, nranks, self.offset, self.capacity,
                                    self.idx_dtype)
         return self.out[:self.numel]
+
+    def _direct(self, grads: List[torch.Tensor]) -> bool:
+        """Whether the records can be delivered straight into ``grads``: the part has
+        indices, and the gradients are contiguous, of the wire dtype, on out's device."""
+        return not self.shared_indices and all(
+            g.is_contiguous() and g.dtype == self.dtype and g.device == self.out.device
+            for g in grads)
+
+    def decode_into(self, gathered: torch.Tensor, nranks: int, record_len: int,
+                    grads: List[torch.Tensor], postscale: float) -> torch.Tensor:
+        """Decodes into ``grads``, scaled by ``postscale`` (see :func:`unpack`).
+
+        With indices (the usual case), the gradients are touched once and ``out`` only where
+        the records point: ``grads`` zeroed (one write pass), the records scatter-added into
+        ``out`` (zero there by the invariant: all zero between decodes), then
+        ``ops.deliver_chunks`` writes ``out * postscale`` at those positions into ``grads``
+        and re-zeroes them in ``out``. Returns a 0-d int64 count of the non-finite values
+        written. Bit for bit the result of the full path below.
+
+        Random-k parts (values only) and gradients the native op cannot write (not
+        contiguous) take the full path: zero ``out``, add, scale it, copy it into ``grads``;
+        returns the scaled flat output."""
+        if self._direct(grads):
+            if not self._out_zero:  # a full-path decode ran last
+                self.out.zero_()
+            torch._foreach_zero_(grads)
+            self._out_zero = False  # until the records are out of it again
+            ops.scatter_add_chunks(self.out, gathered, nranks, self.offset, self.capacity,
+                                   self.idx_dtype)
+            count = ops.deliver_chunks(self.out, grads, gathered, nranks, self.offset,
+                                       self.capacity, self.idx_dtype, postscale)
+            self._out_zero = True
+            return count
+        out = self.decode(gathered, nranks, record_len)
+        if postscale != 1.0:
+            out.mul_(postscale)
+        torch._foreach_copy_(grads, self.out_views)
+        return out
 
     def missing(self, result: SelectionResult) -> torch.Tensor | int:
         """Tensors of this part with no element selected (host int when known, else a

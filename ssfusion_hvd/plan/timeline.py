@@ -100,8 +100,9 @@ def _group_bytes(plan: Plan, gi: int, es: int) -> tuple[int, int]:
 
 def decode_bytes(plan: Plan, gi: int, es: int, world_size: int) -> int:
     """Bytes group ``gi``'s decode touches: its output (every tensor of the group, written
-    once: copied from the allreduce, summed, or zeroed then scatter-added) plus the
-    ``world_size`` gathered records it reads."""
+    once: copied from the allreduce, summed, or, sparse, zeroed and then written where the
+    records point) plus the ``world_size`` gathered records it reads (a sparse part's are
+    read twice, to add them and to deliver what they touched; counted once, β prices it)."""
     g = plan.groups[gi]
     return sum(plan.sizes[g.start:g.end]) * es + world_size * _group_bytes(plan, gi, es)[1]
 

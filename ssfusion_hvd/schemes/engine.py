@@ -9,8 +9,9 @@ submitted; its allreduce part (SSFusion-I) leaves earlier, as soon as the last o
 tensors is ready. Group after group, communication overlaps the rest of backward. Offloaded
 tensors (SSFusion-O) go to the :class:`~ssfusion_hvd.core.offload.OffloadWorker` as soon
 as *they* are ready; it submits the group's allgather once its selections are packed.
-``finish`` waits in plan order, decodes (sum of dense chunks, scatter-add of sparse
-records), scales by ``op`` and copies into ``p.grad``.
+``finish`` waits in plan order and decodes into ``p.grad`` (``core/buffers.unpack``: sum of
+dense chunks, scaled by ``op`` and copied; sparse records scatter-added and the positions
+they touch written, scaled, into the zeroed gradients).
 
 Scaling follows Horovod: the sender multiplies by ``1 / gradient_predivide_factor`` and
 the receiver by ``factor / P`` for Average (1 for Sum); the allreduce part leaves both to
@@ -27,7 +28,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..core.buffers import DensePart, GroupBuffers, SparsePart, build_group, unpack
+from ..core.buffers import (DensePart, GroupBuffers, SparsePart, build_group, nonfinite_count,
+                            unpack)
 from ..core.layout import views
 from ..core.offload import OffloadWorker
 from ..core.stats import StepStats
@@ -220,8 +222,8 @@ class PlannedPhase:
         sent = self._dense_elements + sum(r.values.numel() for r in results)
         missing = [part.missing(r) for part, r in zip(self._sparse, results)]
 
-        def nonfinite():  # a full pass over the outputs: taken when stats() is read
-            return sum(int(torch.isfinite(o).logical_not_().sum()) for o in outputs)
+        def nonfinite():  # passes over the dense outputs: taken when stats() is read
+            return sum(nonfinite_count(o) for o in outputs)
 
         return StepStats(
             phase="planned", iteration=iteration,
