@@ -7,9 +7,17 @@ import pytest
 import torch
 
 from ssfusion_hvd import ops
+from ssfusion_hvd.core import buffers
 from ssfusion_hvd.core.buffers import (DensePart, SelectionResult, SparsePart, nonfinite_count,
                                        unpack)
 from ssfusion_hvd.sparsify import make_sparsifier
+
+
+@pytest.fixture(autouse=True)
+def direct_decode(monkeypatch):
+    """These parts are dense enough (~4 % per rank) that the decode would take the full
+    path; the tests below are about the direct one, so it is allowed at any density."""
+    monkeypatch.setattr(buffers, "DIRECT_MAX_SHARE", 1.0)
 
 SHAPES = [torch.Size([40, 25]), torch.Size([0]), torch.Size([]), torch.Size([7, 3, 5]),
           torch.Size([300])]
@@ -171,3 +179,17 @@ def test_dense_part_decode(dtype, acc):
     want = torch.sum(chunks, dim=0, dtype=acc or dtype).mul_(1 / 3)
     assert torch.equal(out, want)
     assert torch.equal(torch.cat([g.reshape(-1) for g in grads]), want.to(dtype))
+
+
+@pytest.mark.parametrize("share,direct", [(0.0, False), (1.0, True)])
+def test_decode_path_follows_the_touched_share(monkeypatch, share, direct):
+    """Records touching more of the output than DIRECT_MAX_SHARE take the full path (the
+    output scanned, returned as a float tensor), else the direct one (a 0-d count): the
+    same gradients either way."""
+    monkeypatch.setattr(buffers, "DIRECT_MAX_SHARE", share)
+    part = _part(torch.float32, None)
+    grads = _grads(torch.float32)
+    gathered, record_len = _gather(part, 2, seed=5)
+    decoded = unpack(part, gathered, 2, record_len, grads, 0.5)
+    _assert_same(grads, _reference(part, gathered, 2, record_len, 0.5))
+    assert (decoded.dim() == 0 and not decoded.is_floating_point()) == direct
