@@ -211,6 +211,9 @@ std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_cuda(const at::Tensor& grad
                                                           at::ScalarType wire_dtype) {
   const at::Tensor grad =
       check_feedback(grad_in, residual, wire_dtype, "segmented_ef_topk", at::kCUDA);
+  // every check before the residual changes (segmented_topk_cuda checks them again)
+  check_segments(offsets.to(at::kCPU, at::kLong).contiguous(), ks.to(at::kCPU, at::kLong).contiguous(),
+                 grad.numel());
   const OnDevice on(residual);
   residual.view({-1}).add_(grad.to(residual.scalar_type()));
   auto [values, indices] = segmented_topk_cuda(residual, offsets, ks);

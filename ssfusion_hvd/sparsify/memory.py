@@ -270,16 +270,20 @@ class ResidualMemory:
         ``(values, indices)`` (values in the accumulation dtype)."""
         flat = grad.reshape(-1)
         want = self.acc_dtype(flat.dtype)
+        r = self.residuals.get(key)
+        # checked before the rule's state moves on
+        if r is not None and (r.shape != flat.shape or r.dtype != want):
+            raise ValueError(f"residual {key!r} is {tuple(r.shape)} {r.dtype}, gradient "
+                             f"is {tuple(flat.shape)} {want}")
+        if offsets is None and (k is None or not 0 <= int(k) <= flat.numel()):
+            raise ValueError(f"select_topk: k={k} out of range [0, {flat.numel()}]")
         if self.rule.buffers or (flat.dtype != want and want != torch.float32):
             flat = flat.to(want)  # the rule's state lives in the accumulation dtype
         # (a float32 accumulation takes 16-bit gradients as they are: the kernel widens them)
         flat = self.rule.apply(key, flat)
-        r = self.residuals.get(key)
-        if r is None:
-            r = self.residuals[key] = torch.zeros(flat.numel(), dtype=want, device=flat.device)
-        elif r.shape != flat.shape or r.dtype != want:
-            raise ValueError(f"residual {key!r} is {tuple(r.shape)} {r.dtype}, gradient "
-                             f"is {tuple(flat.shape)} {want}")
+        if r is None:  # -0.0: adding it changes nothing, so the first sum is the input, bit for bit
+            r = self.residuals[key] = torch.full((flat.numel(),), -0.0, dtype=want,
+                                                 device=flat.device)
         wire = want if wire_dtype is None else wire_dtype
         if offsets is None:
             values, indices = ops.ef_topk(flat, r, k, wire)
