@@ -107,6 +107,17 @@ def topk(x: torch.Tensor, k: int, *, backend: Optional[str] = None) -> Tuple[tor
     return flat[idx], idx.to(idt)
 
 
+def _segments(offsets, ks, op: str):
+    """Segment bounds and counts as CPU int64 tensors (the kernels plan on the host), with
+    one more offset than counts."""
+    offsets = torch.as_tensor(offsets, dtype=torch.int64, device="cpu")
+    ks = torch.as_tensor(ks, dtype=torch.int64, device="cpu")
+    if offsets.numel() != ks.numel() + 1:
+        raise ValueError(f"{op}: {offsets.numel()} offsets for {ks.numel()} segments "
+                         "(need len(ks) + 1)")
+    return offsets, ks
+
+
 def segmented_topk(flat: torch.Tensor, offsets, ks, *, backend: Optional[str] = None):
     """Per-segment magnitude top-k in ONE call: segment ``s`` is ``flat[offsets[s]:offsets[s+1]]``
     and gives ``ks[s]`` elements. Results are concatenated in segment order (each segment in
@@ -114,11 +125,7 @@ def segmented_topk(flat: torch.Tensor, offsets, ks, *, backend: Optional[str] = 
     sparsification of a fusion buffer as cheap as one selection over the whole buffer."""
     _check_values(flat, "segmented_topk")
     flat = flat.reshape(-1)
-    offsets = torch.as_tensor(offsets, dtype=torch.int64, device="cpu")
-    ks = torch.as_tensor(ks, dtype=torch.int64, device="cpu")
-    if offsets.numel() != ks.numel() + 1:
-        raise ValueError(f"segmented_topk: {offsets.numel()} offsets for {ks.numel()} segments "
-                         "(need len(ks) + 1)")
+    offsets, ks = _segments(offsets, ks, "segmented_topk")
     fn = _native(flat, "segmented_topk", backend)
     if fn is not None:
         return fn(flat.contiguous(), offsets, ks)
@@ -278,11 +285,7 @@ def segmented_ef_topk(grad: torch.Tensor, residual: torch.Tensor, offsets, ks, w
     residual become their wire error. Elements outside every segment are only
     accumulated."""
     flat, wire = _feedback_input(grad, residual, wire_dtype, "segmented_ef_topk")
-    offsets = torch.as_tensor(offsets, dtype=torch.int64, device="cpu")
-    ks = torch.as_tensor(ks, dtype=torch.int64, device="cpu")
-    if offsets.numel() != ks.numel() + 1:
-        raise ValueError(f"segmented_ef_topk: {offsets.numel()} offsets for {ks.numel()} segments "
-                         "(need len(ks) + 1)")
+    offsets, ks = _segments(offsets, ks, "segmented_ef_topk")
     fn = _native(residual, "segmented_ef_topk", backend)
     if fn is not None:
         return fn(flat.contiguous(), residual, offsets, ks, wire)
@@ -368,6 +371,20 @@ def scatter_add(dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor
     return dense
 
 
+def _check_sums(sums: torch.Tensor, gathered: torch.Tensor, nchunks: int, op: str) -> None:
+    """The decode ops' shared checks: ``sums`` holds sums of the records in ``gathered`` (the
+    records' dtype, or float32 for float16/bfloat16 records), a 1-D buffer of ``nchunks``
+    equal chunks."""
+    _check_values(sums, op)
+    _check_values(gathered, op)
+    if sums.dtype != gathered.dtype and not (sums.dtype == torch.float32
+                                             and gathered.element_size() == 2):
+        raise ValueError(f"{op}: {sums.dtype} cannot sum records of {gathered.dtype} (same "
+                         "dtype, or float32 for float16/bfloat16)")
+    if gathered.dim() != 1 or gathered.numel() % max(nchunks, 1):
+        raise ValueError(f"{op}: {gathered.numel()} elements do not split into {nchunks} chunks")
+
+
 def scatter_add_chunks(dense: torch.Tensor, gathered: torch.Tensor, nchunks: int, offset: int,
                        k: int, idx_dtype: torch.dtype = torch.int32,
                        *, backend: Optional[str] = None) -> torch.Tensor:
@@ -376,15 +393,7 @@ def scatter_add_chunks(dense: torch.Tensor, gathered: torch.Tensor, nchunks: int
     order). Indices must be distinct within a chunk (true of every selection op). ``dense``
     has the records' dtype, or is float32 for float16/bfloat16 records (each value converted
     exactly, then added in float32)."""
-    _check_values(dense, "scatter_add_chunks")
-    _check_values(gathered, "scatter_add_chunks")
-    if dense.dtype != gathered.dtype and not (dense.dtype == torch.float32
-                                              and gathered.element_size() == 2):
-        raise ValueError(f"scatter_add_chunks: dense {dense.dtype} cannot sum records of "
-                         f"{gathered.dtype} (same dtype, or float32 for float16/bfloat16)")
-    if gathered.dim() != 1 or gathered.numel() % max(nchunks, 1):
-        raise ValueError(f"scatter_add_chunks: {gathered.numel()} elements do not split into "
-                         f"{nchunks} chunks")
+    _check_sums(dense, gathered, nchunks, "scatter_add_chunks")
     chunk_len = gathered.numel() // nchunks if nchunks else 0
     fn = _native(dense, "scatter_add_chunks", backend)
     if fn is not None:
@@ -423,15 +432,9 @@ def deliver_chunks(out: torch.Tensor, tensors, gathered: torch.Tensor, nchunks: 
     delivered values that are NaN or +-Inf (no host sync). NaN payload bits may differ
     between backends (torch's own vectorized casts canonicalize some NaNs)."""
     tensors = list(tensors)
-    _check_values(out, "deliver_chunks")
-    _check_values(gathered, "deliver_chunks")
-    if out.dtype != gathered.dtype and not (out.dtype == torch.float32
-                                            and gathered.element_size() == 2):
-        raise ValueError(f"deliver_chunks: out {out.dtype} cannot hold sums of records of "
-                         f"{gathered.dtype} (same dtype, or float32 for float16/bfloat16)")
-    if not out.is_contiguous() or gathered.dim() != 1 or gathered.numel() % max(nchunks, 1):
-        raise ValueError(f"deliver_chunks: contiguous out and a 1-D gathered buffer of "
-                         f"{nchunks} chunks required")
+    _check_sums(out, gathered, nchunks, "deliver_chunks")
+    if not out.is_contiguous():
+        raise ValueError("deliver_chunks: out must be contiguous")
     for t, x in enumerate(tensors):
         if not isinstance(x, torch.Tensor) or x.dtype != gathered.dtype \
                 or x.device != out.device or not x.is_contiguous():

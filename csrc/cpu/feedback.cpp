@@ -50,39 +50,17 @@ inline A wire_error(A a) {
 }
 
 #ifdef SSF_X86_DISPATCH
-// The float32 error-feedback filter with AVX-512 (topk.h's filter_avx512, with the sum
-// residual + grad formed, stored and tested in the same registers).
-__attribute__((target("avx512f"))) int64_t filter_avx512(const float* g, float* r, int64_t n,
-                                                          uint32_t t, uint32_t* cv,
-                                                          uint32_t* cp, int64_t cap) {
-  const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF), tv = _mm512_set1_epi32(int32_t(t));
-  const __m512i step = _mm512_set1_epi32(16);
-  __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  int64_t m = 0, i = 0;
-  for (; i + 16 <= n; i += 16, pos = _mm512_add_epi32(pos, step)) {
+// The float32 error-feedback source's blocks for topk.h's AVX-512 filter: residual + grad
+// formed in a register, stored back as the residual, and handed on as raw bits.
+struct AddStoreBlock {
+  const float* g;
+  float* r;
+  __attribute__((target("avx512f"))) __m512i operator()(int64_t i) const {
     const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(r + i), _mm512_loadu_ps(g + i));
     _mm512_storeu_ps(r + i, sum);
-    const __m512i v = _mm512_castps_si512(sum);
-    const __mmask16 hits = _mm512_cmpge_epu32_mask(_mm512_and_si512(v, mask), tv);
-    if (!hits) continue;
-    if (m + 16 <= cap) {
-      _mm512_storeu_si512(cv + m, _mm512_maskz_compress_epi32(hits, v));
-      _mm512_storeu_si512(cp + m, _mm512_maskz_compress_epi32(hits, pos));
-      m += __builtin_popcount(hits);
-    } else {
-      uint32_t bits[16];
-      _mm512_storeu_si512(bits, v);
-      m = cpu::append_hits(bits, hits, i, cv, cp, m, cap);
-    }
+    return _mm512_castps_si512(sum);
   }
-  for (; i < n; ++i) {
-    r[i] = r[i] + g[i];
-    uint32_t u;
-    std::memcpy(&u, r + i, 4);
-    m = cpu::append_tail(&u, 1, t, i, cv, cp, m, cap);
-  }
-  return m;
-}
+};
 #endif
 
 // The error-feedback source of topk.h: values residual[i] + grad[i], written back into
@@ -107,13 +85,16 @@ struct Feedback {
     });
   }
   int64_t filter(int64_t b, int64_t e, U t, U* cv, uint32_t* cp, int64_t cap) const {
+    int64_t m = 0, i = b;
 #ifdef SSF_X86_DISPATCH
     if constexpr (std::is_same_v<A, float> && std::is_same_v<G, float>) {
-      if (cpu::use_avx512()) return filter_avx512(g + b, r + b, e - b, t, cv, cp, cap);
+      if (cpu::use_avx512()) {
+        m = cpu::filter_blocks_avx512(AddStoreBlock{g + b, r + b}, e - b, t, cv, cp, cap);
+        i = b + ((e - b) & ~int64_t(15));
+      }
     }
 #endif
     constexpr int B = cpu::kBlock;
-    int64_t m = 0, i = b;
     A sum[B];
     U ub[B];
     for (; i + B <= e; i += B) {

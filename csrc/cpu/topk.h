@@ -234,19 +234,21 @@ inline int64_t filter_values(const U* u, int64_t n, U t, U* cv, uint32_t* cp, in
 bool use_avx512();
 
 #ifdef SSF_X86_DISPATCH
-// filter_values for 32-bit keys with AVX-512: one compare gives the block's hit mask and
-// two compress-stores append the hits' values and positions, without a branch per block.
+// The filter loop with AVX-512 over the full blocks of [0, n): block(i) gives the 16 raw
+// values of block i (loading them, or forming them: the error-feedback source), one compare
+// gives the hit mask and two compress-stores append the hits' values and positions.
 // Blocks without a hit are skipped: at the densities selected (hits in well under half of
 // the blocks) the predicted branch is cheaper than compressing every block (measured).
-__attribute__((target("avx512f"))) inline int64_t filter_avx512(const uint32_t* u, int64_t n,
-                                                                 uint32_t t, uint32_t* cv,
-                                                                 uint32_t* cp, int64_t cap) {
+// Returns the count kept; the caller filters the last n % 16 values.
+template <typename Block>
+__attribute__((target("avx512f"))) inline int64_t filter_blocks_avx512(
+    const Block& block, int64_t n, uint32_t t, uint32_t* cv, uint32_t* cp, int64_t cap) {
   const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF), tv = _mm512_set1_epi32(int32_t(t));
   const __m512i step = _mm512_set1_epi32(16);
   __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  int64_t m = 0, i = 0;
-  for (; i + 16 <= n; i += 16, pos = _mm512_add_epi32(pos, step)) {
-    const __m512i v = _mm512_loadu_si512(u + i);
+  int64_t m = 0;
+  for (int64_t i = 0; i + 16 <= n; i += 16, pos = _mm512_add_epi32(pos, step)) {
+    const __m512i v = block(i);
     const __mmask16 hits = _mm512_cmpge_epu32_mask(_mm512_and_si512(v, mask), tv);
     if (!hits) continue;
     if (m + 16 <= cap) {
@@ -254,11 +256,21 @@ __attribute__((target("avx512f"))) inline int64_t filter_avx512(const uint32_t* 
       _mm512_storeu_si512(cp + m, _mm512_maskz_compress_epi32(hits, pos));
       m += __builtin_popcount(hits);
     } else {
-      m = append_hits(u + i, hits, i, cv, cp, m, cap);
+      uint32_t raw[16];
+      _mm512_storeu_si512(raw, v);
+      m = append_hits(raw, hits, i, cv, cp, m, cap);
     }
   }
-  return append_tail(u + i, n - i, t, i, cv, cp, m, cap);
+  return m;
 }
+
+// The plain source's blocks: 16 keys loaded as they are.
+struct LoadBlock {
+  const uint32_t* u;
+  __attribute__((target("avx512f"))) __m512i operator()(int64_t i) const {
+    return _mm512_loadu_si512(u + i);
+  }
+};
 #endif
 
 // The plain source: selects from x as it is.
@@ -272,7 +284,11 @@ struct Plain {
   int64_t filter(int64_t b, int64_t e, U t, U* cv, uint32_t* cp, int64_t cap) const {
 #ifdef SSF_X86_DISPATCH
     if constexpr (sizeof(U) == 4) {
-      if (use_avx512()) return filter_avx512(x + b, e - b, t, cv, cp, cap);
+      if (use_avx512()) {
+        const int64_t n = e - b, full = n & ~int64_t(15);
+        const int64_t m = filter_blocks_avx512(LoadBlock{x + b}, n, t, cv, cp, cap);
+        return append_tail(x + b + full, n - full, t, full, cv, cp, m, cap);
+      }
     }
 #endif
     return filter_values(x + b, e - b, t, cv, cp, cap);
@@ -346,6 +362,23 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
   int shift = 0;
   while ((static_cast<uint64_t>(top - t) >> shift) >= uint64_t(kBins)) ++shift;
   auto bin = [&](U v) { return static_cast<int64_t>((Key<U>::of(v) - t) >> shift); };
+  // Writes chunk c's selected candidates from out position o: bins above the pivot, and
+  // in the pivot bin keys above kth plus `tie` keys equal to it (decremented as taken).
+  // Returns the next output position.
+  auto emit = [&](int64_t c, int64_t o, int64_t pivot, U kth, int64_t& tie) {
+    for (int64_t j = 0; j < cc[c].m; ++j) {
+      const U v = cc[c].v[j];
+      const int64_t b = bin(v);
+      if (b < pivot) continue;
+      if (b == pivot) {
+        const U key = Key<U>::of(v);
+        if (key < kth || (key == kth && tie-- <= 0)) continue;
+      }
+      out_v[o] = v;
+      out_i[o++] = static_cast<I>(base + cc[c].begin + cc[c].p[j]);
+    }
+    return o;
+  };
   auto each_chunk = [&](const auto& fn) {
     at::parallel_for(0, nc, 1, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) fn(c);
@@ -370,19 +403,7 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
     int64_t tie = need;  // keys equal to kth are taken, lowest indices first
     for (const U key : piv) tie -= key > kth;
     int64_t o = 0;
-    for (const auto& ch : cc) {
-      for (int64_t j = 0; j < ch.m; ++j) {
-        const U v = ch.v[j];
-        const int64_t b = bin(v);
-        if (b < pivot) continue;
-        if (b == pivot) {
-          const U key = Key<U>::of(v);
-          if (key < kth || (key == kth && tie-- <= 0)) continue;
-        }
-        out_v[o] = v;
-        out_i[o++] = static_cast<I>(base + ch.begin + ch.p[j]);
-      }
-    }
+    for (int64_t c = 0; c < nc; ++c) o = emit(c, o, pivot, kth, tie);
     return;
   }
   std::vector<int64_t> hist(nc * kBins, 0);
@@ -427,18 +448,8 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
   }
   exclusive_scan(out_off.data(), nc + 1);
   each_chunk([&](int64_t c) {
-    int64_t o = out_off[c], tie = ties[c];
-    for (int64_t j = 0; j < cc[c].m; ++j) {
-      const U v = cc[c].v[j];
-      const int64_t b = bin(v);
-      if (b < pivot) continue;
-      if (b == pivot) {
-        const U key = Key<U>::of(v);
-        if (key < kth || (key == kth && tie-- <= 0)) continue;
-      }
-      out_v[o] = v;
-      out_i[o++] = static_cast<I>(base + cc[c].begin + cc[c].p[j]);
-    }
+    int64_t tie = ties[c];
+    emit(c, out_off[c], pivot, kth, tie);
   });
 }
 
