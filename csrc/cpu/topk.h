@@ -306,7 +306,8 @@ inline uint32_t mix32(uint32_t h) {
 }
 
 // A key that somewhat more than k of the n values exceed, from a stratified sample
-// (sample j is a pseudo-random element of the j-th of `s` equal strata):
+// (runs of 16 consecutive elements, run j at a pseudo-random place in the j-th of equal
+// strata):
 // the q-th largest sampled key, q = the expected hits above the k-th largest value plus 3
 // standard deviations plus 2. Returns false for inputs too small to sample.
 template <typename U, typename Src>
@@ -317,15 +318,21 @@ bool sample_key(const Src& src, int64_t n, int64_t k, U* key, int64_t* expect) {
   // a filter branch each; with the second ~3x the first per element (measured), their sum
   // is least at h = (4.5 k^2 / n)^(2/3). At most 1/64 of the input and 32768 samples.
   const double want = std::min(256.0, std::max(2.0, std::cbrt(std::pow(4.5 * double(k) * double(k) / double(n), 2.0))));
-  const int64_t s = std::min<int64_t>(
+  // The sample is read in runs of kRun consecutive elements (a cache line of float32): one
+  // stratum per run, the run's start jittered inside it. A miss brings kRun samples, not one.
+  constexpr int64_t kRun = 16;
+  const int64_t runs = (std::min<int64_t>(
       std::min<int64_t>(n / 64, 32768),
-      std::max<int64_t>(256, static_cast<int64_t>(std::ceil(want * double(n) / double(k)))));
+      std::max<int64_t>(256, static_cast<int64_t>(std::ceil(want * double(n) / double(k))))) +
+      kRun - 1) / kRun;  // n >= 256 * 64: a stratum is >= 64 runs long
+  const int64_t s = runs * kRun;
   const double hits = double(s) * double(k) / double(n);
   const int64_t q = std::min<int64_t>(s, static_cast<int64_t>(hits + 3.0 * std::sqrt(hits)) + 2);
   std::unique_ptr<U[]> keys(new U[s]);
-  for (int64_t j = 0; j < s; ++j) {
-    const int64_t lo = (j * n) / s, width = ((j + 1) * n) / s - lo;
-    keys[j] = Key<U>::of(src.raw(lo + int64_t(mix32(uint32_t(j)) % uint64_t(width))));
+  for (int64_t j = 0; j < runs; ++j) {
+    const int64_t lo = (j * n) / runs, width = ((j + 1) * n) / runs - lo - kRun + 1;
+    const int64_t at = lo + int64_t(mix32(uint32_t(j)) % uint64_t(width));
+    for (int64_t r = 0; r < kRun; ++r) keys[j * kRun + r] = Key<U>::of(src.raw(at + r));
   }
   std::nth_element(keys.get(), keys.get() + (q - 1), keys.get() + s, std::greater<U>());
   *key = keys[q - 1];
