@@ -75,6 +75,16 @@ def unpack(part, gathered: torch.Tensor, nranks: int, record_len: int,
     return part.decode_into(gathered, nranks, record_len, list(grads), postscale)
 
 
+def _scaled_copy(out: torch.Tensor, part, grads: List[torch.Tensor],
+                 postscale: float) -> torch.Tensor:
+    """The full decode's second half: ``out`` (a part's summed records) scaled and copied
+    into ``grads``; returns it."""
+    if postscale != 1.0:
+        out.mul_(postscale)
+    torch._foreach_copy_(grads, part.out_views)
+    return out
+
+
 def nonfinite_count(decoded: torch.Tensor) -> int:
     """Non-finite elements of what :func:`unpack` returned."""
     if not decoded.is_floating_point():
@@ -116,11 +126,7 @@ class DensePart:
     def decode_into(self, gathered: torch.Tensor, nranks: int, record_len: int,
                     grads: List[torch.Tensor], postscale: float) -> torch.Tensor:
         """Sum of the chunks, scaled, copied into ``grads``; returns the sum."""
-        out = self.decode(gathered, nranks, record_len)
-        if postscale != 1.0:
-            out.mul_(postscale)
-        torch._foreach_copy_(grads, self.out_views)
-        return out
+        return _scaled_copy(self.decode(gathered, nranks, record_len), self, grads, postscale)
 
 
 class SparsePart:
@@ -280,11 +286,7 @@ class SparsePart:
                                        self.capacity, self.idx_dtype, postscale)
             self._out_zero = True
             return count
-        out = self.decode(gathered, nranks, record_len)
-        if postscale != 1.0:
-            out.mul_(postscale)
-        torch._foreach_copy_(grads, self.out_views)
-        return out
+        return _scaled_copy(self.decode(gathered, nranks, record_len), self, grads, postscale)
 
     def missing(self, result: SelectionResult) -> torch.Tensor | int:
         """Tensors of this part with no element selected (host int when known, else a
