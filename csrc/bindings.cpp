@@ -45,7 +45,14 @@ PYBIND11_MODULE(_C, m) {
 #undef SSF_BIND_DEVICE_OPS
   m.def("record_spans", &ssf::record_spans, py::arg("k"), py::arg("value_dtype"),
         py::arg("index_dtype"));
+  m.def("cpu_parallel_threads", &ssf::cpu_parallel_threads, py::arg("n"), nogil);
   py::dict info;
+  info["openmp"] =
+#ifdef _OPENMP
+      true;
+#else
+      false;
+#endif
   info["cuda_kernels"] =
 #ifdef SSF_WITH_CUDA
       true;

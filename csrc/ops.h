@@ -149,4 +149,9 @@ SSF_DEVICE_OPS(cuda)
 std::tuple<int64_t, int64_t> record_spans(int64_t k, at::ScalarType value_dtype,
                                           at::ScalarType index_dtype);
 
+// How many threads of ATen's intra-op pool one of the CPU kernels' parallel loops (over n
+// items, grain 1) ran on: the build's proof that the kernels fork at all (they run on one
+// thread when this module is compiled without the OpenMP that torch's pool uses).
+int64_t cpu_parallel_threads(int64_t n);
+
 }  // namespace ssf

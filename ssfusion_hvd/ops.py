@@ -43,7 +43,8 @@ def have_extension() -> bool:
 
 
 def build_info() -> dict:
-    """What the extension was built with (``cuda_kernels``, ``cuda_sources_compiled``)."""
+    """What the extension was built with (``cuda_kernels``, ``cuda_sources_compiled``,
+    ``openmp``: whether its CPU kernels fork onto torch's intra-op threads)."""
     if _C is None:
         return {"extension": False, "error": repr(_IMPORT_ERROR)}
     return {"extension": True, **dict(_C.build_info)}

@@ -30,6 +30,17 @@ bool cpu::use_avx512() {
 #endif
 }
 
+int64_t cpu_parallel_threads(int64_t n) {
+  std::vector<uint8_t> seen(std::max<int64_t>(1, at::get_num_threads()), 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int tid = at::get_thread_num();
+    if (tid >= 0 && tid < int64_t(seen.size())) seen[tid] = 1;  // distinct slots: no race
+  });
+  int64_t count = 0;
+  for (const uint8_t s : seen) count += s;
+  return count;
+}
+
 namespace {
 
 using cpu::Chunks;
