@@ -60,6 +60,10 @@ struct AddStoreBlock {
     _mm512_storeu_ps(r + i, sum);
     return _mm512_castps_si512(sum);
   }
+  // The block's values once formed: the residual holds them.
+  __attribute__((target("avx512f"))) __m512i stored(int64_t i) const {
+    return _mm512_loadu_si512(r + i);
+  }
 };
 #endif
 

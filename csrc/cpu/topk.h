@@ -9,9 +9,10 @@
 //   k-th key. Two reads of the input, a table update per element in the first.
 // * filtered select (`topk_filtered`), used when k is a small share of n: a stratified
 //   sample of the magnitudes gives a key that about 1.2-1.6 k elements exceed; ONE pass
-//   keeps those elements (a block test that vectorizes, then a branch-free append inside
-//   the rare blocks that hold any), and the radix select above runs on the few candidates
-//   only. The sample decides the speed, never the result: when the candidates are fewer
+//   keeps those elements (with AVX-512: blocks of 16 tested, the blocks holding any
+//   listed, then their hits compressed out, no branch on the data; at the SSE2 baseline a
+//   block test and an append inside the blocks that hold any), and a radix select over
+//   the candidates' band resolves the exact k-th among them. The sample decides the speed, never the result: when the candidates are fewer
 //   than k (the sample overestimated) or far too many, the radix select runs on the
 //   whole input instead; when a chunk overflows its candidate buffer, a second pass
 //   collects it into buffers of the now known sizes.
@@ -234,31 +235,50 @@ inline int64_t filter_values(const U* u, int64_t n, U t, U* cv, uint32_t* cp, in
 bool use_avx512();
 
 #ifdef SSF_X86_DISPATCH
-// The filter loop with AVX-512 over the full blocks of [0, n): block(i) gives the 16 raw
-// values of block i (loading them, or forming them: the error-feedback source), one compare
-// gives the hit mask and two compress-stores append the hits' values and positions.
-// Blocks without a hit are skipped: at the densities selected (hits in well under half of
-// the blocks) the predicted branch is cheaper than compressing every block (measured).
+// The filter loop with AVX-512 over the full blocks of [0, n), in two stages per tile of
+// kTileBlocks blocks (16 KB of float32, still in L1 for the second stage):
+//  1. block(i) gives the 16 raw values of block i (loading them, or forming them: the
+//     error-feedback source), one compare gives the hit mask, and the block's number and
+//     mask are appended to a list that moves on only when the mask is not empty;
+//  2. for each listed block, block.stored(i) reads its values again and two compress
+//     stores append the hits' values and positions.
+// Neither stage branches on the data: hits fall in well under half of the blocks, at
+// random, so a branch per block mispredicts on each hit block (the version that skipped
+// empty blocks lost 2x on fresh inputs), while compressing every block costs two
+// compresses and two 64-byte stores per block; listing first costs one 4-byte store.
 // Returns the count kept; the caller filters the last n % 16 values.
 template <typename Block>
 __attribute__((target("avx512f"))) inline int64_t filter_blocks_avx512(
     const Block& block, int64_t n, uint32_t t, uint32_t* cv, uint32_t* cp, int64_t cap) {
+  constexpr int64_t kTileBlocks = 256;
   const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF), tv = _mm512_set1_epi32(int32_t(t));
-  const __m512i step = _mm512_set1_epi32(16);
-  __m512i pos = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  uint32_t listed[kTileBlocks];  // (block in tile) << 16 | its hit mask
+  const int64_t blocks = n / 16;
   int64_t m = 0;
-  for (int64_t i = 0; i + 16 <= n; i += 16, pos = _mm512_add_epi32(pos, step)) {
-    const __m512i v = block(i);
-    const __mmask16 hits = _mm512_cmpge_epu32_mask(_mm512_and_si512(v, mask), tv);
-    if (!hits) continue;
-    if (m + 16 <= cap) {
-      _mm512_storeu_si512(cv + m, _mm512_maskz_compress_epi32(hits, v));
-      _mm512_storeu_si512(cp + m, _mm512_maskz_compress_epi32(hits, pos));
-      m += __builtin_popcount(hits);
-    } else {
-      uint32_t raw[16];
-      _mm512_storeu_si512(raw, v);
-      m = append_hits(raw, hits, i, cv, cp, m, cap);
+  for (int64_t first = 0; first < blocks; first += kTileBlocks) {
+    const int64_t count = std::min(kTileBlocks, blocks - first);
+    int64_t h = 0;
+    for (int64_t b = 0; b < count; ++b) {
+      const __m512i v = block((first + b) * 16);
+      const __mmask16 hits = _mm512_cmpge_epu32_mask(_mm512_and_si512(v, mask), tv);
+      listed[h] = uint32_t(b) << 16 | uint32_t(hits);
+      h += hits != 0;
+    }
+    for (int64_t j = 0; j < h; ++j) {
+      const int64_t i = (first + int64_t(listed[j] >> 16)) * 16;
+      const __mmask16 hits = static_cast<__mmask16>(listed[j] & 0xFFFF);
+      const __m512i v = block.stored(i);
+      if (m + 16 <= cap) {
+        const __m512i pos = _mm512_add_epi32(lane, _mm512_set1_epi32(int32_t(i)));
+        _mm512_storeu_si512(cv + m, _mm512_maskz_compress_epi32(hits, v));
+        _mm512_storeu_si512(cp + m, _mm512_maskz_compress_epi32(hits, pos));
+        m += __builtin_popcount(hits);
+      } else {
+        uint32_t raw[16];
+        _mm512_storeu_si512(raw, v);
+        m = append_hits(raw, hits, i, cv, cp, m, cap);
+      }
     }
   }
   return m;
@@ -268,6 +288,9 @@ __attribute__((target("avx512f"))) inline int64_t filter_blocks_avx512(
 struct LoadBlock {
   const uint32_t* u;
   __attribute__((target("avx512f"))) __m512i operator()(int64_t i) const {
+    return _mm512_loadu_si512(u + i);
+  }
+  __attribute__((target("avx512f"))) __m512i stored(int64_t i) const {
     return _mm512_loadu_si512(u + i);
   }
 };
@@ -305,6 +328,29 @@ inline uint32_t mix32(uint32_t h) {
   return h ^ (h >> 16);
 }
 
+// The q-th largest of a[0, s) (1 <= q <= s; a is permuted). A min-heap of the q largest
+// so far: a sample in no particular order displaces its smallest only ~q ln(s / q) times, a
+// predicted compare per element otherwise, against nth_element's partitioning passes with
+// a mispredicted branch per element. An adverse order (a trend in the layout) is caught
+// by counting the displacements, and nth_element finishes the job.
+template <typename U>
+U kth_largest(U* a, int64_t s, int64_t q) {
+  const auto later = std::greater<U>();  // a min-heap under std's max-heap functions
+  std::make_heap(a, a + q, later);
+  int64_t moves = 0;
+  for (int64_t j = q; j < s; ++j) {
+    if (a[j] <= a[0]) continue;
+    if (++moves > s / 8) {
+      std::nth_element(a, a + (q - 1), a + s, later);
+      return a[q - 1];
+    }
+    std::pop_heap(a, a + q, later);
+    std::swap(a[q - 1], a[j]);
+    std::push_heap(a, a + q, later);
+  }
+  return a[0];
+}
+
 // A key that somewhat more than k of the n values exceed, from a stratified sample
 // (runs of 16 consecutive elements, run j at a pseudo-random place in the j-th of equal
 // strata):
@@ -334,8 +380,7 @@ bool sample_key(const Src& src, int64_t n, int64_t k, U* key, int64_t* expect) {
     const int64_t at = lo + int64_t(mix32(uint32_t(j)) % uint64_t(width));
     for (int64_t r = 0; r < kRun; ++r) keys[j * kRun + r] = Key<U>::of(src.raw(at + r));
   }
-  std::nth_element(keys.get(), keys.get() + (q - 1), keys.get() + s, std::greater<U>());
-  *key = keys[q - 1];
+  *key = kth_largest(keys.get(), s, q);
   *expect = static_cast<int64_t>(double(q) * double(n) / double(s));
   return true;
 }
@@ -351,94 +396,100 @@ struct ChunkCandidates {
 
 // The exact top k of candidates whose keys are all >= t, the chunks' lists in index order:
 // out_v/out_i (positions base + chunk begin + p), index order, ties to the lower index. A
-// radix select like topk_bits, but its 2048 bins span only the candidates' band [t, largest
-// key], so the candidates spread over them and the
-// bin holding the k-th key is small. Many candidates: every pass runs over the chunks in
-// parallel; few: one thread, no per-chunk setup (what dominates a mid-size tensor).
+// radix select like topk_bits, but its bins span only the candidates' band [t, largest
+// key], so the candidates spread over them and the bin holding the k-th key is small.
+// Many candidates: every pass runs over the chunks in parallel, 2048 bins; few: one
+// thread, no per-chunk setup and about one bin per 4 candidates (what dominates a
+// mid-size tensor).
 template <typename U, typename I>
 void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U t,
                         U* out_v, I* out_i, int64_t base) {
-  constexpr int64_t kBins = 2048;
   const int64_t nc = int64_t(cc.size());
-  std::vector<U> tops(nc, t);
-  at::parallel_for(0, nc, 1, [&](int64_t b, int64_t e) {
-    for (int64_t c = b; c < e; ++c)
-      for (int64_t j = 0; j < cc[c].m; ++j) tops[c] = std::max(tops[c], Key<U>::of(cc[c].v[j]));
-  });
-  const U top = *std::max_element(tops.begin(), tops.end());
-  int shift = 0;
-  while ((static_cast<uint64_t>(top - t) >> shift) >= uint64_t(kBins)) ++shift;
-  auto bin = [&](U v) { return static_cast<int64_t>((Key<U>::of(v) - t) >> shift); };
-  // Writes chunk c's selected candidates from out position o: bins above the pivot, and
-  // in the pivot bin keys above kth plus `tie` keys equal to it (decremented as taken).
-  // Returns the next output position.
-  auto emit = [&](int64_t c, int64_t o, int64_t pivot, U kth, int64_t& tie) {
-    for (int64_t j = 0; j < cc[c].m; ++j) {
-      const U v = cc[c].v[j];
-      const int64_t b = bin(v);
-      if (b < pivot) continue;
-      if (b == pivot) {
-        const U key = Key<U>::of(v);
-        if (key < kth || (key == kth && tie-- <= 0)) continue;
-      }
-      out_v[o] = v;
-      out_i[o++] = static_cast<I>(base + cc[c].begin + cc[c].p[j]);
-    }
-    return o;
-  };
+  int64_t total_c = 0;
+  for (const auto& ch : cc) total_c += ch.m;
+  const bool few = total_c < (int64_t(1) << 16);
   auto each_chunk = [&](const auto& fn) {
+    if (few) {
+      for (int64_t c = 0; c < nc; ++c) fn(c);
+      return;
+    }
     at::parallel_for(0, nc, 1, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) fn(c);
     });
   };
-  int64_t total_c = 0;
-  for (const auto& ch : cc) total_c += ch.m;
-  if (total_c < (int64_t(1) << 16)) {  // few: one thread, one histogram, no setup per chunk
-    std::vector<int32_t> h(kBins, 0);
-    for (const auto& ch : cc)
-      for (int64_t j = 0; j < ch.m; ++j) ++h[bin(ch.v[j])];
-    int64_t pivot = kBins - 1, above = 0;
-    for (; pivot > 0 && above + h[pivot] < k; --pivot) above += h[pivot];
-    std::vector<U> piv;
-    piv.reserve(h[pivot]);
-    for (const auto& ch : cc)
-      for (int64_t j = 0; j < ch.m; ++j)
-        if (bin(ch.v[j]) == pivot) piv.push_back(Key<U>::of(ch.v[j]));
-    const int64_t need = k - above;
-    std::nth_element(piv.begin(), piv.begin() + (need - 1), piv.end(), std::greater<U>());
-    const U kth = piv[need - 1];
-    int64_t tie = need;  // keys equal to kth are taken, lowest indices first
-    for (const U key : piv) tie -= key > kth;
-    int64_t o = 0;
-    for (int64_t c = 0; c < nc; ++c) o = emit(c, o, pivot, kth, tie);
-    return;
-  }
-  std::vector<int64_t> hist(nc * kBins, 0);
+  std::vector<U> tops(nc, t);
   each_chunk([&](int64_t c) {
-    int64_t* h = hist.data() + c * kBins;
+    U top = t;
+    for (int64_t j = 0; j < cc[c].m; ++j) top = std::max(top, Key<U>::of(cc[c].v[j]));
+    tops[c] = top;
+  });
+  const U top = *std::max_element(tops.begin(), tops.end());
+  int64_t bins = 2048;
+  if (few) {
+    bins = 64;
+    while (bins < 2048 && bins * 4 < total_c) bins *= 2;
+  }
+  int shift = 0;
+  while ((static_cast<uint64_t>(top - t) >> shift) >= uint64_t(bins)) ++shift;
+  auto bin = [&](U v) { return static_cast<int64_t>((Key<U>::of(v) - t) >> shift); };
+  // Writes chunk c's selected candidates into out[o, end): keys above kth, and `tie` keys
+  // equal to it (decremented as taken). Each candidate is written and the position moves
+  // on only when it is taken (no branch on the data); it stops once end is reached, so
+  // nothing is written past the chunk's share of the output.
+  auto emit = [&](int64_t c, int64_t o, int64_t end, U kth, int64_t& tie) {
+    const U* v = cc[c].v;
+    const uint32_t* p = cc[c].p;
+    const int64_t m = cc[c].m, first = base + cc[c].begin;
+    for (int64_t j = 0; j < m && o < end; ++j) {
+      const U key = Key<U>::of(v[j]);
+      out_v[o] = v[j];
+      out_i[o] = static_cast<I>(first + p[j]);
+      bool take = key > kth;
+      if (key == kth) take = tie-- > 0;  // ties are rare: a predicted branch
+      o += take;
+    }
+    return o;
+  };
+  // Per chunk histograms (one for all chunks when few), the pivot bin and what lies above.
+  const int64_t nh = few ? 1 : nc;
+  std::vector<int32_t> hist(nh * bins, 0);
+  each_chunk([&](int64_t c) {
+    int32_t* h = hist.data() + (few ? 0 : c * bins);
     for (int64_t j = 0; j < cc[c].m; ++j) ++h[bin(cc[c].v[j])];
   });
-  std::vector<int64_t> total(kBins, 0);
-  for (int64_t c = 0; c < nc; ++c)
-    for (int64_t b = 0; b < kBins; ++b) total[b] += hist[c * kBins + b];
-  int64_t pivot = kBins - 1, above = 0;
+  std::vector<int64_t> total(bins, 0);
+  for (int64_t c = 0; c < nh; ++c)
+    for (int64_t b = 0; b < bins; ++b) total[b] += hist[c * bins + b];
+  int64_t pivot = bins - 1, above = 0;
   for (; pivot > 0 && above + total[pivot] < k; --pivot) above += total[pivot];
   const int64_t need = k - above;  // taken from the pivot bin, 1 <= need <= total[pivot]
   // The pivot bin's keys, chunk by chunk in index order, and the exact k-th key among them.
-  std::vector<int64_t> piv_off(nc + 1, 0);
-  for (int64_t c = 0; c < nc; ++c) piv_off[c] = hist[c * kBins + pivot];
-  exclusive_scan(piv_off.data(), nc + 1);
-  std::vector<U> piv(piv_off[nc]);
-  each_chunk([&](int64_t c) {
-    int64_t q = piv_off[c];
+  std::vector<int64_t> piv_off(nc + 1, 0);  // per chunk (many candidates only)
+  if (!few) {
+    for (int64_t c = 0; c < nc; ++c) piv_off[c] = hist[c * bins + pivot];
+    exclusive_scan(piv_off.data(), nc + 1);
+  }
+  std::vector<U> piv(total[pivot]);
+  auto gather = [&](int64_t c, int64_t q) {
     for (int64_t j = 0; j < cc[c].m; ++j)
       if (bin(cc[c].v[j]) == pivot) piv[q++] = Key<U>::of(cc[c].v[j]);
-  });
+    return q;
+  };
+  if (few) {
+    for (int64_t c = 0, q = 0; c < nc; ++c) q = gather(c, q);
+  } else {
+    each_chunk([&](int64_t c) { gather(c, piv_off[c]); });
+  }
   std::vector<U> sel(piv);
   std::nth_element(sel.begin(), sel.begin() + (need - 1), sel.end(), std::greater<U>());
   const U kth = sel[need - 1];
   int64_t ties_left = need;  // keys equal to kth are taken, lowest indices first
   for (const U key : piv) ties_left -= key > kth;
+  if (few) {  // one output stream, the chunks in order
+    int64_t o = 0;
+    for (int64_t c = 0; c < nc; ++c) o = emit(c, o, k, kth, ties_left);
+    return;
+  }
   // Per chunk: its share of the ties and where its output starts.
   std::vector<int64_t> ties(nc, 0), out_off(nc + 1, 0);
   for (int64_t c = 0; c < nc; ++c) {
@@ -450,13 +501,13 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
     ties[c] = std::min(equal, ties_left);
     ties_left -= ties[c];
     int64_t a = 0;
-    for (int64_t b = pivot + 1; b < kBins; ++b) a += hist[c * kBins + b];
+    for (int64_t b = pivot + 1; b < bins; ++b) a += hist[c * bins + b];
     out_off[c] = a + greater + ties[c];
   }
   exclusive_scan(out_off.data(), nc + 1);
   each_chunk([&](int64_t c) {
     int64_t tie = ties[c];
-    emit(c, out_off[c], pivot, kth, tie);
+    emit(c, out_off[c], out_off[c + 1], kth, tie);
   });
 }
 
