@@ -62,13 +62,21 @@ def _check_values(x: torch.Tensor, op: str) -> None:
         raise TypeError(f"{op}: unsupported dtype {x.dtype}; supported: float32, float16, bfloat16")
 
 
+_NATIVE: dict = {}  # (op, device type) -> the extension's function, or None
+
+
 def _native(x: torch.Tensor, op: str, backend: Optional[str]):
-    """The native function for x's device, or None for the torch fallback."""
-    if backend not in (None, "native", "torch"):
-        raise ValueError(f"backend must be None, 'native' or 'torch', got {backend!r}")
+    """The native function for x's device, or None for the torch fallback. Looked up once per
+    op and device type: this runs on every kernel call, where microseconds count."""
     if backend == "torch":
         return None
-    fn = getattr(_C, f"{op}_{x.device.type}", None) if _C is not None else None
+    if backend not in (None, "native"):
+        raise ValueError(f"backend must be None, 'native' or 'torch', got {backend!r}")
+    dev = "cpu" if x.is_cpu else x.device.type
+    try:
+        fn = _NATIVE[op, dev]
+    except KeyError:
+        fn = _NATIVE[op, dev] = getattr(_C, f"{op}_{dev}", None) if _C is not None else None
     if fn is None and backend == "native":
         raise RuntimeError(f"no native {op} kernel for device {x.device} ({build_info()})")
     return fn
@@ -93,10 +101,10 @@ def topk(x: torch.Tensor, k: int, *, backend: Optional[str] = None) -> Tuple[tor
     k = int(k)
     if not 0 <= k <= n:
         raise ValueError(f"topk: k={k} out of range [0, {n}]")
-    flat = x.reshape(-1)
     fn = _native(x, "topk", backend)
-    if fn is not None:
-        return fn(flat.contiguous(), k)
+    if fn is not None:  # the kernel flattens
+        return fn(x if x.is_contiguous() else x.contiguous(), k)
+    flat = x.reshape(-1)
     idt = index_dtype(n)
     if k == 0:
         return flat[:0].clone(), torch.empty(0, dtype=idt, device=x.device)
