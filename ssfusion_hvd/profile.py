@@ -20,6 +20,7 @@ works without Horovod.
 """
 from __future__ import annotations
 
+import json
 import statistics
 import time
 import warnings
@@ -37,6 +38,8 @@ __all__ = [
     "measure_cost_model",
     "probe_collectives",
     "slowest_rank_times",
+    "ready_note",
+    "ready_from_note",
     "time_decode",
     "time_sparsifier",
 ]
@@ -403,6 +406,22 @@ def slowest_rank_times(ready: np.ndarray) -> tuple[float, list[float]] | None:
     first = float(np.median(backward)) if backward.size else 0.0
     first = min(first, float(typical[0]))
     return float(typical[0]) - first, [first] + [float(b) for b in backward]
+
+
+def ready_note(ready: np.ndarray) -> str:
+    """The gathered ready times ``(ranks, iterations, tensors)`` as a JSON string for a
+    cost model's notes (microsecond resolution; never-timed entries as null). The
+    estimate :func:`slowest_rank_times` makes from them can then be checked against the
+    steps that ran, without the run (``scripts/validate_planner.py``)."""
+    ready = np.asarray(ready, dtype=np.float64)
+    rounded = np.round(ready, 6).astype(object)
+    rounded[np.isnan(ready)] = None
+    return json.dumps(rounded.tolist(), separators=(",", ":"))
+
+
+def ready_from_note(text: str) -> np.ndarray:
+    """:func:`ready_note`'s array back (null as NaN)."""
+    return np.array(json.loads(text), dtype=np.float64)
 
 
 # -- putting it together ------------------------------------------------------------------

@@ -270,6 +270,14 @@ import numpy as np
 assert np.isnan(ready[0]).all() and not np.isnan(ready[1:]).any()
 order, cost = phase.measure()  # one rank: its own times are the slowest rank's
 assert order == [c, a, b] and len(cost.backward_s) == 3 and cost.forward_s >= 0.0
+# the gathered ready times ride the cost model, in its order, and give back its estimate
+from ssfusion_hvd.schemes.warmup import READY_NOTE
+kept = profile.ready_from_note(cost.notes[READY_NOTE])
+assert kept.shape == (1, 3, 3) and np.isnan(kept[0, 0]).all()
+np.testing.assert_allclose(kept[0, 1:], ready[1:][:, [2, 0, 1]], atol=1e-6)
+fwd, bwd = profile.slowest_rank_times(kept)
+assert abs(fwd - cost.forward_s) < 1e-5 and np.allclose(bwd, cost.backward_s, atol=1e-5)
+assert type(cost).from_json(cost.to_json()).notes[READY_NOTE] == cost.notes[READY_NOTE]
 print("ok")
 """
 

@@ -21,7 +21,11 @@ from ..core.stats import StepStats
 from ..plan import CostModel
 from .dense import DenseScheme
 
-__all__ = ["WarmupPhase"]
+__all__ = ["WarmupPhase", "READY_NOTE"]
+
+#: the cost model's note holding the warm-up's gathered ready times
+#: (``profile.ready_note``), so a saved run can be re-planned or its estimate re-derived
+READY_NOTE = "warmup_ready_s"
 
 
 class WarmupPhase:
@@ -64,22 +68,29 @@ class WarmupPhase:
         order = self.timer.order()
         seen = set(order)
         order += [p for p in self.trainable if p not in seen]  # never ready: unused layers
-        forward_s, backward_s = self._slowest_rank(order)
+        forward_s, backward_s, ready = self._slowest_rank(order)
         es = order[0].element_size() if order else 4
         cost = _profile.measure_cost_model(
             backward_s, cfg.sparsifier, cfg.process_set, device=self.device.type,
             element_size=es, density=cfg.density, profile=cfg.profile,
             rule=cfg.recipe.make_rule, forward_s=forward_s)
+        if ready is not None:  # the same gathered array on every rank
+            cost.notes[READY_NOTE] = _profile.ready_note(ready)
         return order, cost
 
-    def _slowest_rank(self, order: List[torch.Tensor]) -> Tuple[float, List[float]]:
+    def _slowest_rank(self, order: List[torch.Tensor]):
         """Forward and per-tensor backward times, in ``order``, of the slowest rank
-        (``profile.slowest_rank_times``). Every rank's ready times are gathered in the
-        canonical parameter order (the same on every rank), one row per warm-up step.
-        Collective; without a timed iteration, this rank's own backward times."""
+        (``profile.slowest_rank_times``), and the gathered ready times they came from
+        (``(ranks, steps, tensors)`` in ``order``; None when no step was timed). Every
+        rank's ready times are gathered in the canonical parameter order (the same on
+        every rank), one row per warm-up step. Collective; without a timed iteration, this
+        rank's own backward times."""
         ready = self.timer.ready_times(self.trainable, rows=self.config.warmup_steps)
         gathered = transport.allgather(torch.from_numpy(ready)[None], "ssf.profile.ready",
                                        process_set=self.config.process_set).numpy()
         column = {p: j for j, p in enumerate(self.trainable)}
-        found = _profile.slowest_rank_times(gathered[:, :, [column[p] for p in order]])
-        return found if found is not None else (0.0, self.timer.backward_times(order))
+        ordered = gathered[:, :, [column[p] for p in order]]
+        found = _profile.slowest_rank_times(ordered)
+        if found is None:
+            return 0.0, self.timer.backward_times(order), None
+        return found[0], found[1], ordered
