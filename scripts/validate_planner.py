@@ -127,6 +127,46 @@ def table(found: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compute_rows(runs: list) -> list[dict]:
+    """Where a prediction's compute comes from, for runs that recorded every step
+    (``steps_s``: each rank's forward and backward of every step): the profile's compute
+    (``forward_s`` + the backward times: the slowest rank's typical time from a step's end
+    to its last gradient, from the warm-up), the same steps as the benchmark timed them
+    (forward + backward on the slowest rank of each step, median over the profiled warm-up
+    steps), and the timed steps' (median over the steps the measurement is taken from).
+    The first two differ by the estimate; the last two by the phase."""
+    out = []
+    for r in runs:
+        if "error" in r or r["scheme"] not in VALIDATED or not r.get("steps_s") \
+                or not r.get("cost_model"):
+            continue
+        steps = r["steps_s"]
+        n = min(len(rank) for rank in steps)
+        slowest = [max(rank[i][0] + rank[i][1] for rank in steps) for i in range(n)]
+        warm = int(r["args"].get("warmup_steps", 0))
+        timed = slowest[n - len(r.get("iteration_s_all") or []):]
+        profiled = slowest[1:warm]  # the warm-up steps timed from the step before
+        if not profiled or not timed:
+            continue
+        cost = r["cost_model"]
+        out.append({"model": r["model"], "workers": r["workers"], "scheme": r["scheme"],
+                    "profile_s": cost["forward_s"] + sum(cost["backward_s"]),
+                    "warmup_s": statistics.median(profiled),
+                    "timed_s": statistics.median(timed)})
+    return out
+
+
+def compute_table(found: list[dict]) -> str:
+    lines = ["| model | workers | scheme | profile's compute ms | warm-up steps, as the bench timed "
+             "them ms | timed steps ms | profile / warm-up | warm-up / timed |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in found:
+        lines.append(f"| {r['model']} | {r['workers']} | {r['scheme']} | {1e3 * r['profile_s']:.0f} | "
+                     f"{1e3 * r['warmup_s']:.0f} | {1e3 * r['timed_s']:.0f} | "
+                     f"{r['profile_s'] / r['warmup_s']:.2f} | {r['warmup_s'] / r['timed_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
@@ -140,8 +180,13 @@ def main(argv=None) -> int:
     found = rows(json.loads(source.read_text())["runs"])
     if not found:
         raise SystemExit(f"no planned run with a recorded plan and cost model in {source}")
+    runs = json.loads(source.read_text())["runs"]
     text = (f"Predicted (simulator on the run's own cost model and plan) against measured "
             f"(the median iteration, timed on its slowest rank), from `{source.name}`:\n\n" + table(found))
+    compute = compute_rows(runs)
+    if compute:
+        text += ("\nCompute (forward + backward, the slowest rank) behind each prediction:\n\n"
+                 + compute_table(compute))
     (out / f"{args.name}.md").write_text(text)
     print(text)
     return 0

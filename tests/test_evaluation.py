@@ -155,6 +155,13 @@ def test_bench_worker_reports_a_planned_run(tmp_path):
     cm = r["cost_model"]  # the start-up profile, broadcast from rank 0
     assert cm["world_size"] == 2 and "topk" in cm["sparsify"] and len(cm["backward_s"]) == 8
     assert cm["forward_s"] > 0.0  # timed from the end of the warm-up step before
+    # every rank's forward and backward of every step (4 untimed, 3 timed), and the warm-up
+    # profile's raw ready times (2 ranks x 2 steps x 8 tensors; the first step untimed)
+    steps = r["steps_s"]
+    assert len(steps) == 2 and all(len(rank) == 7 for rank in steps)
+    assert all(f > 0.0 and b > 0.0 for rank in steps for f, b in rank)
+    ready = json.loads(cm["notes"]["warmup_ready_s"])
+    assert len(ready) == 2 and all(len(rank) == 2 and len(rank[1]) == 8 for rank in ready)
 
 
 @pytest.mark.multiworker

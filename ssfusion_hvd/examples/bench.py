@@ -89,6 +89,7 @@ def main(argv=None) -> dict:
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
 
     times, per_iter = [], []
+    compute = []  # every step's (forward, backward) on this rank, warm-up steps included
     ifaces = tuple(args.interfaces.split(","))
     tx0 = 0
     for step in range(args.warmup + args.iters):
@@ -106,6 +107,7 @@ def main(argv=None) -> dict:
         with opt.skip_synchronize():
             opt.step()
         t3 = time.perf_counter()
+        compute.append((t1 - t0, t2 - t1))
         if step >= args.warmup:
             times.append(t3 - t0)
             s = opt.stats()
@@ -121,6 +123,9 @@ def main(argv=None) -> dict:
     tx = float(hvd.allreduce(torch.tensor([tx], dtype=torch.float64), op=hvd.Sum,
                              name="bench.tx")[0])
     everyone = hvd.allgather(torch.tensor([times], dtype=torch.float64), name="bench.times")
+    # every rank's forward and backward of every step: what the warm-up profile timed can
+    # be set against the steps timed here (scripts/validate_planner.py)
+    steps_s = hvd.allgather(torch.tensor([compute], dtype=torch.float64), name="bench.compute")
     slowest = everyone.max(dim=0).values.tolist()
     it = statistics.median(slowest)
     med = lambda key: statistics.median(float(r[key]) for r in per_iter)  # noqa: E731
@@ -129,6 +134,8 @@ def main(argv=None) -> dict:
         "density": args.density, "workers": size, "batch": batch, "tensors": n_tensors,
         "parameters": sum(p.numel() for p in model.parameters()),
         "iteration_s": it, "samples_per_s": size * batch / it, "iteration_s_all": slowest,
+        # [rank][step] = (forward_s, backward_s) of every step, the untimed ones first
+        "steps_s": [[[round(v, 6) for v in st] for st in r] for r in steps_s.tolist()],
         "phase": per_iter[-1]["phase"], "density_target": per_iter[-1]["density_target"],
         "recipe": opt.recipe.describe() if hasattr(opt, "recipe") else "",
         # rank 0's medians: time step() blocked on communication, time from the first
