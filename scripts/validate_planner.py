@@ -177,10 +177,10 @@ def main(argv=None) -> int:
         extra = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
         bench_e2e.main(["--models", args.models, "--workers", args.workers, "--schemes",
                         ",".join(VALIDATED), "--name", args.name, "--out", str(out), *extra])
-    found = rows(json.loads(source.read_text())["runs"])
+    runs = json.loads(source.read_text())["runs"]
+    found = rows(runs)
     if not found:
         raise SystemExit(f"no planned run with a recorded plan and cost model in {source}")
-    runs = json.loads(source.read_text())["runs"]
     text = (f"Predicted (simulator on the run's own cost model and plan) against measured "
             f"(the median iteration, timed on its slowest rank), from `{source.name}`:\n\n" + table(found))
     compute = compute_rows(runs)

@@ -410,9 +410,9 @@ def slowest_rank_times(ready: np.ndarray) -> tuple[float, list[float]] | None:
 
 def ready_note(ready: np.ndarray) -> str:
     """The gathered ready times ``(ranks, iterations, tensors)`` as a JSON string for a
-    cost model's notes (microsecond resolution; never-timed entries as null). The
-    estimate :func:`slowest_rank_times` makes from them can then be checked against the
-    steps that ran, without the run (``scripts/validate_planner.py``)."""
+    cost model's notes (microsecond resolution; never-timed entries as null), so that a
+    saved run's forward and backward estimate (:func:`slowest_rank_times`, or another
+    one) can be derived again from what was measured, without rerunning it."""
     ready = np.asarray(ready, dtype=np.float64)
     rounded = np.round(ready, 6).astype(object)
     rounded[np.isnan(ready)] = None

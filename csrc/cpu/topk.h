@@ -12,10 +12,11 @@
 //   keeps those elements (with AVX-512: blocks of 16 tested, the blocks holding any
 //   listed, then their hits compressed out, no branch on the data; at the SSE2 baseline a
 //   block test and an append inside the blocks that hold any), and a radix select over
-//   the candidates' band resolves the exact k-th among them. The sample decides the speed, never the result: when the candidates are fewer
-//   than k (the sample overestimated) or far too many, the radix select runs on the
-//   whole input instead; when a chunk overflows its candidate buffer, a second pass
-//   collects it into buffers of the now known sizes.
+//   the candidates' band resolves the exact k-th among them. The sample decides the
+//   speed, never the result: when the candidates are fewer than k (the sample
+//   overestimated) or far too many, the radix select runs on the whole input instead;
+//   when a chunk overflows its candidate buffer, a second pass collects it into buffers
+//   of the now known sizes.
 //
 // A *source* supplies the values: `Plain` reads x; the error-feedback source of
 // feedback.cpp computes residual + grad on the fly, writing it back as it goes, so the
