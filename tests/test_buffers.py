@@ -3,6 +3,8 @@ written here from torch primitives: zero the whole output, add every rank's reco
 the whole output, copy it into the gradients. The sparse decode now touches the gradients
 once and its output only where the records point, so what one step leaves in the output
 must never reach the next."""
+import math
+
 import pytest
 import torch
 
@@ -193,3 +195,25 @@ def test_decode_path_follows_the_touched_share(monkeypatch, share, direct):
     decoded = unpack(part, gathered, 2, record_len, grads, 0.5)
     _assert_same(grads, _reference(part, gathered, 2, record_len, 0.5))
     assert (decoded.dim() == 0 and not decoded.is_floating_point()) == direct
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_nonfinite_count_is_exact_whatever_the_sum_does(dtype):
+    """The count's shortcut (a finite sum means no NaN/Inf) never changes the answer: finite
+    tensors whose sum overflows the dtype, or even float32, still count 0; each kind of
+    non-finite value, alone and mixed (+Inf beside -Inf sums to NaN), is counted exactly."""
+    big = torch.finfo(dtype).max
+    cases = {
+        "finite": (torch.linspace(-3, 3, 1001).to(dtype), 0),
+        # overflows the dtype (and, from bfloat16 up, the float32 accumulator too)
+        "sum overflows": (torch.full((64,), big, dtype=dtype), 0),
+        "empty": (torch.zeros(0, dtype=dtype), 0),
+    }
+    for what, values in {"nan": [math.nan], "+inf": [math.inf], "-inf": [-math.inf],
+                         "+inf and -inf": [math.inf, -math.inf],
+                         "all three": [math.nan, math.inf, -math.inf, math.nan]}.items():
+        x = torch.arange(257, dtype=torch.float32).to(dtype)
+        x[torch.arange(len(values)) * 31 + 5] = torch.tensor(values, dtype=dtype)
+        cases[what] = (x, len(values))
+    for what, (x, expected) in cases.items():
+        assert nonfinite_count(x) == expected == int((~torch.isfinite(x)).sum()), what
