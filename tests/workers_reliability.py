@@ -186,3 +186,28 @@ def options_cases():
             messages[case] = str(exc)
     total = hvd.allreduce(torch.ones(1), name="after_options_cases", op=hvd.Sum)
     return {"messages": messages, "total": float(total)}
+
+
+def waiting(delay=1.0):
+    """Rank 1 submits its allgather ``delay`` seconds after rank 0, which waits for it twice:
+    by ``Transport.wait`` and by Horovod's ``synchronize``. Returns this rank's
+    {"ours" | "horovod": (wall seconds, process CPU seconds, output ok)} of the wait."""
+    from types import SimpleNamespace
+
+    from ssfusion_hvd.core.transport import Transport, global_process_set
+
+    config = SimpleNamespace(process_set=global_process_set, op=hvd.Sum, gradient_predivide_factor=1.0)
+    tr = Transport(config, "waittest")
+    expected = torch.arange(2000, dtype=torch.float32)  # both ranks' 1000 values, in rank order
+    out = {}
+    for how, wait in (("ours", tr.wait), ("horovod", hvd.synchronize)):
+        hvd.allreduce(torch.zeros(1), name=f"waittest.barrier.{how}")
+        if hvd.rank() == 1:
+            time.sleep(delay)
+        mine = torch.arange(1000, dtype=torch.float32) + 1000 * hvd.rank()
+        handle = tr.allgather(mine, how)
+        wall, cpu = time.perf_counter(), time.process_time()
+        gathered = wait(handle)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        out[how] = (wall, cpu, bool(torch.equal(gathered, expected)))
+    return out
