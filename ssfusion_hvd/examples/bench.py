@@ -90,6 +90,7 @@ def main(argv=None) -> dict:
 
     times, per_iter = [], []
     compute = []  # every step's (forward, backward) on this rank, warm-up steps included
+    stamps = []   # every timed step's clock readings on this rank (see "stamps_s" below)
     ifaces = tuple(args.interfaces.split(","))
     tx0 = 0
     for step in range(args.warmup + args.iters):
@@ -117,7 +118,9 @@ def main(argv=None) -> dict:
                 "phase", "wait_s", "communicate_s", "sparsify_s", "offload_s", "allreduce_bytes",
                 "allgather_bytes", "alltoall_bytes", "tensors_missing", "elements_sent",
                 "elements", "nonfinite", "density_target")})
+            stamps.append((t0, t1, t2, t_sync, t3, time.perf_counter()))
     _barrier()
+    t_end = time.perf_counter()
     # every host counts once (its first local rank): all workers' bytes, over all links
     tx = float(host_tx_bytes(ifaces) - tx0) if hvd.local_rank() == 0 else 0.0
     tx = float(hvd.allreduce(torch.tensor([tx], dtype=torch.float64), op=hvd.Sum,
@@ -126,6 +129,12 @@ def main(argv=None) -> dict:
     # every rank's forward and backward of every step: what the warm-up profile timed can
     # be set against the steps timed here (scripts/validate_planner.py)
     steps_s = hvd.allgather(torch.tensor([compute], dtype=torch.float64), name="bench.compute")
+    # each timed step's (start, backward, synchronize, update, end, after stats()) on every
+    # rank, in seconds from the barrier that ends the timed window on this rank
+    # (perf_counter is one clock across the processes of one host: the ranks of a host
+    # can be lined up; across hosts the barrier is the common reference)
+    clock = torch.tensor([[[t - t_end for t in st] for st in stamps]], dtype=torch.float64)
+    stamps_s = hvd.allgather(clock, name="bench.stamps")
     slowest = everyone.max(dim=0).values.tolist()
     it = statistics.median(slowest)
     med = lambda key: statistics.median(float(r[key]) for r in per_iter)  # noqa: E731
@@ -136,6 +145,10 @@ def main(argv=None) -> dict:
         "iteration_s": it, "samples_per_s": size * batch / it, "iteration_s_all": slowest,
         # [rank][step] = (forward_s, backward_s) of every step, the untimed ones first
         "steps_s": [[[round(v, 6) for v in st] for st in r] for r in steps_s.tolist()],
+        "stamps_s": [[[round(v, 6) for v in st] for st in r] for r in stamps_s.tolist()],
+        # the timed window's wall time per iteration on rank 0: what the job's throughput
+        # is, stats() and the loop's own code included
+        "period_s": (t_end - stamps[0][0]) / max(args.iters, 1) if stamps else 0.0,
         "phase": per_iter[-1]["phase"], "density_target": per_iter[-1]["density_target"],
         "recipe": opt.recipe.describe() if hasattr(opt, "recipe") else "",
         # rank 0's medians: time step() blocked on communication, time from the first
