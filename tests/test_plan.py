@@ -408,6 +408,10 @@ def test_plan_json_round_trip_and_table(tmp_path, resnet50, scheme):
     assert ("(chosen by auto)" in text) == (scheme == "auto")
     assert all(name in text for name in names)
     assert text.count(" group [") == len(p.groups)
+    rows = [cells for cells in map(str.split, text.splitlines())  # one per tensor
+            if len(cells) > 2 and cells[0].isdigit() and cells[1].isdigit()]
+    assert len(rows) == len(p) and [r[-1] for r in rows] == [
+        "worker" if p.offload[i] else ("inline" if p.sparse[i] else "-") for i in range(len(p))]
     assert f"simulated iteration time: {t.iteration_s * 1e3:.3f} ms" in text
 
 

@@ -152,7 +152,9 @@ class Plan(JsonFile):
 
     # -- text --------------------------------------------------------------------------
     def table(self, timeline: "Timeline | None" = None, max_name: int = 40) -> str:
-        """Readable per-tensor table, grouped; with a timeline, per-group times in ms."""
+        """Readable per-tensor table, grouped; with a timeline, per-group times in ms.
+        ``select``: where a sparsified tensor's selection runs, ``inline`` (the training
+        thread, on the gradients' device) or ``worker`` (the SSFusion-O offload worker)."""
         lines = [
             f"plan: scheme={self.scheme}"
             f"{' (chosen by auto)' if self.notes.get('chosen_by') == 'auto' else ''} "
@@ -160,7 +162,7 @@ class Plan(JsonFile):
             f"tensors={len(self)} groups={len(self.groups)} "
             f"sent={self.sent_elements()}/{sum(self.sizes)} elements"
         ]
-        header = f"{'grp':>4} {'idx':>5}  {'tensor':<{max_name}} {'numel':>11} {'mode':<6} {'k':>9} {'density':>8} {'coll':<4} {'dev':<3}"
+        header = f"{'grp':>4} {'idx':>5}  {'tensor':<{max_name}} {'numel':>11} {'mode':<6} {'k':>9} {'density':>8} {'coll':<4} {'select':<6}"
         lines += [header, "-" * len(header)]
         for gi, g in enumerate(self.groups):
             if timeline is not None:
@@ -185,9 +187,11 @@ class Plan(JsonFile):
                 k_txt = "-" if k is None else str(k)
                 dens = "-" if k is None else f"{k / n:.4g}"
                 coll = "AR" if self.collective[i] == ALLREDUCE else "AG"
-                dev = "cpu" if self.offload[i] else ("gpu" if self.sparse[i] else "-")
+                # where the selection runs: the offload worker, or the training thread on
+                # the gradients' own device (CPU on a CPU job)
+                where = "worker" if self.offload[i] else ("inline" if self.sparse[i] else "-")
                 lines.append(
-                    f"{gi:>4} {i:>5}  {name:<{max_name}} {n:>11} {mode:<6} {k_txt:>9} {dens:>8} {coll:<4} {dev:<3}"
+                    f"{gi:>4} {i:>5}  {name:<{max_name}} {n:>11} {mode:<6} {k_txt:>9} {dens:>8} {coll:<4} {where:<6}"
                 )
         if timeline is not None:
             lines.append(f"simulated iteration time: {timeline.iteration_s * 1e3:.3f} ms")
