@@ -15,7 +15,10 @@ the next, as the live profile times it (``CostModel.forward_s``: the wrapped opt
 update, the loop's code and forward; then backward, selection and submissions,
 collectives, decode), on the slowest rank's compute times
 (``profile.slowest_rank_times``). Its measured counterpart is the benchmark's median
-iteration, each iteration timed on its slowest rank: the throughput a user sees. The
+iteration, each iteration timed on its slowest rank: the throughput a user sees. Runs that
+recorded it also show the timed window's wall time per iteration (``period_s``: the loop's
+own code and ``stats()`` included), which the median should match when nothing outside the
+step is slow. The
 issue's target: median |error| within 15 % across the planned schemes, per model and
 worker count. Output: ``<out>/validate.md``.
 """
@@ -93,14 +96,15 @@ def rows(runs: list) -> list[dict]:
                     "scheme": r["scheme"], "ran": plan["scheme"],
                     "sparse_tensors": sum(plan["sparse"]), "tensors": len(plan["sparse"]),
                     "predicted_s": pred, "measured_s": meas, "error": pred / meas - 1.0,
-                    "spread_s": (min(its), max(its)), "drift": halves_drift(its)})
+                    "spread_s": (min(its), max(its)), "drift": halves_drift(its),
+                    "period_s": r.get("period_s")})
     return out
 
 
 def table(found: list[dict]) -> str:
     lines = ["| model | workers | scheme (plan run) | sparse tensors | predicted ms | measured ms "
-             "(spread) | predicted / measured | measurement's drift |",
-             "|---|---:|---|---:|---:|---|---:|---:|"]
+             "(spread) | predicted / measured | measurement's drift | timed window / iterations ms |",
+             "|---|---:|---|---:|---:|---|---:|---:|---:|"]
     for r in found:
         ran = r["scheme"] + ("" if r["ran"] == r["scheme"] else f" ({r['ran']})")
         where = f"{r['workers']}" + (f" ({r['hosts']} hosts)" if r["hosts"] > 1 else "")
@@ -108,7 +112,8 @@ def table(found: list[dict]) -> str:
         lines.append(f"| {r['model']} | {where} | {ran} | {r['sparse_tensors']}/{r['tensors']} | "
                      f"{1e3 * r['predicted_s']:.0f} | {1e3 * r['measured_s']:.0f} "
                      f"({1e3 * lo:.0f}-{1e3 * hi:.0f}) | {r['predicted_s'] / r['measured_s']:.2f} | "
-                     f"{100 * r['drift']:+.0f} % |")
+                     f"{100 * r['drift']:+.0f} % | "
+                     f"{'-' if not r['period_s'] else format(1e3 * r['period_s'], '.0f')} |")
     lines.append("")
     groups = sorted({(r["model"], r["workers"], r["hosts"]) for r in found})
     for key in groups:

@@ -108,7 +108,9 @@ def test_planner_validation_compares_the_simulated_plan_with_the_measured_step(t
     assert found[0]["error"] == pytest.approx(1 / 1.25 - 1)
     assert found[0]["drift"] == pytest.approx(1.375 / 1.125 - 1)
     text = validate_planner.table(found)
-    assert "| m | 4 | ssfusion_oi | " in text and "| 0.80 | +22 % |" in text
+    assert "| m | 4 | ssfusion_oi | " in text and "| 0.80 | +22 % | - |" in text
+    period = validate_planner.table(validate_planner.rows([{**run, "period_s": 0.0123}]))
+    assert "| 0.80 | +22 % | 12 |" in period
     assert "median |error| 20.0 % over 1 schemes (OUTSIDE 15 %); 1 of 1 predictions inside " \
            "the measured spread; the measurements' own median |drift| 22.2 %" in text
 
@@ -162,6 +164,20 @@ def test_bench_worker_reports_a_planned_run(tmp_path):
     assert all(f > 0.0 and b > 0.0 for rank in steps for f, b in rank)
     ready = json.loads(cm["notes"]["warmup_ready_s"])
     assert len(ready) == 2 and all(len(rank) == 2 and len(rank[1]) == 8 for rank in ready)
+    # every timed step's clock readings on every rank, in order, before the closing barrier
+    stamps = r["stamps_s"]
+    assert len(stamps) == 2 and all(len(rank) == 3 and all(len(s) == 6 for s in rank)
+                                    for rank in stamps)
+    for rank, clock in enumerate(stamps):
+        flat = [t for s in clock for t in s]
+        assert flat == sorted(flat) and flat[-1] <= 0.0
+        for s, (f, b) in zip(clock, steps[rank][4:]):  # the same forward and backward
+            assert s[1] - s[0] == pytest.approx(f, abs=1e-5)
+            assert s[2] - s[1] == pytest.approx(b, abs=1e-5)
+    # the window's wall time (rank 0's first step's start to the closing barrier) holds
+    # every step and what lies between them
+    assert r["period_s"] * 3 == pytest.approx(-stamps[0][0][0], abs=1e-5)
+    assert r["period_s"] * 3 >= sum(st[4] - st[0] for st in stamps[0]) - 1e-5
 
 
 @pytest.mark.multiworker
