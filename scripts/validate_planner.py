@@ -18,9 +18,8 @@ collectives, decode), on the slowest rank's compute times
 iteration, each iteration timed on its slowest rank: the throughput a user sees. Runs that
 recorded it also show the timed window's wall time per iteration (``period_s``: the loop's
 own code and ``stats()`` included), which the median should match when nothing outside the
-step is slow. The
-issue's target: median |error| within 15 % across the planned schemes, per model and
-worker count. Output: ``<out>/validate.md``.
+step is slow. The issue's target: median |error| within 15 % across the planned schemes,
+per model and worker count. Output: ``<out>/validate.md``.
 """
 from __future__ import annotations
 

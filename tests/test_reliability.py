@@ -190,12 +190,13 @@ def test_a_dropped_optimizer_and_its_offload_thread_are_released():
 def test_a_rank_that_waits_sleeps_instead_of_spinning():
     """Horovod's synchronize() spins on sched_yield, taking a shared core from the rank
     everybody waits for; Transport.wait sleeps between polls. Rank 0 waits ~1 s for rank 1
-    both ways: ours must return the right output after using a small share of a core, while
-    Horovod's own wait, measured the same way, shows the spinning this guards against (so
-    the measurement can tell the two apart on this machine)."""
+    both ways: ours must return the right output after using a small share of a core, and
+    several times less CPU than Horovod's own wait measured the same way (the spinning this
+    guards against; compared with each other rather than with a whole core, so that a
+    loaded machine, which gives the spin less than a core, still tells them apart)."""
     rank0 = run_workers("workers_reliability:waiting", np=2, timeout=120, delay=1.0)[0]
     (wall, cpu, ok), (h_wall, h_cpu, h_ok) = rank0["ours"], rank0["horovod"]
     assert ok and h_ok
     assert wall > 0.5 and h_wall > 0.5, rank0  # rank 0 did wait for rank 1
     assert cpu < 0.25 * wall, rank0
-    assert h_cpu > 0.5 * h_wall, rank0
+    assert h_cpu > 4 * cpu, rank0
