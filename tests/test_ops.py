@@ -600,3 +600,44 @@ def test_large_tensor_ten_million():
     for k in (1, 100_000):
         _same(ops.topk(x, k, backend="native"), ops.topk(x, k, backend="torch"))
     _same(ops.threshold_select(x, 3.0, backend="native"), ops.threshold_select(x, 3.0, backend="torch"))
+
+
+def tied_at_kth(n, k, ties, seed):
+    """Normal values with ``ties`` positions (some in runs, some scattered) set to +-M, M the
+    magnitude ranked k - ties // 4: the k-th largest key is M and only some of the tied
+    positions are selected, the lowest ones. Sampled filtering applies (k small against n)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    m = x.abs().sort(descending=True).values[k - 1 - ties // 4]
+    runs = torch.arange(ties // 2) + int(torch.randint(0, n - ties, (1,), generator=g))
+    spread = torch.randperm(n, generator=g)[:ties - ties // 2]
+    pos = torch.cat([runs, spread])
+    x[pos] = m * torch.where(torch.rand(len(pos), generator=g) < 0.5, -1.0, 1.0)
+    return x
+
+
+@pytest.mark.parametrize("n", [100_003, 300_001, 1_000_003])
+def test_topk_ties_at_the_kth_key_when_filtering(n):
+    """The filtered path's resolve (bisection on the candidates' keys, block emit): ties at the
+    k-th key, in runs inside one block and scattered over chunks, go to the lower indices."""
+    k = n // 100
+    for ties in (2, 37, 200):
+        x = tied_at_kth(n, k, ties, seed=ties)
+        got = ops.topk(x, k, backend="native")
+        _same(got, ops.topk(x, k, backend="torch"))
+        key = ops.magnitude_key(x)
+        kth = key.sort(descending=True).values[k - 1]
+        tied = (key == kth).nonzero().flatten()
+        taken = torch.isin(tied, got[1].long())
+        assert 0 < int(taken.sum()) < len(tied)  # the boundary falls inside the ties
+        assert bool(taken[:int(taken.sum())].all())  # the lowest of them
+
+
+@pytest.mark.parametrize("n", [100_003, 300_001, 1_000_003])
+def test_topk_large_values_clustered_in_one_chunk(n):
+    """A run of large values: one chunk holds far more candidates than its share (its
+    buffer overflows and is collected again), the others few."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x[n // 3:n // 3 + n // 50] *= 100
+    for k in (n // 100, n // 1000):
+        _same(ops.topk(x, k, backend="native"), ops.topk(x, k, backend="torch"))

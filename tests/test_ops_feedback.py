@@ -3,6 +3,7 @@ ops.segmented_ef_topk): native kernels bit for bit against the torch fallback an
 the unfused ``residual + grad -> topk -> residual update`` in torch; ResidualMemory's fused
 path against its three-call path, for every local rule."""
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -144,7 +145,7 @@ def test_ef_topk_rejects_bad_input():
 
 
 def test_baseline_isa_filter_equals_torch():
-    """The SSE2 filter loops (what a CPU without AVX-512 runs), on this machine too."""
+    """The SSE2 filter and resolve loops (what a CPU without AVX-512 runs), on this machine too."""
     code = (
         "import torch\nfrom ssfusion_hvd import ops\n"
         "for n, k in [(20_000, 13), (300_001, 3_000), (1_000_003, 10_001)]:\n"
@@ -159,8 +160,14 @@ def test_baseline_isa_filter_equals_torch():
         "        a = ops.ef_topk(x, r1, k, dt)\n"
         "        b = ops.ef_topk(x, r2, k, dt, backend='torch')\n"
         "        assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]) and torch.equal(r1, r2)\n"
+        "from test_ops import tied_at_kth\n"
+        "for n in (100_003, 300_001):\n"
+        "    x = tied_at_kth(n, n // 100, 37, seed=n)\n"
+        "    a, b = ops.topk(x, n // 100), ops.topk(x, n // 100, backend='torch')\n"
+        "    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]), n\n"
         "print('baseline ok')\n")
     env = dict(os.environ, SSF_CPU_ISA="baseline")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "baseline ok" in out.stdout, out.stderr[-3000:]

@@ -31,6 +31,8 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -319,6 +321,70 @@ struct Plain {
   }
 };
 
+#ifdef SSF_X86_DISPATCH
+// count_at_least over float32 keys with AVX-512: each hit subtracts -1 from its lane.
+__attribute__((target("avx512f"))) inline int64_t count_at_least_avx512(const uint32_t* keys,
+                                                                        int64_t m, uint32_t x) {
+  const __m512i xv = _mm512_set1_epi32(int32_t(x));
+  __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+  int64_t j = 0;
+  for (; j + 32 <= m; j += 32) {  // two accumulators: the adds do not wait on each other
+    a0 = _mm512_mask_sub_epi32(a0, _mm512_cmpge_epu32_mask(_mm512_loadu_si512(keys + j), xv),
+                               a0, _mm512_set1_epi32(-1));
+    a1 = _mm512_mask_sub_epi32(
+        a1, _mm512_cmpge_epu32_mask(_mm512_loadu_si512(keys + j + 16), xv), a1,
+        _mm512_set1_epi32(-1));
+  }
+  for (; j + 16 <= m; j += 16)
+    a0 = _mm512_mask_sub_epi32(a0, _mm512_cmpge_epu32_mask(_mm512_loadu_si512(keys + j), xv),
+                               a0, _mm512_set1_epi32(-1));
+  int64_t c = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+  for (; j < m; ++j) c += keys[j] >= x;
+  return c;
+}
+#endif
+
+// How many of keys[0, m) are >= x (keys have the sign bit clear).
+template <typename U>
+int64_t count_at_least(const U* keys, int64_t m, U x) {
+  if (x > Key<U>::kMask) return 0;
+  int64_t c = 0, j = 0;
+#ifdef SSF_X86_DISPATCH
+  if constexpr (sizeof(U) == 4) {
+    if (use_avx512()) return count_at_least_avx512(keys, m, x);
+  }
+#endif
+#if defined(__SSE2__)
+  // Below the sign bit keys compare alike as signed integers (block_hits).
+  if constexpr (sizeof(U) == 4) {
+    const __m128i below = _mm_set1_epi32(static_cast<int32_t>(x) - 1);
+    __m128i acc = _mm_setzero_si128();
+    for (; j + 4 <= m; j += 4) {  // a hit is -1 in its lane
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + j));
+      acc = _mm_sub_epi32(acc, _mm_cmpgt_epi32(v, below));
+    }
+    alignas(16) int32_t lanes[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(lanes), acc);
+    c = int64_t(lanes[0]) + lanes[1] + lanes[2] + lanes[3];
+  }
+#endif
+  for (; j < m; ++j) c += keys[j] >= x;
+  return c;
+}
+
+// The k-th largest of keys[0, m) (1 <= k <= m, keys with the sign bit clear), known to
+// lie in [lo, hi]: bisection on the key, one vectorized count per step. No step depends
+// on the keys' order or on a branch per key, where a heap or a histogram waits on its own
+// updates; ~log2(hi - lo) passes over m keys, for the few thousand keys it is given.
+template <typename U>
+U kth_key_by_count(const U* keys, int64_t m, int64_t k, U lo, U hi) {
+  while (lo < hi) {  // count(>= lo) >= k > count(>= hi + 1)
+    const U mid = static_cast<U>(lo + (hi - lo + 1) / 2);
+    if (count_at_least(keys, m, mid) >= k) lo = mid; else hi = static_cast<U>(mid - 1);
+  }
+  return lo;
+}
+
 // 32-bit mixing (a fixed permutation of uint32, murmur3's finalizer): the jitter of the
 // sample positions, so a stride never lines up with a weight layout.
 inline uint32_t mix32(uint32_t h) {
@@ -395,102 +461,132 @@ struct ChunkCandidates {
   int64_t begin = 0;  // the chunk's first position
 };
 
+#ifdef SSF_X86_DISPATCH
+// emit_selected's full blocks with AVX-512 (float32 values, int32 positions): the keys
+// above kth, and ties while `tie` lasts, compressed out 16 at a time while a whole block of
+// output fits before `end`. Returns (candidates done, output position).
+__attribute__((target("avx512f"))) inline std::pair<int64_t, int64_t> emit_blocks_avx512(
+    const uint32_t* v, const uint32_t* p, int64_t m, int64_t first, uint32_t kth, int64_t& tie,
+    uint32_t* out_v, int32_t* out_i, int64_t o, int64_t end) {
+  const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF), kv = _mm512_set1_epi32(int32_t(kth));
+  const __m512i fv = _mm512_set1_epi32(int32_t(first));
+  int64_t j = 0;
+  for (; j + 16 <= m && o + 16 <= end; j += 16) {
+    const __m512i raw = _mm512_loadu_si512(v + j);
+    const __m512i key = _mm512_and_si512(raw, mask);
+    uint32_t take = _mm512_cmpgt_epu32_mask(key, kv);
+    uint32_t eq = _mm512_cmpeq_epu32_mask(key, kv);
+    for (; eq && tie > 0; eq &= eq - 1, --tie) take |= eq & (0u - eq);  // ties: rare
+    const __m512i pos = _mm512_add_epi32(_mm512_loadu_si512(p + j), fv);
+    _mm512_storeu_si512(out_v + o, _mm512_maskz_compress_epi32(__mmask16(take), raw));
+    _mm512_storeu_si512(out_i + o, _mm512_maskz_compress_epi32(__mmask16(take), pos));
+    o += __builtin_popcount(take);
+  }
+  return {j, o};
+}
+#endif
+
+// Writes the selected of one chunk's candidates (raw values v, positions first + p, m of
+// them) into out[o, end): keys above kth, and keys equal to it while `tie` lasts
+// (decremented as taken). Each candidate is written and the position moves on only when it
+// is taken (no branch on the data); it stops once end is reached, so nothing is written
+// past the chunk's share of the output. Returns the output position reached.
+template <typename U, typename I>
+int64_t emit_selected(const U* v, const uint32_t* p, int64_t m, int64_t first, U kth,
+                      int64_t& tie, U* out_v, I* out_i, int64_t o, int64_t end) {
+  int64_t j = 0;
+#ifdef SSF_X86_DISPATCH
+  if constexpr (sizeof(U) == 4 && std::is_same_v<I, int32_t>) {
+    if (use_avx512()) std::tie(j, o) = emit_blocks_avx512(v, p, m, first, kth, tie, out_v, out_i, o, end);
+  }
+#endif
+  for (; j < m && o < end; ++j) {
+    const U key = Key<U>::of(v[j]);
+    out_v[o] = v[j];
+    out_i[o] = static_cast<I>(first + p[j]);
+    bool take = key > kth;
+    if (key == kth) take = tie-- > 0;  // ties are rare: a predicted branch
+    o += take;
+  }
+  return o;
+}
+
 // The exact top k of candidates whose keys are all >= t, the chunks' lists in index order:
-// out_v/out_i (positions base + chunk begin + p), index order, ties to the lower index. A
-// radix select like topk_bits, but its bins span only the candidates' band [t, largest
-// key], so the candidates spread over them and the bin holding the k-th key is small.
-// Many candidates: every pass runs over the chunks in parallel, 2048 bins; few: one
-// thread, no per-chunk setup and about one bin per 4 candidates (what dominates a
-// mid-size tensor).
+// out_v/out_i (positions base + chunk begin + p), index order, ties to the lower index.
+//
+// Few candidates (what a mid-size tensor has): their keys copied into one array, the k-th
+// largest found by bisection on [t, largest key] with a vectorized count per step (a
+// compare and an add per key and step, no dependence between keys, where a histogram's
+// increments wait on each other when keys share a bin), then one pass emits the keys above
+// it and the first ties. Many: a radix select like topk_bits, its 2048 bins spanning only
+// the candidates' band, every pass over the chunks in parallel.
 template <typename U, typename I>
 void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U t,
                         U* out_v, I* out_i, int64_t base) {
   const int64_t nc = int64_t(cc.size());
   int64_t total_c = 0;
   for (const auto& ch : cc) total_c += ch.m;
-  const bool few = total_c < (int64_t(1) << 16);
-  auto each_chunk = [&](const auto& fn) {
-    if (few) {
-      for (int64_t c = 0; c < nc; ++c) fn(c);
-      return;
+  if (total_c < (int64_t(1) << 16)) {
+    std::unique_ptr<U[]> keys(new U[total_c]);
+    U top = t;
+    for (int64_t c = 0, q = 0; c < nc; ++c) {
+      for (int64_t j = 0; j < cc[c].m; ++j) {
+        keys[q] = Key<U>::of(cc[c].v[j]);
+        top = std::max(top, keys[q++]);
+      }
     }
+    const U kth = kth_key_by_count(keys.get(), total_c, k, t, top);
+    int64_t tie = k - count_at_least(keys.get(), total_c, static_cast<U>(kth + 1));
+    for (int64_t c = 0, o = 0; c < nc; ++c)
+      o = emit_selected(cc[c].v, cc[c].p, cc[c].m, base + cc[c].begin, kth, tie, out_v, out_i,
+                        o, k);
+    return;
+  }
+  std::vector<U> tops(nc, t);
+  at::parallel_for(0, nc, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      U top = t;
+      for (int64_t j = 0; j < cc[c].m; ++j) top = std::max(top, Key<U>::of(cc[c].v[j]));
+      tops[c] = top;
+    }
+  });
+  const U top = *std::max_element(tops.begin(), tops.end());
+  constexpr int64_t bins = 2048;
+  int shift = 0;
+  while ((static_cast<uint64_t>(top - t) >> shift) >= uint64_t(bins)) ++shift;
+  auto bin = [&](U v) { return static_cast<int64_t>((Key<U>::of(v) - t) >> shift); };
+  auto each_chunk = [&](const auto& fn) {
     at::parallel_for(0, nc, 1, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) fn(c);
     });
   };
-  std::vector<U> tops(nc, t);
+  // Per chunk histograms, the pivot bin and what lies above.
+  std::vector<int32_t> hist(nc * bins, 0);
   each_chunk([&](int64_t c) {
-    U top = t;
-    for (int64_t j = 0; j < cc[c].m; ++j) top = std::max(top, Key<U>::of(cc[c].v[j]));
-    tops[c] = top;
-  });
-  const U top = *std::max_element(tops.begin(), tops.end());
-  int64_t bins = 2048;
-  if (few) {
-    bins = 64;
-    while (bins < 2048 && bins * 4 < total_c) bins *= 2;
-  }
-  int shift = 0;
-  while ((static_cast<uint64_t>(top - t) >> shift) >= uint64_t(bins)) ++shift;
-  auto bin = [&](U v) { return static_cast<int64_t>((Key<U>::of(v) - t) >> shift); };
-  // Writes chunk c's selected candidates into out[o, end): keys above kth, and `tie` keys
-  // equal to it (decremented as taken). Each candidate is written and the position moves
-  // on only when it is taken (no branch on the data); it stops once end is reached, so
-  // nothing is written past the chunk's share of the output.
-  auto emit = [&](int64_t c, int64_t o, int64_t end, U kth, int64_t& tie) {
-    const U* v = cc[c].v;
-    const uint32_t* p = cc[c].p;
-    const int64_t m = cc[c].m, first = base + cc[c].begin;
-    for (int64_t j = 0; j < m && o < end; ++j) {
-      const U key = Key<U>::of(v[j]);
-      out_v[o] = v[j];
-      out_i[o] = static_cast<I>(first + p[j]);
-      bool take = key > kth;
-      if (key == kth) take = tie-- > 0;  // ties are rare: a predicted branch
-      o += take;
-    }
-    return o;
-  };
-  // Per chunk histograms (one for all chunks when few), the pivot bin and what lies above.
-  const int64_t nh = few ? 1 : nc;
-  std::vector<int32_t> hist(nh * bins, 0);
-  each_chunk([&](int64_t c) {
-    int32_t* h = hist.data() + (few ? 0 : c * bins);
+    int32_t* h = hist.data() + c * bins;
     for (int64_t j = 0; j < cc[c].m; ++j) ++h[bin(cc[c].v[j])];
   });
   std::vector<int64_t> total(bins, 0);
-  for (int64_t c = 0; c < nh; ++c)
+  for (int64_t c = 0; c < nc; ++c)
     for (int64_t b = 0; b < bins; ++b) total[b] += hist[c * bins + b];
   int64_t pivot = bins - 1, above = 0;
   for (; pivot > 0 && above + total[pivot] < k; --pivot) above += total[pivot];
   const int64_t need = k - above;  // taken from the pivot bin, 1 <= need <= total[pivot]
   // The pivot bin's keys, chunk by chunk in index order, and the exact k-th key among them.
-  std::vector<int64_t> piv_off(nc + 1, 0);  // per chunk (many candidates only)
-  if (!few) {
-    for (int64_t c = 0; c < nc; ++c) piv_off[c] = hist[c * bins + pivot];
-    exclusive_scan(piv_off.data(), nc + 1);
-  }
+  std::vector<int64_t> piv_off(nc + 1, 0);
+  for (int64_t c = 0; c < nc; ++c) piv_off[c] = hist[c * bins + pivot];
+  exclusive_scan(piv_off.data(), nc + 1);
   std::vector<U> piv(total[pivot]);
-  auto gather = [&](int64_t c, int64_t q) {
+  each_chunk([&](int64_t c) {
+    int64_t q = piv_off[c];
     for (int64_t j = 0; j < cc[c].m; ++j)
       if (bin(cc[c].v[j]) == pivot) piv[q++] = Key<U>::of(cc[c].v[j]);
-    return q;
-  };
-  if (few) {
-    for (int64_t c = 0, q = 0; c < nc; ++c) q = gather(c, q);
-  } else {
-    each_chunk([&](int64_t c) { gather(c, piv_off[c]); });
-  }
+  });
   std::vector<U> sel(piv);
   std::nth_element(sel.begin(), sel.begin() + (need - 1), sel.end(), std::greater<U>());
   const U kth = sel[need - 1];
   int64_t ties_left = need;  // keys equal to kth are taken, lowest indices first
   for (const U key : piv) ties_left -= key > kth;
-  if (few) {  // one output stream, the chunks in order
-    int64_t o = 0;
-    for (int64_t c = 0; c < nc; ++c) o = emit(c, o, k, kth, ties_left);
-    return;
-  }
   // Per chunk: its share of the ties and where its output starts.
   std::vector<int64_t> ties(nc, 0), out_off(nc + 1, 0);
   for (int64_t c = 0; c < nc; ++c) {
@@ -508,7 +604,8 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
   exclusive_scan(out_off.data(), nc + 1);
   each_chunk([&](int64_t c) {
     int64_t tie = ties[c];
-    emit(c, out_off[c], out_off[c + 1], kth, tie);
+    emit_selected(cc[c].v, cc[c].p, cc[c].m, base + cc[c].begin, kth, tie, out_v, out_i,
+                  out_off[c], out_off[c + 1]);
   });
 }
 
@@ -540,19 +637,24 @@ void topk_filtered(const Src& src, int64_t n, int64_t k, U* out_v, I* out_i, int
     return;
   }
   std::vector<ChunkCandidates<U>> cc(ch.count);
+  bool overflowed = false;
+  for (int64_t c = 0; c < ch.count; ++c) {
+    cc[c] = {cv.get() + c * cap, cp.get() + c * cap, count[c], ch.begin(c)};
+    overflowed |= count[c] > cap;
+  }
   std::vector<std::vector<U>> more_v(ch.count);  // chunks that overflowed, recollected
   std::vector<std::vector<uint32_t>> more_p(ch.count);
-  ch.for_each([&](int64_t c) {
-    const int64_t m = count[c], b = ch.begin(c);
-    cc[c] = {cv.get() + c * cap, cp.get() + c * cap, m, b};
-    if (m > cap) {
+  if (overflowed) {  // rare: no parallel region otherwise
+    ch.for_each([&](int64_t c) {
+      const int64_t m = count[c], b = ch.begin(c);
+      if (m <= cap) return;
       more_v[c].resize(m);
       more_p[c].resize(m);
       filter_values(x + b, ch.end(c) - b, t, more_v[c].data(), more_p[c].data(), m);
       cc[c].v = more_v[c].data();
       cc[c].p = more_p[c].data();
-    }
-  });
+    });
+  }
   resolve_candidates<U, I>(cc, k, t, out_v, out_i, base);
 }
 
