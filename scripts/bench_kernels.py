@@ -10,8 +10,9 @@ this one process:
    for n from 1e3 to 2.5e7 at density 0.01 and 0.001;
 2. error feedback around the selection: the fused op (``ops.ef_topk``: residual += grad,
    top-k of the sum, selected residual entries zeroed) vs the same three steps as
-   separate torch calls around our top-k, against top-k alone and a memcpy of the
-   gradient;
+   separate torch calls around our top-k, against top-k alone, the accumulation alone
+   (``residual.add_(grad)``: the two reads and one write any error feedback makes, its
+   floor) and a memcpy of the gradient;
 3. segmented top-k over a real model's gradient list (GPT-2 small and ResNet-50) vs one
    top-k call per tensor vs one call over the concatenation, and the fused segmented op;
 4. a sparse part's decode (``core/buffers.unpack``) of GPT-2's 148 tensors at a fifth of
@@ -136,9 +137,11 @@ def bench_feedback(sizes, density, reps):
         unfused = median_time(lambda i: unfused_feedback(grads[i % len(grads)], res, k), r)
         sums = [g + res for g in grads]
         alone = median_time(lambda i: ops.topk(sums[i % len(sums)], k), r)
+        res = torch.zeros(n)
+        accumulate = median_time(lambda i: res.add_(grads[i % len(grads)]), r)
         dst = torch.empty(n)
         memcpy = median_time(lambda i: dst.copy_(grads[i % len(grads)]), r)
-        rows.append((n, density, k, fused, unfused, alone, memcpy))
+        rows.append((n, density, k, fused, unfused, alone, accumulate, memcpy))
         del sums
     return rows
 
@@ -223,7 +226,7 @@ def main():
         torch.set_num_threads(args.threads)
     run = {t: args.only in (None, t) for t in ("topk", "feedback", "segmented", "decode")}
     sizes = [1_000, 100_000, 1_000_000, 25_000_000] if args.quick else \
-        [1_000, 10_000, 100_000, 1_000_000, 10_000_000, 25_000_000]
+        [1_000, 10_000, 100_000, 300_000, 1_000_000, 10_000_000, 25_000_000]
     reps = 5 if args.quick else args.reps
     print(f"# CPU kernel benchmark: {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}; medians in ms "
@@ -237,12 +240,14 @@ def main():
                   f"| {tt / ours:6.1f}x | {ours / mc:5.2f}x |")
     if run["feedback"]:
         print()
-        print("| n | k | fused ef_topk | unfused (add, topk, index_fill) | topk alone | memcpy "
-              "| fused/memcpy | fused/topk | unfused/fused |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for n, d, k, fused, unfused, alone, mc in bench_feedback(sizes, 0.01, reps):
-            print(f"| {n:,} | {k:,} | {fused.ms()} | {fmt_ms(unfused)} | {fmt_ms(alone)} | {mc.ms()} "
-                  f"| {fused / mc:5.2f}x | {fused / alone:5.2f}x | {unfused / fused:5.2f}x |")
+        print("| n | k | fused ef_topk | unfused (add, topk, index_fill) | topk alone "
+              "| accumulate alone | memcpy | fused/memcpy | fused/topk | accumulate/topk "
+              "| unfused/fused |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for n, d, k, fused, unfused, alone, acc, mc in bench_feedback(sizes, 0.01, reps):
+            print(f"| {n:,} | {k:,} | {fused.ms()} | {fmt_ms(unfused)} | {fmt_ms(alone)} "
+                  f"| {fmt_ms(acc)} | {mc.ms()} | {fused / mc:5.2f}x | {fused / alone:5.2f}x "
+                  f"| {acc / alone:5.2f}x | {unfused / fused:5.2f}x |")
     if run["segmented"]:
         print()
         print("| model | tensors | elements | k total | segmented | loop (ours) | one call on concat "
