@@ -457,12 +457,17 @@ def test_int64_indices_beyond_2_31():
 
 @pytest.mark.parametrize("gdt,rdt,wdt", [(torch.float32, torch.float32, torch.float32),
                                          (torch.float16, torch.float32, torch.float16),
+                                         (torch.bfloat16, torch.float32, torch.bfloat16),
+                                         (torch.float32, torch.float32, torch.bfloat16),
+                                         (torch.float16, torch.float16, torch.float16),
                                          (torch.bfloat16, torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "special"])
 def test_ef_topk_cuda_equals_cpu(gdt, rdt, wdt, kind):
     """ef_topk and segmented_ef_topk: selections and updated residuals (NaN payloads aside,
-    as for scatter-add: the sum is arithmetic)."""
-    for n, k in [(0, 0), (1000, 10), (300_001, 3_000), (2_000_003, 20_001)]:
+    as for scatter-add: the sum is arithmetic). A float32 residual runs the fused kernel
+    (the sum formed in the first radix pass), k = 0 and k = n its accumulate-only paths."""
+    for n, k in [(0, 0), (100, 0), (100, 100), (1000, 10), (300_001, 3_000),
+                 (2_000_003, 20_001)]:
         grad = _data(n, gdt, kind, seed=n)
         res = (torch.randn(n, generator=torch.Generator().manual_seed(k)) * 0.3).to(rdt)
         r_cpu, r_gpu = res.clone(), res.to(DEV)

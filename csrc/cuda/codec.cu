@@ -20,6 +20,7 @@
 // to float32, add, and round to nearest even (c10::Half / c10::BFloat16 arithmetic).
 #include "kernels.cuh"
 #include "common.cuh"
+#include "values.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -74,19 +75,6 @@ __device__ __forceinline__ I load_index(const U* __restrict__ words, int64_t j) 
     r |= (unsigned long long)words[j * kWords + w] << (8 * sizeof(U) * w);
   using UI = typename std::conditional<sizeof(I) == 4, uint32_t, unsigned long long>::type;
   return static_cast<I>(static_cast<UI>(r));
-}
-
-template <int KIND>
-__device__ __forceinline__ float widen(uint16_t u);
-
-template <>
-__device__ __forceinline__ float widen<int(ValueKind::kFloat16)>(uint16_t u) {
-  return __half2float(__ushort_as_half(u));
-}
-
-template <>
-__device__ __forceinline__ float widen<int(ValueKind::kBFloat16)>(uint16_t u) {
-  return __uint_as_float(uint32_t(u) << 16);
 }
 
 // How scatter_add_chunks adds a record value v into a dense value d.
@@ -196,29 +184,6 @@ void dispatch_kind(ValueKind kind, const F& fn) {
 }
 
 // ------------------------------------------------------------------- deliver_chunks
-
-template <int KIND>
-struct RawOf {  // the raw bits of a value kind
-  using type = uint16_t;
-};
-template <>
-struct RawOf<int(ValueKind::kFloat32)> {
-  using type = uint32_t;
-};
-
-template <int KIND>
-__device__ __forceinline__ float to_float(typename RawOf<KIND>::type u) {
-  if constexpr (KIND == int(ValueKind::kFloat32)) return __uint_as_float(u);
-  else return widen<KIND>(u);
-}
-
-// Rounds to nearest even, as c10::Half / c10::BFloat16 do.
-template <int KIND>
-__device__ __forceinline__ typename RawOf<KIND>::type from_float(float v) {
-  if constexpr (KIND == int(ValueKind::kFloat32)) return __float_as_uint(v);
-  else if constexpr (KIND == int(ValueKind::kFloat16)) return __half_as_ushort(__float2half_rn(v));
-  else return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-}
 
 // What out.mul_(scale) (product in float, rounded to AK) then a copy into GK make of a.
 template <int AK, int GK>

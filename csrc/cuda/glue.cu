@@ -174,21 +174,23 @@ double sampled_threshold_cuda(const at::Tensor& x_in, int64_t k, int64_t samples
 
 // ------------------------------------------------------- error feedback (ef_topk, ops.h)
 //
-// On the GPU the fused op is composed: torch's add writes residual + grad into the residual
-// (one elementwise kernel, float32 arithmetic as on the CPU), the radix top-k reads it, and
-// the selected entries are replaced by their wire error. Same results as the CPU op; the
-// accumulation is not yet folded into the radix select's first pass.
+// A float32 residual takes the fused op of select.cu (the sum formed in the first radix
+// pass). A 16-bit residual (gradient and wire of its dtype), and the segmented op, are
+// composed: torch's add writes residual + grad into the residual (float32 arithmetic,
+// rounded once, as on the CPU), the radix top-k reads it, and one launch writes the
+// selected entries' wire error.
 namespace {
 
-void apply_wire_error(at::Tensor& residual, const at::Tensor& values, const at::Tensor& indices,
-                      at::ScalarType wire) {
-  at::Tensor flat = residual.view({-1});
-  const at::Tensor idx = indices.to(at::kLong);
-  if (wire == residual.scalar_type()) {
-    flat.index_fill_(0, idx, 0);
-  } else {
-    flat.index_copy_(0, idx, values - values.to(wire).to(residual.scalar_type()));
-  }
+void wire_error_of(at::Tensor& residual, const at::Tensor& values, const at::Tensor& indices,
+                   at::ScalarType wire, cudaStream_t stream) {
+  dispatch_bits_index(residual.element_size(), indices.scalar_type(), [&](auto u, auto i) {
+    using U = decltype(u);
+    using I = decltype(i);
+    cuda::apply_wire_error<U, I>(static_cast<U*>(residual.data_ptr()),
+                                 kind_of(residual.scalar_type()), kind_of(wire),
+                                 static_cast<const U*>(values.const_data_ptr()),
+                                 indices.const_data_ptr<I>(), values.numel(), stream);
+  });
 }
 
 }  // namespace
@@ -196,11 +198,26 @@ void apply_wire_error(at::Tensor& residual, const at::Tensor& values, const at::
 std::tuple<at::Tensor, at::Tensor> ef_topk_cuda(const at::Tensor& grad_in, at::Tensor& residual,
                                                 int64_t k, at::ScalarType wire_dtype) {
   const at::Tensor grad = check_feedback(grad_in, residual, wire_dtype, "ef_topk", at::kCUDA);
-  check_k(k, 0, grad.numel(), "ef_topk");
+  const int64_t n = grad.numel();
+  check_k(k, 0, n, "ef_topk");
   const OnDevice on(residual);
-  residual.view({-1}).add_(grad.to(residual.scalar_type()));
-  auto [values, indices] = topk_cuda(residual, k);
-  apply_wire_error(residual, values, indices, wire_dtype);
+  if (residual.scalar_type() != at::kFloat) {
+    residual.view({-1}).add_(grad);
+    auto [values, indices] = topk_cuda(residual, k);
+    wire_error_of(residual, values, indices, wire_dtype, on.stream);
+    return {values, indices};
+  }
+  const auto idt = index_dtype_for(n);
+  at::Tensor values = at::empty({k}, residual.options());
+  at::Tensor indices = at::empty({k}, residual.options().dtype(idt));
+  at::Tensor ws = workspace_for(residual, cuda::topk_workspace_bytes<uint32_t>(n, k));
+  dispatch_index(idt, [&](auto i) {
+    using I = decltype(i);
+    cuda::ef_topk_f32<I>(grad.const_data_ptr(), kind_of(grad.scalar_type()),
+                         residual.data_ptr<float>(), n, k, kind_of(wire_dtype),
+                         static_cast<uint32_t*>(values.data_ptr()), indices.data_ptr<I>(),
+                         ws.data_ptr(), size_t(ws.numel()), on.stream);
+  });
   return {values, indices};
 }
 
@@ -217,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_cuda(const at::Tensor& grad
   const OnDevice on(residual);
   residual.view({-1}).add_(grad.to(residual.scalar_type()));
   auto [values, indices] = segmented_topk_cuda(residual, offsets, ks);
-  apply_wire_error(residual, values, indices, wire_dtype);
+  wire_error_of(residual, values, indices, wire_dtype, on.stream);
   return {values, indices};
 }
 

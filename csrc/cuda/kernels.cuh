@@ -107,6 +107,27 @@ double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, uint
                          ValueKind kind, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream);
 
+// ----------------------------------------------------------------------------- error feedback
+
+// ef_topk (../ops.h) with a float32 residual: residual[i] += grad[i] (grad_kind: float32, or
+// float16/bfloat16 widened exactly; one float32 add, as on the CPU), the top k of the sums
+// exactly as topk returns them (out_v: float32 bits), and the k selected entries of the
+// residual replaced by their wire error (apply_wire_error). The sums are formed in the
+// first radix pass, which writes them back and histograms them from registers: gradient
+// and residual are read once and the residual written once before the other passes read it
+// as topk reads its input. Workspace: topk_workspace_bytes<uint32_t>(n, k). No host sync.
+template <typename I>
+void ef_topk_f32(const void* grad, ValueKind grad_kind, float* residual, int64_t n, int64_t k,
+                 ValueKind wire_kind, uint32_t* out_v, I* out_i, void* workspace,
+                 size_t workspace_bytes, cudaStream_t stream);
+
+// residual[indices[j]] = what the wire (wire_kind) loses of values[j], j < k: +0 when it
+// carries the residual's kind (acc_kind) exactly, else v - v rounded to wire_kind for a
+// float32 residual (a 16-bit residual is sent in its own kind). One launch, no host sync.
+template <typename U, typename I>
+void apply_wire_error(U* residual, ValueKind acc_kind, ValueKind wire_kind, const U* values,
+                      const I* indices, int64_t k, cudaStream_t stream);
+
 // ----------------------------------------------------------------------------- codec
 
 // Writes the record (values[0,k), indices[0,k)) at element `offset` of `out`; returns the

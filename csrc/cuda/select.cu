@@ -17,9 +17,14 @@
 //           so the output is in index order and the ties taken are the lowest indices.
 // Threshold select is the same compaction with one class: key >= key_min, where key_min
 // is the smallest key satisfying isnan(v) || (double)|v| >= thr (threshold_key).
+// Error feedback (ef_topk_f32) is top-k whose first radix pass forms residual + grad,
+// writes it back as the residual and histograms it in registers; the other passes and the
+// compaction read the residual as top-k reads its input; a last launch writes the selected
+// entries' wire error (apply_wire_error, also the composed ops' last step).
 #include "kernels.cuh"
 #include "common.cuh"
 #include "radix.cuh"
+#include "values.cuh"
 
 #include <cub/device/device_scan.cuh>
 
@@ -27,6 +32,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace ssf {
 namespace cuda {
@@ -206,6 +212,79 @@ void radix_pass(const U* x, int64_t n, int64_t k, int shift, int pass, RadixStat
   SSF_CUDA_CHECK_LAUNCH();
 }
 
+// ------------------------------------------------------------------ error feedback
+
+// residual[i] += grad[i] for a float32 residual (GK: the gradient's kind, 16-bit widened
+// exactly; one float32 add, as the CPU and torch's add do), written back. HIST: also
+// histogram the sums' top digit, bits 30..20 (top-k's first pass, float32 digits 11/11/9),
+// so the sums are counted from registers instead of being read again.
+template <int GK, bool HIST>
+__global__ void __launch_bounds__(kHistThreads)
+    accumulate_kernel(const typename RawOf<GK>::type* __restrict__ grad,
+                      float* __restrict__ residual, int64_t n,
+                      unsigned long long* __restrict__ hist) {
+  __shared__ unsigned int sh[HIST ? 2048 : 1];
+  if constexpr (HIST) {
+    for (int b = threadIdx.x; b < 2048; b += blockDim.x) sh[b] = 0;
+    __syncthreads();
+  }
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float a = __fadd_rn(residual[i], to_float<GK>(grad[i]));
+    residual[i] = a;
+    if constexpr (HIST) atomicAdd(&sh[(__float_as_uint(a) & KeyOf<uint32_t>::kMask) >> 20], 1u);
+  }
+  if constexpr (HIST) {
+    __syncthreads();
+    for (int b = threadIdx.x; b < 2048; b += blockDim.x)
+      if (sh[b]) atomicAdd(&hist[b], (unsigned long long)sh[b]);
+  }
+}
+
+template <int GK>
+void accumulate(const void* grad, float* residual, int64_t n, unsigned long long* hist,
+                cudaStream_t s) {
+  if (n == 0) return;
+  const unsigned grid = grid_for(n, kHistThreads * 16, kHistMaxBlocks);
+  const auto* g = static_cast<const typename RawOf<GK>::type*>(grad);
+  if (hist) accumulate_kernel<GK, true><<<grid, kHistThreads, 0, s>>>(g, residual, n, hist);
+  else accumulate_kernel<GK, false><<<grid, kHistThreads, 0, s>>>(g, residual, n, nullptr);
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
+// What the wire (WK) loses of a sent value a of kind AK: +0 when it carries AK exactly,
+// else a - a rounded to WK (a float32 residual sent as float16/bfloat16), like the CPU's
+// wire_error and ops.py's torch composition.
+template <int AK, int WK>
+__device__ __forceinline__ typename RawOf<AK>::type wire_error(typename RawOf<AK>::type a) {
+  if constexpr (AK == WK) {
+    return 0;
+  } else {
+    const float f = to_float<AK>(a);
+    return from_float<AK>(__fsub_rn(f, to_float<WK>(from_float<WK>(f))));
+  }
+}
+
+template <int AK, int WK, typename I>
+__global__ void wire_error_kernel(typename RawOf<AK>::type* __restrict__ residual,
+                                  const typename RawOf<AK>::type* __restrict__ values,
+                                  const I* __restrict__ indices, int64_t k) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride)
+    residual[indices[j]] = wire_error<AK, WK>(values[j]);
+}
+
+// Calls fn(std::integral_constant<int, kind>{}) for a ValueKind known at run time.
+template <typename F>
+void dispatch_kind(ValueKind kind, const F& fn) {
+  switch (kind) {
+    case ValueKind::kFloat32: fn(std::integral_constant<int, int(ValueKind::kFloat32)>{}); return;
+    case ValueKind::kFloat16: fn(std::integral_constant<int, int(ValueKind::kFloat16)>{}); return;
+    case ValueKind::kBFloat16: fn(std::integral_constant<int, int(ValueKind::kBFloat16)>{}); return;
+  }
+  throw std::runtime_error("ssfusion_hvd CUDA: bad value kind");
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------ public API
@@ -245,6 +324,58 @@ void topk(const U* x, int64_t n, int64_t k, U* out_v, I* out_i, void* workspace,
   tile_write_kernel<U, I><<<unsigned(L.tiles.tiles), kTileThreads, 0, s>>>(
       x, n, rule, L.tiles.goff, L.tiles.toff, out_v, out_i);
   SSF_CUDA_CHECK_LAUNCH();
+}
+
+template <typename U, typename I>
+void apply_wire_error(U* residual, ValueKind acc_kind, ValueKind wire_kind, const U* values,
+                      const I* indices, int64_t k, cudaStream_t s) {
+  if ((acc_kind == ValueKind::kFloat32) != (sizeof(U) == 4) ||
+      (acc_kind != ValueKind::kFloat32 && wire_kind != acc_kind))
+    throw std::runtime_error("ssfusion_hvd CUDA: a 16-bit residual is sent in its own dtype");
+  if (k == 0) return;
+  const unsigned grid = grid_for(k, 256, 4096);
+  if constexpr (sizeof(U) == 4) {
+    dispatch_kind(wire_kind, [&](auto wk) {
+      constexpr int AK = int(ValueKind::kFloat32), WK = decltype(wk)::value;
+      wire_error_kernel<AK, WK, I><<<grid, 256, 0, s>>>(residual, values, indices, k);
+    });
+  } else {  // both kinds store the same +0 bits
+    constexpr int K = int(ValueKind::kFloat16);
+    wire_error_kernel<K, K, I><<<grid, 256, 0, s>>>(residual, values, indices, k);
+  }
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
+template <typename I>
+void ef_topk_f32(const void* grad, ValueKind grad_kind, float* residual, int64_t n, int64_t k,
+                 ValueKind wire_kind, uint32_t* out_v, I* out_i, void* workspace,
+                 size_t workspace_bytes, cudaStream_t s) {
+  if (k < 0 || k > n) throw std::runtime_error("ssfusion_hvd CUDA ef_topk: k out of range");
+  auto* r = reinterpret_cast<uint32_t*>(residual);
+  if (k == 0 || k == n) {  // accumulate; topk takes nothing or everything
+    dispatch_kind(grad_kind, [&](auto gk) {
+      accumulate<decltype(gk)::value>(grad, residual, n, nullptr, s);
+    });
+    topk<uint32_t, I>(r, n, k, out_v, out_i, nullptr, 0, s);
+  } else {
+    Carver c(workspace);
+    const TopkLayout<uint32_t> L = carve_topk<uint32_t>(c, n);
+    c.require(workspace_bytes, "ef_topk");
+    SSF_CUDA_CHECK(cudaMemsetAsync(L.hist, 0, L.hist_bins * sizeof(unsigned long long), s));
+    dispatch_kind(grad_kind, [&](auto gk) {  // pass 0's histogram, from the sums
+      accumulate<decltype(gk)::value>(grad, residual, n, L.hist, s);
+    });
+    radix_pivot_kernel<11><<<1, kPivotThreads, 0, s>>>(L.hist, 20, 0, (long long)k, L.state);
+    SSF_CUDA_CHECK_LAUNCH();
+    radix_pass<uint32_t, 11>(r, n, k, 9, 1, L.state, L.hist + 2048, s);
+    radix_pass<uint32_t, 9>(r, n, k, 0, 2, L.state, L.hist + 4096, s);
+    const TileRule rule{0u, L.state};
+    tile_count_and_scan<uint32_t>(r, n, rule, L.tiles, s);
+    tile_write_kernel<uint32_t, I><<<unsigned(L.tiles.tiles), kTileThreads, 0, s>>>(
+        r, n, rule, L.tiles.goff, L.tiles.toff, out_v, out_i);
+    SSF_CUDA_CHECK_LAUNCH();
+  }
+  apply_wire_error<uint32_t, I>(r, ValueKind::kFloat32, wire_kind, out_v, out_i, k, s);
 }
 
 namespace {
@@ -336,8 +467,16 @@ void threshold_write(const U* x, int64_t n, uint32_t key_min, U* out_v, I* out_i
   template void topk<U, I>(const U*, int64_t, int64_t, U*, I*, void*, size_t, cudaStream_t); \
   template void threshold_write<U, I>(const U*, int64_t, uint32_t, U*, I*, const void*,   \
                                       cudaStream_t);
+#define SSF_INST_EF(U, I)                                                                \
+  template void apply_wire_error<U, I>(U*, ValueKind, ValueKind, const U*, const I*, int64_t, \
+                                       cudaStream_t);
+#define SSF_INST_EF_I(I)                                                                  \
+  template void ef_topk_f32<I>(const void*, ValueKind, float*, int64_t, int64_t, ValueKind, \
+                               uint32_t*, I*, void*, size_t, cudaStream_t);
 SSF_FOR_EACH_U(SSF_INST_U)
 SSF_FOR_EACH_UI(SSF_INST_UI)
+SSF_FOR_EACH_UI(SSF_INST_EF)
+SSF_FOR_EACH_I(SSF_INST_EF_I)
 
 }  // namespace cuda
 }  // namespace ssf
