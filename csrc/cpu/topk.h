@@ -609,6 +609,25 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
   });
 }
 
+// Grow-only scratch buffers of the calling thread (slot 0, 1, ...): the candidate lists of a
+// top-k, reused from call to call, since fresh pages for them cost page faults every call.
+template <typename T>
+struct Scratch {
+  std::unique_ptr<T[]> p;
+  int64_t size = 0;
+  T* get() const { return p.get(); }
+};
+template <typename T>
+Scratch<T>& scratch(int slot, int64_t n) {
+  thread_local Scratch<T> s[2];
+  Scratch<T>& b = s[slot];
+  if (b.size < n) {
+    b.p.reset(new T[n]);
+    b.size = n;
+  }
+  return b;
+}
+
 // Exact top-k of src's n values into out_v/out_i (index order, positions base + i). After
 // the call src.values() holds every value (the error-feedback source has written them).
 template <typename U, typename I, typename Src>
@@ -623,8 +642,8 @@ void topk_filtered(const Src& src, int64_t n, int64_t k, U* out_v, I* out_i, int
   }
   const Chunks ch(n);
   const int64_t cap = (2 * expect) / ch.count + 4 * kBlock + 64;
-  std::unique_ptr<U[]> cv(new U[cap * ch.count]);
-  std::unique_ptr<uint32_t[]> cp(new uint32_t[cap * ch.count]);
+  Scratch<U>& cv = scratch<U>(0, cap * ch.count);
+  Scratch<uint32_t>& cp = scratch<uint32_t>(1, cap * ch.count);
   std::vector<int64_t> count(ch.count, 0);
   ch.for_each([&](int64_t c) {
     count[c] = src.filter(ch.begin(c), ch.end(c), t, cv.get() + c * cap, cp.get() + c * cap, cap);
