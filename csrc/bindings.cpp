@@ -21,9 +21,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("threshold_count_" #dev, &ssf::threshold_count_##dev, py::arg("x"), py::arg("thr"),   \
         nogil);                                                                               \
   m.def("ef_topk_" #dev, &ssf::ef_topk_##dev, py::arg("grad"), py::arg("residual"),           \
-        py::arg("k"), py::arg("wire_dtype"), nogil);                                          \
+        py::arg("k"), py::arg("wire_dtype"), py::arg("velocity") = py::none(),                \
+        py::arg("momentum") = 0.0, py::arg("mask_velocity") = false, nogil);                  \
   m.def("segmented_ef_topk_" #dev, &ssf::segmented_ef_topk_##dev, py::arg("grad"),            \
-        py::arg("residual"), py::arg("offsets"), py::arg("ks"), py::arg("wire_dtype"), nogil); \
+        py::arg("residual"), py::arg("offsets"), py::arg("ks"), py::arg("wire_dtype"),        \
+        py::arg("velocity") = py::none(), py::arg("momentum") = 0.0,                          \
+        py::arg("mask_velocity") = false, nogil);                                             \
   m.def("pack_" #dev, &ssf::pack_##dev, py::arg("values"), py::arg("indices"), py::arg("out"), \
         py::arg("offset"), nogil);                                                            \
   m.def("scatter_add_" #dev, &ssf::scatter_add_##dev, py::arg("dense"), py::arg("values"),    \

@@ -2,6 +2,8 @@
 // Also the few torch-side steps both do alike (flattening, output allocation, index dispatch).
 #pragma once
 
+#include <optional>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -118,6 +120,25 @@ inline at::Tensor check_feedback(const at::Tensor& grad, const at::Tensor& resid
               ": a ", acc, " residual needs a gradient and a wire of the same dtype (got ",
               grad.scalar_type(), ", ", wire, "); accumulate 16-bit gradients in float32");
   return grad.reshape({-1});
+}
+
+// The optional DGC velocity of an error-feedback op: the residual's device, dtype and size,
+// contiguous, and the gradient's dtype too; neither the residual's nor the gradient's memory.
+inline void check_velocity(const std::optional<at::Tensor>& velocity, const at::Tensor& grad,
+                           const at::Tensor& residual, const char* op) {
+  if (!velocity.has_value()) return;
+  const at::Tensor& v = *velocity;
+  TORCH_CHECK(v.device() == residual.device(), op, ": velocity on ", v.device(), ", residual on ",
+              residual.device());
+  TORCH_CHECK(v.scalar_type() == residual.scalar_type() && grad.scalar_type() == residual.scalar_type(),
+              op, ": velocity, gradient and residual need one dtype (got ", v.scalar_type(), ", ",
+              grad.scalar_type(), ", ", residual.scalar_type(), ")");
+  TORCH_CHECK(v.numel() == residual.numel(), op, ": velocity has ", v.numel(),
+              " elements, residual ", residual.numel());
+  TORCH_CHECK(v.is_contiguous(), op, ": the velocity must be contiguous (it is updated in place)");
+  TORCH_CHECK(v.numel() == 0 || (v.data_ptr() != residual.data_ptr() &&
+                                 v.data_ptr() != grad.data_ptr()),
+              op, ": the velocity must not share the residual's or the gradient's memory");
 }
 
 // Segments of a flat buffer of n elements (int64 CPU offsets[S+1], ks[S]): validates them and

@@ -10,6 +10,8 @@
 //   * Indices are int32 when numel < 2^31, else int64.
 #pragma once
 
+#include <optional>
+
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -48,6 +50,11 @@ namespace ssf {
 //     residual.add_(grad); topk(residual, k); residual[indices] = that loss.
 //   segmented_ef_topk(grad, residual, offsets, ks, wire_dtype): the same per segment of
 //     segmented_topk, in one call; elements outside every segment are accumulated only.
+//   Both take an optional DGC velocity (momentum correction; velocity, gradient and
+//   residual of one dtype): first velocity = momentum * velocity + grad (a product and a
+//   sum, each rounded, as velocity.mul_(momentum).add_(grad)), then the above with the
+//   velocity for the gradient, and with mask_velocity the selected entries of the
+//   velocity set to 0 (velocity.index_fill_(0, indices, 0)).
 //
 // Sparse record codec. A record of k elements inside a flat 1-D buffer `out` whose dtype is
 // the values' dtype holds k values, zero padding up to index alignment, then k indices
@@ -115,11 +122,13 @@ namespace ssf {
   double sampled_threshold_##dev(const at::Tensor& x, int64_t k, int64_t samples,           \
                                 int64_t seed);                                              \
   std::tuple<at::Tensor, at::Tensor> threshold_select_##dev(const at::Tensor& x, double thr); \
-  std::tuple<at::Tensor, at::Tensor> ef_topk_##dev(const at::Tensor& grad, at::Tensor& residual, \
-                                                   int64_t k, at::ScalarType wire_dtype);   \
+  std::tuple<at::Tensor, at::Tensor> ef_topk_##dev(                                         \
+      const at::Tensor& grad, at::Tensor& residual, int64_t k, at::ScalarType wire_dtype,   \
+      const std::optional<at::Tensor>& velocity, double momentum, bool mask_velocity);      \
   std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_##dev(                               \
       const at::Tensor& grad, at::Tensor& residual, const at::Tensor& offsets,              \
-      const at::Tensor& ks, at::ScalarType wire_dtype);                                     \
+      const at::Tensor& ks, at::ScalarType wire_dtype,                                      \
+      const std::optional<at::Tensor>& velocity, double momentum, bool mask_velocity);      \
   int64_t threshold_count_##dev(const at::Tensor& x, double thr);                           \
                                                                                             \
   int64_t pack_##dev(const at::Tensor& values, const at::Tensor& indices, at::Tensor& out,  \

@@ -262,8 +262,35 @@ def _wire_error(acc: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, 
         acc.index_copy_(0, idx, values - values.to(wire).to(acc.dtype))
 
 
+def _velocity_input(velocity, grad: torch.Tensor, residual: torch.Tensor, op: str) -> None:
+    """Checks an error-feedback op's optional DGC velocity (csrc/checks.h: check_velocity)."""
+    if velocity is None:
+        return
+    _check_values(velocity, op)
+    if velocity.dtype != residual.dtype or grad.dtype != residual.dtype:
+        raise TypeError(f"{op}: velocity, gradient and residual need one dtype (got "
+                        f"{velocity.dtype}, {grad.dtype}, {residual.dtype})")
+    if velocity.device != residual.device or velocity.numel() != residual.numel():
+        raise ValueError(f"{op}: velocity ({velocity.numel()} on {velocity.device}) and residual "
+                         f"({residual.numel()} on {residual.device}) must match")
+    if not velocity.is_contiguous():
+        raise ValueError(f"{op}: the velocity must be contiguous (it is updated in place)")
+    if velocity.numel() and velocity.data_ptr() in (residual.data_ptr(), grad.data_ptr()):
+        raise ValueError(f"{op}: the velocity must not share the residual's or the gradient's memory")
+
+
+def _velocity_step(grad: torch.Tensor, velocity, momentum: float) -> torch.Tensor:
+    """The torch composition's first step: velocity = momentum * velocity + grad (flat)."""
+    if velocity is None:
+        return grad.reshape(-1)
+    v = velocity.view(-1)
+    v.mul_(momentum).add_(grad.reshape(-1))
+    return v
+
+
 def ef_topk(grad: torch.Tensor, residual: torch.Tensor, k: int, wire_dtype=None,
-            *, backend: Optional[str] = None):
+            *, velocity: Optional[torch.Tensor] = None, momentum: float = 0.0,
+            mask_velocity: bool = False, backend: Optional[str] = None):
     """Error feedback fused with the exact top-k, in place: ``residual += grad`` (in the
     residual's dtype), then the top-k of the sum exactly as :func:`topk` returns it
     (values in the residual's dtype), and the selected entries of ``residual`` replaced by
@@ -273,36 +300,50 @@ def ef_topk(grad: torch.Tensor, residual: torch.Tensor, k: int, wire_dtype=None,
 
     The residual is float32 (any gradient and wire dtype) or the 16-bit dtype of both. The
     native CPU kernel reads gradient and residual once and writes the residual once
-    (``csrc/cpu/feedback.cpp``); the result equals the torch composition bit for bit."""
+    (``csrc/cpu/feedback.cpp``); the result equals the torch composition bit for bit.
+
+    ``velocity`` (DGC's momentum correction; the residual's dtype, as the gradient): first
+    ``velocity.mul_(momentum).add_(grad)``, then the above with the velocity for the
+    gradient, and with ``mask_velocity`` its selected entries set to 0 (momentum factor
+    masking). The CPU kernel does it in the same pass."""
     wire = _feedback_input(grad, residual, wire_dtype, "ef_topk")
+    _velocity_input(velocity, grad, residual, "ef_topk")
     k = int(k)
     if not 0 <= k <= grad.numel():
         raise ValueError(f"ef_topk: k={k} out of range [0, {grad.numel()}]")
     fn = _native(residual, "ef_topk", backend)
     if fn is not None:
-        return fn(grad if grad.is_contiguous() else grad.contiguous(), residual, k, wire)
+        return fn(grad if grad.is_contiguous() else grad.contiguous(), residual, k, wire,
+                  velocity, float(momentum), bool(mask_velocity))
     acc = residual.view(-1)
-    acc.add_(grad.reshape(-1).to(acc.dtype))
+    acc.add_(_velocity_step(grad, velocity, momentum).to(acc.dtype))
     values, indices = topk(acc, k, backend="torch")
     _wire_error(acc, values, indices, wire)
+    if velocity is not None and mask_velocity:
+        velocity.view(-1).index_fill_(0, indices.long(), 0)
     return values, indices
 
 
 def segmented_ef_topk(grad: torch.Tensor, residual: torch.Tensor, offsets, ks, wire_dtype=None,
-                      *, backend: Optional[str] = None):
+                      *, velocity: Optional[torch.Tensor] = None, momentum: float = 0.0,
+                      mask_velocity: bool = False, backend: Optional[str] = None):
     """:func:`ef_topk` per segment of :func:`segmented_topk`, in one call: ``residual +=
     grad`` everywhere, segment ``s`` gives its top ``ks[s]``, the selected entries of the
     residual become their wire error. Elements outside every segment are only
-    accumulated."""
+    accumulated (and, with a velocity, its momentum step taken)."""
     wire = _feedback_input(grad, residual, wire_dtype, "segmented_ef_topk")
+    _velocity_input(velocity, grad, residual, "segmented_ef_topk")
     offsets, ks = _segments(offsets, ks, "segmented_ef_topk")
     fn = _native(residual, "segmented_ef_topk", backend)
     if fn is not None:
-        return fn(grad if grad.is_contiguous() else grad.contiguous(), residual, offsets, ks, wire)
+        return fn(grad if grad.is_contiguous() else grad.contiguous(), residual, offsets, ks, wire,
+                  velocity, float(momentum), bool(mask_velocity))
     acc = residual.view(-1)
-    acc.add_(grad.reshape(-1).to(acc.dtype))
+    acc.add_(_velocity_step(grad, velocity, momentum).to(acc.dtype))
     values, indices = segmented_topk(acc, offsets, ks, backend="torch")
     _wire_error(acc, values, indices, wire)
+    if velocity is not None and mask_velocity:
+        velocity.view(-1).index_fill_(0, indices.long(), 0)
     return values, indices
 
 

@@ -130,6 +130,82 @@ def test_segmented_ef_topk_equals_unfused_torch(gdt, rdt, wdt):
         assert torch.equal(_bits(r), _bits(want_res)), backend
 
 
+def _velocity_reference(grad, residual, velocity, m, k, wire, mask, offsets=None, ks=None):
+    """The composition the velocity ops fuse: velocity.mul_(m).add_(grad), error feedback of
+    the velocity, its sent entries cleared when masking."""
+    u = velocity.clone()
+    u.mul_(m).add_(grad)
+    got, acc = _reference(u, residual, k, wire, offsets, ks)
+    if mask:
+        u[got[1].long()] = 0
+    return got, acc, u
+
+
+VELOCITY_DTYPES = [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                   (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dt,wdt", VELOCITY_DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_ef_topk_with_velocity_equals_torch(dt, wdt, kind):
+    """DGC's momentum step inside the fused op: selections, residual and velocity as torch's
+    mul_, add_, error feedback and index_fill_ make them (product and sum rounded apart)."""
+    cases = [(0, 0), (100, 0), (100, 100), (1_000, 10), (20_000, 13), (300_001, 3_000),
+             (1_000_003, 10_001), (300_001, 30_000)]
+    for n, k in cases:
+        grad = _inputs(n, kind, seed=n + k).to(dt)
+        g = torch.Generator().manual_seed(k)
+        residual = (torch.randn(n, generator=g) * 0.5).to(dt)
+        velocity = torch.randn(n, generator=g).to(dt)
+        for mask in (False, True):
+            want, want_res, want_u = _velocity_reference(grad, residual, velocity, 0.9, k, wdt, mask)
+            for backend in ("native", "torch"):
+                r, u = residual.clone(), velocity.clone()
+                got = ops.ef_topk(grad, r, k, wdt, velocity=u, momentum=0.9, mask_velocity=mask,
+                                  backend=backend)
+                _same(got, want)
+                assert torch.equal(_bits(r), _bits(want_res)), (backend, n, k, mask)
+                assert torch.equal(_bits(u), _bits(want_u)), (backend, n, k, mask)
+
+
+@pytest.mark.parametrize("dt,wdt", VELOCITY_DTYPES)
+def test_segmented_ef_topk_with_velocity_equals_torch(dt, wdt):
+    g = torch.Generator().manual_seed(5)
+    sizes = [1, 64, 0, 4_096, 3, 37_000, 128, 1_200_000, 7, 300]
+    off = torch.tensor([5] + sizes).cumsum(0)  # elements outside the segments: stepped, kept
+    n = int(off[-1]) + 11
+    grad = (torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 2, (n,), generator=g)).to(dt)
+    grad[12_345] = float("nan")
+    residual = (torch.randn(n, generator=g) * 0.1).to(dt)
+    velocity = torch.randn(n, generator=g).to(dt)
+    ks = torch.tensor([min(s, max(1, s // 100)) if s else 0 for s in sizes])
+    ks[3] = sizes[3]
+    for mask in (False, True):
+        want, want_res, want_u = _velocity_reference(grad, residual, velocity, 0.5, None, wdt,
+                                                     mask, off, ks)
+        for backend in ("native", "torch"):
+            r, u = residual.clone(), velocity.clone()
+            got = ops.segmented_ef_topk(grad, r, off, ks, wdt, velocity=u, momentum=0.5,
+                                        mask_velocity=mask, backend=backend)
+            _same(got, want)
+            assert torch.equal(_bits(r), _bits(want_res)), (backend, mask)
+            assert torch.equal(_bits(u), _bits(want_u)), (backend, mask)
+
+
+def test_ef_topk_rejects_bad_velocity_before_anything_moves():
+    for backend in ("native", "torch"):
+        r, u = torch.zeros(10), torch.ones(10)
+        bad = [(dict(velocity=torch.ones(10, dtype=torch.float16)), "one dtype"),
+               (dict(velocity=torch.ones(9)), "must match|elements"),
+               (dict(velocity=torch.ones(20)[::2]), "contiguous"),
+               (dict(velocity=r), "share")]
+        for kw, msg in bad:
+            with pytest.raises((TypeError, ValueError, RuntimeError), match=msg):
+                ops.ef_topk(torch.randn(10), r, 2, velocity=kw["velocity"], momentum=0.9,
+                            backend=backend)
+            assert torch.equal(r, torch.zeros(10)) and torch.equal(u, torch.ones(10))
+
+
 def test_ef_topk_rejects_bad_input():
     for backend in ("native", "torch"):
         with pytest.raises((TypeError, RuntimeError), match="same dtype"):

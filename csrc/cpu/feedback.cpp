@@ -8,6 +8,13 @@
 // the candidates' exact top k and the k residual updates are small. When the filter does
 // not apply (k a large share of n, tiny inputs) the sum is written first and the radix
 // select reads it: one pass more, same result.
+//
+// With a DGC velocity (momentum correction) the same pass first forms velocity * m + grad,
+// writes it back as the velocity and adds it into the residual: gradient, velocity and
+// residual read once, velocity and residual written once, where torch's mul_, add_ and the
+// error feedback make three passes; the sent entries of the velocity are cleared with the
+// residual's. The product and the sum round separately, as torch's two ops do: the module
+// is compiled with -ffp-contract=off, so no multiply-add is ever fused.
 #include "../checks.h"
 #include "../ops.h"
 #include "common.h"
@@ -34,6 +41,20 @@ inline A accumulate(A r, G g) {
     return r + g;
   } else {
     return static_cast<A>(static_cast<float>(r) + static_cast<float>(g));
+  }
+}
+
+// velocity * m + grad for velocity and gradient of the residual's dtype A: the product
+// rounded to A, then the sum rounded to A (velocity.mul_(m).add_(grad); 16-bit values
+// computed in float32, as torch's CPU kernels do).
+template <typename A>
+inline A momentum_step(A u, A g, float m) {
+  if constexpr (std::is_same_v<A, float>) {
+    const float p = u * m;
+    return p + g;
+  } else {
+    const A p = static_cast<A>(static_cast<float>(u) * m);
+    return static_cast<A>(static_cast<float>(p) + static_cast<float>(g));
   }
 }
 
@@ -65,79 +86,119 @@ struct AddStoreBlock {
     return _mm512_loadu_si512(r + i);
   }
 };
+
+// The same with a DGC velocity: u = v * m + g (two roundings) stored back into v, then
+// residual + u.
+struct MomentumAddStoreBlock {
+  const float* g;
+  float* v;
+  float* r;
+  float m;
+  __attribute__((target("avx512f"))) __m512i operator()(int64_t i) const {
+    const __m512 u = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), _mm512_set1_ps(m)),
+                                   _mm512_loadu_ps(g + i));
+    _mm512_storeu_ps(v + i, u);
+    const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(r + i), u);
+    _mm512_storeu_ps(r + i, sum);
+    return _mm512_castps_si512(sum);
+  }
+  __attribute__((target("avx512f"))) __m512i stored(int64_t i) const {
+    return _mm512_loadu_si512(r + i);
+  }
+};
 #endif
 
-// The error-feedback source of topk.h: values residual[i] + grad[i], written back into
-// the residual as the filter passes over them.
-template <typename A, typename G>
+// The error-feedback source of topk.h: values residual[i] + grad[i] (MOM: residual[i] +
+// the new velocity v[i] * m + grad[i]), written back into the residual (and the velocity)
+// as the filter passes over them.
+template <typename A, typename G, bool MOM>
 struct Feedback {
+  static_assert(!MOM || std::is_same_v<A, G>, "a velocity has the residual's dtype");
   using U = BitsOf<A>;
   const G* g;
   A* r;
   int64_t n;
+  A* v = nullptr;  // MOM: the velocity
+  float m = 0.f;   // MOM: the momentum
 
   static U bits(A a) {
     U u;
     std::memcpy(&u, &a, sizeof(U));
     return u;
   }
-  U raw(int64_t i) const { return bits(accumulate(r[i], g[i])); }
+  // What is added into the residual at i (the new velocity, when there is one).
+  A update(int64_t i) const {
+    if constexpr (MOM) return momentum_step(v[i], g[i], m);
+    else return static_cast<A>(0);  // unused
+  }
+  A sum(int64_t i) const {
+    if constexpr (MOM) return accumulate(r[i], update(i));
+    else return accumulate(r[i], g[i]);
+  }
+  // Writes position i's new velocity and residual; returns the residual.
+  A write(int64_t i) const {
+    if constexpr (MOM) {
+      const A u = update(i);
+      v[i] = u;
+      return r[i] = accumulate(r[i], u);
+    } else {
+      return r[i] = accumulate(r[i], g[i]);
+    }
+  }
+  U raw(int64_t i) const { return bits(sum(i)); }
   const U* values() const { return static_cast<const U*>(static_cast<const void*>(r)); }
   void materialize() const {
     at::parallel_for(0, n, int64_t(1) << 15, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) r[i] = accumulate(r[i], g[i]);
+      for (int64_t i = b; i < e; ++i) write(i);
     });
   }
   int64_t filter(int64_t b, int64_t e, U t, U* cv, uint32_t* cp, int64_t cap) const {
-    int64_t m = 0, i = b;
+    int64_t hit = 0, i = b;
 #ifdef SSF_X86_DISPATCH
     if constexpr (std::is_same_v<A, float> && std::is_same_v<G, float>) {
       if (cpu::use_avx512()) {
-        m = cpu::filter_blocks_avx512(AddStoreBlock{g + b, r + b}, e - b, t, cv, cp, cap);
+        if constexpr (MOM)
+          hit = cpu::filter_blocks_avx512(MomentumAddStoreBlock{g + b, v + b, r + b, m}, e - b,
+                                          t, cv, cp, cap);
+        else
+          hit = cpu::filter_blocks_avx512(AddStoreBlock{g + b, r + b}, e - b, t, cv, cp, cap);
         i = b + ((e - b) & ~int64_t(15));
       }
     }
 #endif
     constexpr int B = cpu::kBlock;
-    A sum[B];
+    A sums[B];
     U ub[B];
     for (; i + B <= e; i += B) {
-      for (int j = 0; j < B; ++j) sum[j] = accumulate(r[i + j], g[i + j]);
-      for (int j = 0; j < B; ++j) r[i + j] = sum[j];
-      std::memcpy(ub, sum, sizeof(ub));
+      for (int j = 0; j < B; ++j) sums[j] = write(i + j);
+      std::memcpy(ub, sums, sizeof(ub));
       const uint32_t hits = cpu::block_hits(ub, t);
-      if (hits) m = cpu::append_hits(ub, hits, i - b, cv, cp, m, cap);
+      if (hits) hit = cpu::append_hits(ub, hits, i - b, cv, cp, hit, cap);
     }
     for (; i < e; ++i) {
-      const A a = accumulate(r[i], g[i]);
-      r[i] = a;
-      const U u = bits(a);
-      m = cpu::append_tail(&u, 1, t, i - b, cv, cp, m, cap);
+      const U u = bits(write(i));
+      hit = cpu::append_tail(&u, 1, t, i - b, cv, cp, hit, cap);
     }
-    return m;
+    return hit;
   }
 };
 
-// One segment: residual[0, len) += grad, its top k into out (positions base + i), and the
-// selected entries of the residual replaced by their wire error.
-template <typename A, typename G, typename W, typename I>
-void ef_segment(const G* g, A* r, int64_t len, int64_t k, BitsOf<A>* out_v, I* out_i,
-                int64_t base) {
+// One segment (src: its Feedback source, positions from 0): residual += grad (or the new
+// velocity), its top k into out (positions base + i), the selected entries of the residual
+// replaced by their wire error and, with mask, those of the velocity cleared.
+template <typename W, typename I, typename Src, typename A = std::remove_pointer_t<decltype(Src::r)>>
+void ef_segment(const Src& src, int64_t k, bool mask, BitsOf<A>* out_v, I* out_i, int64_t base) {
   using U = BitsOf<A>;
-  cpu::topk_filtered<U, I>(Feedback<A, G>{g, r, len}, len, k, out_v, out_i, base);
+  cpu::topk_filtered<U, I>(src, src.n, k, out_v, out_i, base);
   at::parallel_for(0, k, int64_t(1) << 14, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) {
       A a;
       std::memcpy(&a, out_v + j, sizeof(U));
-      r[int64_t(out_i[j]) - base] = wire_error<A, W>(a);
+      const int64_t i = int64_t(out_i[j]) - base;
+      src.r[i] = wire_error<A, W>(a);
+      if (mask) src.v[i] = A(0);
     }
   });
-}
-
-// residual[lo, hi) += grad[lo, hi): the part of a segmented call no segment covers.
-template <typename A, typename G>
-void accumulate_range(const G* g, A* r, int64_t lo, int64_t hi) {
-  if (hi > lo) Feedback<A, G>{g + lo, r + lo, hi - lo}.materialize();
 }
 
 // Calls fn(A{}) with the C++ type of a value dtype.
@@ -169,11 +230,25 @@ void dispatch_feedback(const at::Tensor& grad, const at::Tensor& residual, at::S
   });
 }
 
+// Calls fn(src) with the Feedback source of [lo, hi) of the flat gradient and residual:
+// with the velocity when there is one (then A == G, checked).
+template <typename A, typename G, typename F>
+void with_source(const G* g, A* r, A* v, float m, int64_t lo, int64_t hi, const F& fn) {
+  if (v == nullptr) {
+    fn(Feedback<A, G, false>{g + lo, r + lo, hi - lo});
+  } else if constexpr (std::is_same_v<A, G>) {
+    fn(Feedback<A, G, true>{g + lo, r + lo, hi - lo, v + lo, m});
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> ef_topk_cpu(const at::Tensor& grad_in, at::Tensor& residual,
-                                               int64_t k, at::ScalarType wire_dtype) {
+                                               int64_t k, at::ScalarType wire_dtype,
+                                               const std::optional<at::Tensor>& velocity,
+                                               double momentum, bool mask_velocity) {
   const at::Tensor grad = check_feedback(grad_in, residual, wire_dtype, "ef_topk", at::kCPU);
+  check_velocity(velocity, grad, residual, "ef_topk");
   const int64_t n = grad.numel();
   check_k(k, 0, n, "ef_topk");
   const auto idt = index_dtype_for(n);
@@ -181,11 +256,15 @@ std::tuple<at::Tensor, at::Tensor> ef_topk_cpu(const at::Tensor& grad_in, at::Te
   at::Tensor indices = at::empty({k}, residual.options().dtype(idt));
   dispatch_feedback(grad, residual, wire_dtype, idt, [&](auto a, auto g, auto w, auto i) {
     using A = decltype(a);
+    using G = decltype(g);
     using I = decltype(i);
-    ef_segment<A, decltype(g), decltype(w), I>(
-        static_cast<const decltype(g)*>(grad.const_data_ptr()),
-        static_cast<A*>(residual.data_ptr()), n, k,
-        static_cast<BitsOf<A>*>(values.data_ptr()), indices.data_ptr<I>(), 0);
+    A* v = velocity ? static_cast<A*>(velocity->data_ptr()) : nullptr;
+    with_source(static_cast<const G*>(grad.const_data_ptr()), static_cast<A*>(residual.data_ptr()),
+                v, float(momentum), 0, n, [&](const auto& src) {
+                  ef_segment<decltype(w), I>(src, k, mask_velocity && v,
+                                             static_cast<BitsOf<A>*>(values.data_ptr()),
+                                             indices.data_ptr<I>(), 0);
+                });
   });
   return {values, indices};
 }
@@ -194,9 +273,12 @@ std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_cpu(const at::Tensor& grad_
                                                          at::Tensor& residual,
                                                          const at::Tensor& offsets_in,
                                                          const at::Tensor& ks_in,
-                                                         at::ScalarType wire_dtype) {
+                                                         at::ScalarType wire_dtype,
+                                                         const std::optional<at::Tensor>& velocity,
+                                                         double momentum, bool mask_velocity) {
   const at::Tensor grad =
       check_feedback(grad_in, residual, wire_dtype, "segmented_ef_topk", at::kCPU);
+  check_velocity(velocity, grad, residual, "segmented_ef_topk");
   const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
   const at::Tensor ks = ks_in.to(at::kLong).contiguous();
   const int64_t nseg = ks.numel(), n = grad.numel();
@@ -212,14 +294,19 @@ std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_cpu(const at::Tensor& grad_
     using I = decltype(i);
     const G* pg = static_cast<const G*>(grad.const_data_ptr());
     A* pr = static_cast<A*>(residual.data_ptr());
-    auto* pv = static_cast<BitsOf<A>*>(values.data_ptr());
-    I* pi = indices.data_ptr<I>();
+    A* pv = velocity ? static_cast<A*>(velocity->data_ptr()) : nullptr;
+    const float m = float(momentum);
+    auto* out_v = static_cast<BitsOf<A>*>(values.data_ptr());
+    I* out_i = indices.data_ptr<I>();
     // Elements outside every segment are accumulated and kept.
-    accumulate_range(pg, pr, 0, nseg ? off[0] : n);
-    if (nseg) accumulate_range(pg, pr, off[nseg], n);
+    auto keep = [&](const auto& src) { src.materialize(); };
+    with_source(pg, pr, pv, m, 0, nseg ? off[0] : n, keep);
+    if (nseg) with_source(pg, pr, pv, m, off[nseg], n, keep);
     cpu::for_segments(off, nseg, [&](int64_t s) {
-      ef_segment<A, G, decltype(w), I>(pg + off[s], pr + off[s], off[s + 1] - off[s], kp[s],
-                                       pv + out_off[s], pi + out_off[s], off[s]);
+      with_source(pg, pr, pv, m, off[s], off[s + 1], [&](const auto& src) {
+        ef_segment<decltype(w), I>(src, kp[s], mask_velocity && pv, out_v + out_off[s],
+                                   out_i + out_off[s], off[s]);
+      });
     });
   });
   return {values, indices};

@@ -193,18 +193,42 @@ void wire_error_of(at::Tensor& residual, const at::Tensor& values, const at::Ten
   });
 }
 
+// A DGC velocity, composed: velocity.mul_(m).add_(grad) (torch's kernels round the product
+// and the sum, as the CPU kernel does), then it stands for the gradient. Returns the input
+// the residual accumulates.
+at::Tensor velocity_step(const at::Tensor& grad, const std::optional<at::Tensor>& velocity,
+                         double momentum) {
+  if (!velocity) return grad;
+  at::Tensor v = *velocity;
+  v.view({-1}).mul_(momentum).add_(grad);
+  return v.view({-1});
+}
+
+// The velocity's sent entries cleared (mask_velocity): +0, as index_fill_ writes.
+void mask_velocity_of(const std::optional<at::Tensor>& velocity, bool mask, const at::Tensor& values,
+                      const at::Tensor& indices, cudaStream_t stream) {
+  if (!velocity || !mask) return;
+  at::Tensor v = *velocity;
+  wire_error_of(v, values, indices, v.scalar_type(), stream);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> ef_topk_cuda(const at::Tensor& grad_in, at::Tensor& residual,
-                                                int64_t k, at::ScalarType wire_dtype) {
-  const at::Tensor grad = check_feedback(grad_in, residual, wire_dtype, "ef_topk", at::kCUDA);
-  const int64_t n = grad.numel();
+                                                int64_t k, at::ScalarType wire_dtype,
+                                                const std::optional<at::Tensor>& velocity,
+                                                double momentum, bool mask_velocity) {
+  const at::Tensor grad_raw = check_feedback(grad_in, residual, wire_dtype, "ef_topk", at::kCUDA);
+  check_velocity(velocity, grad_raw, residual, "ef_topk");
+  const int64_t n = grad_raw.numel();
   check_k(k, 0, n, "ef_topk");
   const OnDevice on(residual);
+  const at::Tensor grad = velocity_step(grad_raw, velocity, momentum);
   if (residual.scalar_type() != at::kFloat) {
     residual.view({-1}).add_(grad);
     auto [values, indices] = topk_cuda(residual, k);
     wire_error_of(residual, values, indices, wire_dtype, on.stream);
+    mask_velocity_of(velocity, mask_velocity, values, indices, on.stream);
     return {values, indices};
   }
   const auto idt = index_dtype_for(n);
@@ -218,6 +242,7 @@ std::tuple<at::Tensor, at::Tensor> ef_topk_cuda(const at::Tensor& grad_in, at::T
                          static_cast<uint32_t*>(values.data_ptr()), indices.data_ptr<I>(),
                          ws.data_ptr(), size_t(ws.numel()), on.stream);
   });
+  mask_velocity_of(velocity, mask_velocity, values, indices, on.stream);
   return {values, indices};
 }
 
@@ -225,16 +250,21 @@ std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_cuda(const at::Tensor& grad
                                                           at::Tensor& residual,
                                                           const at::Tensor& offsets,
                                                           const at::Tensor& ks,
-                                                          at::ScalarType wire_dtype) {
-  const at::Tensor grad =
+                                                          at::ScalarType wire_dtype,
+                                                          const std::optional<at::Tensor>& velocity,
+                                                          double momentum, bool mask_velocity) {
+  const at::Tensor grad_raw =
       check_feedback(grad_in, residual, wire_dtype, "segmented_ef_topk", at::kCUDA);
+  check_velocity(velocity, grad_raw, residual, "segmented_ef_topk");
   // every check before the residual changes (segmented_topk_cuda checks them again)
   check_segments(offsets.to(at::kCPU, at::kLong).contiguous(), ks.to(at::kCPU, at::kLong).contiguous(),
-                 grad.numel());
+                 grad_raw.numel());
   const OnDevice on(residual);
+  const at::Tensor grad = velocity_step(grad_raw, velocity, momentum);
   residual.view({-1}).add_(grad.to(residual.scalar_type()));
   auto [values, indices] = segmented_topk_cuda(residual, offsets, ks);
   wire_error_of(residual, values, indices, wire_dtype, on.stream);
+  mask_velocity_of(velocity, mask_velocity, values, indices, on.stream);
   return {values, indices};
 }
 
@@ -371,6 +401,17 @@ at::Tensor hash_owner_cuda(const at::Tensor& indices_in, int64_t nparts, int64_t
   });
   return out;
 }
+
+// Every CUDA op that ops.h declares is defined above with the declared signature: a
+// definition whose parameters drifted would be a second overload beside the undefined
+// declaration (a link error on GPU machines only), and taking the address of an overloaded
+// name without a target type does not compile, here and in CI.
+namespace {
+[[maybe_unused]] const auto kDefinedAsDeclared = std::make_tuple(
+    &topk_cuda, &segmented_topk_cuda, &sampled_threshold_cuda, &threshold_select_cuda,
+    &ef_topk_cuda, &segmented_ef_topk_cuda, &threshold_count_cuda, &pack_cuda, &scatter_add_cuda,
+    &scatter_add_chunks_cuda, &deliver_chunks_cuda, &hash_partition_cuda, &hash_owner_cuda);
+}  // namespace
 
 }  // namespace ssf
 #endif  // SSF_WITH_CUDA

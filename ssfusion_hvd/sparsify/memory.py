@@ -80,6 +80,14 @@ class LocalRule:
     def apply(self, key: str, g: torch.Tensor) -> torch.Tensor:
         return g
 
+    def fused_velocity(self, key: str, g: torch.Tensor) -> Optional[Tuple[torch.Tensor, float, bool]]:
+        """``(u, m, masks)`` when this step's :meth:`apply` is ``u = m·u + g`` on an existing
+        buffer ``u`` of ``g``'s dtype, device and size, and :meth:`mask` clears ``u`` where
+        elements are sent iff ``masks``: then the fused kernels take the step themselves
+        (``ops.ef_topk(velocity=u, momentum=m, mask_velocity=masks)``) and the step is counted
+        here. None: call :meth:`apply` and :meth:`mask`."""
+        return None
+
     def mask(self, key: str, idx: torch.Tensor) -> None:
         pass
 
@@ -131,6 +139,15 @@ class MomentumRule(LocalRule):
             u.mul_(self.momentum).add_(g, alpha=1.0 - self.dampening)
         self.steps[key] = self.steps.get(key, 0) + 1
         return g.add(u, alpha=self.momentum) if self.nesterov else u
+
+    def fused_velocity(self, key, g):
+        if self.dampening or self.nesterov:  # not one product and one sum: apply() runs
+            return None
+        u = self._buffers(key, g).get("momentum_buffer")
+        if u is None or u.dtype != g.dtype or u.device != g.device or u.numel() != g.numel():
+            return None  # the first step (u = g) or a state of another layout
+        self.steps[key] = self.steps.get(key, 0) + 1
+        return u, self.momentum, self.masks(self.momentum)
 
     def mask(self, key, idx):
         u = self.state.get(key, {}).get("momentum_buffer")
@@ -280,16 +297,22 @@ class ResidualMemory:
         if self.rule.buffers or (flat.dtype != want and want != torch.float32):
             flat = flat.to(want)  # the rule's state lives in the accumulation dtype
         # (a float32 accumulation takes 16-bit gradients as they are: the kernel widens them)
-        flat = self.rule.apply(key, flat)
+        fused = self.rule.fused_velocity(key, flat)
+        if fused is None:
+            flat = self.rule.apply(key, flat)
+            velocity = {}
+        else:  # DGC's momentum step, and its masking, inside the kernel's one pass
+            u, m, masks = fused
+            velocity = {"velocity": u, "momentum": m, "mask_velocity": masks}
         if r is None:  # -0.0: adding it changes nothing, so the first sum is the input, bit for bit
             r = self.residuals[key] = torch.full((flat.numel(),), -0.0, dtype=want,
                                                  device=flat.device)
         wire = want if wire_dtype is None else wire_dtype
         if offsets is None:
-            values, indices = ops.ef_topk(flat, r, k, wire)
+            values, indices = ops.ef_topk(flat, r, k, wire, **velocity)
         else:
-            values, indices = ops.segmented_ef_topk(flat, r, offsets, ks, wire)
-        if self.rule.buffers:  # only rules with state look at what was sent
+            values, indices = ops.segmented_ef_topk(flat, r, offsets, ks, wire, **velocity)
+        if self.rule.buffers and fused is None:  # only rules with state look at what was sent
             self.rule.mask(key, indices.long())
         return values, indices
 
