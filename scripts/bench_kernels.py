@@ -14,7 +14,9 @@ this one process:
    (``residual.add_(grad)``: the two reads and one write any error feedback makes, its
    floor) and a memcpy of the gradient;
 3. segmented top-k over a real model's gradient list (GPT-2 small and ResNet-50) vs one
-   top-k call per tensor vs one call over the concatenation, and the fused segmented op;
+   top-k call per tensor vs one call over the concatenation, and the fused segmented op,
+   also with DGC's momentum correction (the velocity step in the op's pass vs torch's
+   ``mul_``/``add_`` and ``index_fill_`` around it);
 4. a sparse part's decode (``core/buffers.unpack``) of GPT-2's 148 tensors at a fifth of
    their size (~25M elements), density 0.01, P = 2 and 4 ranks' records: the decode as it
    runs vs the full decode (zero the output, scatter-add, scale it, copy it into the
@@ -168,7 +170,20 @@ def bench_segmented(model, density, reps):
                                         for v, k in zip(views[i % 2], ks)], reps)
     residual = torch.zeros_like(flats[0])
     fused = median_time(lambda i: ops.segmented_ef_topk(flat(i), residual, offsets, ks), reps)
-    return (model, len(sizes), flats[0].numel(), total_k, seg, loop, single, torch_loop, fused)
+    # DGC's momentum correction: torch's velocity step, the op and the masking as calls, then
+    # all of it in the op's one pass
+    velocity = torch.zeros_like(flats[0])
+
+    def dgc_composed(i):
+        velocity.mul_(0.9).add_(flat(i))
+        _, idx = ops.segmented_ef_topk(velocity, residual, offsets, ks)
+        velocity.index_fill_(0, idx.long(), 0)
+
+    composed = median_time(dgc_composed, reps)
+    dgc = median_time(lambda i: ops.segmented_ef_topk(flat(i), residual, offsets, ks, velocity=velocity,
+                                                      momentum=0.9, mask_velocity=True), reps)
+    return (model, len(sizes), flats[0].numel(), total_k, seg, loop, single, torch_loop, fused,
+            composed, dgc)
 
 
 def bench_decode(model, shrink, density, nranks, reps):
@@ -251,12 +266,15 @@ def main():
     if run["segmented"]:
         print()
         print("| model | tensors | elements | k total | segmented | loop (ours) | one call on concat "
-              "| loop (torch.topk) | segmented/concat | fused segmented ef |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| loop (torch.topk) | segmented/concat | fused segmented ef "
+              "| DGC composed (mul_, add_, ef, index_fill_) | DGC fused |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for model in ("resnet50", "gpt2"):
-            m, t, n, k, seg, loop, single, tl, fused = bench_segmented(model, 0.01, 3 if args.quick else 5)
+            m, t, n, k, seg, loop, single, tl, fused, comp, dgc = bench_segmented(
+                model, 0.01, 3 if args.quick else 5)
             print(f"| {m} | {t} | {n:,} | {k:,} | {seg.ms()} | {fmt_ms(loop)} | {single.ms()} "
-                  f"| {fmt_ms(tl)} | {seg / single:5.2f}x | {fmt_ms(fused)} |")
+                  f"| {fmt_ms(tl)} | {seg / single:5.2f}x | {fmt_ms(fused)} | {fmt_ms(comp)} "
+                  f"| {dgc.ms()} |")
     if run["decode"]:
         print()
         print("| group | tensors | elements | P | k per rank | full decode | decode | memcpy "
