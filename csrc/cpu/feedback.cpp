@@ -236,8 +236,12 @@ template <typename A, typename G, typename F>
 void with_source(const G* g, A* r, A* v, float m, int64_t lo, int64_t hi, const F& fn) {
   if (v == nullptr) {
     fn(Feedback<A, G, false>{g + lo, r + lo, hi - lo});
-  } else if constexpr (std::is_same_v<A, G>) {
-    fn(Feedback<A, G, true>{g + lo, r + lo, hi - lo, v + lo, m});
+  } else {
+    if constexpr (std::is_same_v<A, G>) {
+      fn(Feedback<A, G, true>{g + lo, r + lo, hi - lo, v + lo, m});
+    } else {
+      TORCH_CHECK(false, "ef_topk: a velocity needs the gradient in the residual's dtype");
+    }
   }
 }
 
