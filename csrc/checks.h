@@ -102,26 +102,6 @@ inline void check_scatter_add(const at::Tensor& dense, const at::Tensor& values,
               dense.scalar_type(), " vs ", values.scalar_type(), ")");
 }
 
-// The inputs of the fused error-feedback ops (ef_topk, segmented_ef_topk): a gradient and
-// a residual of as many elements, contiguous, on one device of the expected type; the
-// residual (the accumulation) is float32 with a gradient and a wire dtype of any value
-// dtype, or a 16-bit dtype shared by all three. Returns the gradient flattened.
-inline at::Tensor check_feedback(const at::Tensor& grad, const at::Tensor& residual,
-                                 at::ScalarType wire, const char* op, c10::DeviceType device) {
-  check_values(grad, op, device);
-  check_values(residual, op, device);
-  TORCH_CHECK(residual.device() == grad.device(), op, ": residual on ", residual.device(),
-              ", gradient on ", grad.device());
-  TORCH_CHECK(residual.numel() == grad.numel(), op, ": residual has ", residual.numel(),
-              " elements, gradient ", grad.numel());
-  TORCH_CHECK(is_value_dtype(wire), op, ": unsupported wire dtype ", wire);
-  const at::ScalarType acc = residual.scalar_type();
-  TORCH_CHECK(acc == at::kFloat || (grad.scalar_type() == acc && wire == acc), op,
-              ": a ", acc, " residual needs a gradient and a wire of the same dtype (got ",
-              grad.scalar_type(), ", ", wire, "); accumulate 16-bit gradients in float32");
-  return grad.reshape({-1});
-}
-
 // The optional DGC velocity of an error-feedback op: the residual's device, dtype and size,
 // contiguous, and the gradient's dtype too; neither the residual's nor the gradient's memory.
 inline void check_velocity(const std::optional<at::Tensor>& velocity, const at::Tensor& grad,
@@ -139,6 +119,29 @@ inline void check_velocity(const std::optional<at::Tensor>& velocity, const at::
   TORCH_CHECK(v.numel() == 0 || (v.data_ptr() != residual.data_ptr() &&
                                  v.data_ptr() != grad.data_ptr()),
               op, ": the velocity must not share the residual's or the gradient's memory");
+}
+
+// The inputs of the fused error-feedback ops (ef_topk, segmented_ef_topk): a gradient and
+// a residual of as many elements, contiguous, on one device of the expected type; the
+// residual (the accumulation) is float32 with a gradient and a wire dtype of any value
+// dtype, or a 16-bit dtype shared by all three; and the optional velocity (check_velocity).
+// Returns the gradient flattened.
+inline at::Tensor check_feedback(const at::Tensor& grad, const at::Tensor& residual,
+                                 at::ScalarType wire, const std::optional<at::Tensor>& velocity,
+                                 const char* op, c10::DeviceType device) {
+  check_values(grad, op, device);
+  check_values(residual, op, device);
+  TORCH_CHECK(residual.device() == grad.device(), op, ": residual on ", residual.device(),
+              ", gradient on ", grad.device());
+  TORCH_CHECK(residual.numel() == grad.numel(), op, ": residual has ", residual.numel(),
+              " elements, gradient ", grad.numel());
+  TORCH_CHECK(is_value_dtype(wire), op, ": unsupported wire dtype ", wire);
+  const at::ScalarType acc = residual.scalar_type();
+  TORCH_CHECK(acc == at::kFloat || (grad.scalar_type() == acc && wire == acc), op,
+              ": a ", acc, " residual needs a gradient and a wire of the same dtype (got ",
+              grad.scalar_type(), ", ", wire, "); accumulate 16-bit gradients in float32");
+  check_velocity(velocity, grad, residual, op);
+  return grad.reshape({-1});
 }
 
 // Segments of a flat buffer of n elements (int64 CPU offsets[S+1], ks[S]): validates them and

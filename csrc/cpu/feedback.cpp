@@ -251,8 +251,7 @@ std::tuple<at::Tensor, at::Tensor> ef_topk_cpu(const at::Tensor& grad_in, at::Te
                                                int64_t k, at::ScalarType wire_dtype,
                                                const std::optional<at::Tensor>& velocity,
                                                double momentum, bool mask_velocity) {
-  const at::Tensor grad = check_feedback(grad_in, residual, wire_dtype, "ef_topk", at::kCPU);
-  check_velocity(velocity, grad, residual, "ef_topk");
+  const at::Tensor grad = check_feedback(grad_in, residual, wire_dtype, velocity, "ef_topk", at::kCPU);
   const int64_t n = grad.numel();
   check_k(k, 0, n, "ef_topk");
   const auto idt = index_dtype_for(n);
@@ -281,8 +280,7 @@ std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_cpu(const at::Tensor& grad_
                                                          const std::optional<at::Tensor>& velocity,
                                                          double momentum, bool mask_velocity) {
   const at::Tensor grad =
-      check_feedback(grad_in, residual, wire_dtype, "segmented_ef_topk", at::kCPU);
-  check_velocity(velocity, grad, residual, "segmented_ef_topk");
+      check_feedback(grad_in, residual, wire_dtype, velocity, "segmented_ef_topk", at::kCPU);
   const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
   const at::Tensor ks = ks_in.to(at::kLong).contiguous();
   const int64_t nseg = ks.numel(), n = grad.numel();

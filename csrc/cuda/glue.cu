@@ -218,8 +218,7 @@ std::tuple<at::Tensor, at::Tensor> ef_topk_cuda(const at::Tensor& grad_in, at::T
                                                 int64_t k, at::ScalarType wire_dtype,
                                                 const std::optional<at::Tensor>& velocity,
                                                 double momentum, bool mask_velocity) {
-  const at::Tensor grad_raw = check_feedback(grad_in, residual, wire_dtype, "ef_topk", at::kCUDA);
-  check_velocity(velocity, grad_raw, residual, "ef_topk");
+  const at::Tensor grad_raw = check_feedback(grad_in, residual, wire_dtype, velocity, "ef_topk", at::kCUDA);
   const int64_t n = grad_raw.numel();
   check_k(k, 0, n, "ef_topk");
   const OnDevice on(residual);
@@ -254,8 +253,7 @@ std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_cuda(const at::Tensor& grad
                                                           const std::optional<at::Tensor>& velocity,
                                                           double momentum, bool mask_velocity) {
   const at::Tensor grad_raw =
-      check_feedback(grad_in, residual, wire_dtype, "segmented_ef_topk", at::kCUDA);
-  check_velocity(velocity, grad_raw, residual, "segmented_ef_topk");
+      check_feedback(grad_in, residual, wire_dtype, velocity, "segmented_ef_topk", at::kCUDA);
   // every check before the residual changes (segmented_topk_cuda checks them again)
   check_segments(offsets.to(at::kCPU, at::kLong).contiguous(), ks.to(at::kCPU, at::kLong).contiguous(),
                  grad_raw.numel());

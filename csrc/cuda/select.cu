@@ -212,6 +212,29 @@ void radix_pass(const U* x, int64_t n, int64_t k, int shift, int pass, RadixStat
   SSF_CUDA_CHECK_LAUNCH();
 }
 
+// The compaction that ends a top-k: the keys above the k-th and its first ties, in index order.
+template <typename U, typename I>
+void topk_compact(const U* x, int64_t n, const TopkLayout<U>& L, U* out_v, I* out_i,
+                  cudaStream_t s) {
+  const TileRule rule{0u, L.state};
+  tile_count_and_scan<U>(x, n, rule, L.tiles, s);
+  tile_write_kernel<U, I><<<unsigned(L.tiles.tiles), kTileThreads, 0, s>>>(
+      x, n, rule, L.tiles.goff, L.tiles.toff, out_v, out_i);
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
+// A float32 top-k once its first pass (digit 30..20) has set the radix state: the passes
+// over digits 19..9 and 8..0, then the compaction (topk; ef_topk_f32, whose first pass
+// histograms the sums as it forms them).
+template <typename I>
+void topk_after_first_pass(const uint32_t* x, int64_t n, int64_t k,
+                           const TopkLayout<uint32_t>& L, uint32_t* out_v, I* out_i,
+                           cudaStream_t s) {
+  radix_pass<uint32_t, 11>(x, n, k, 9, 1, L.state, L.hist + 2048, s);
+  radix_pass<uint32_t, 9>(x, n, k, 0, 2, L.state, L.hist + 4096, s);
+  topk_compact<uint32_t, I>(x, n, L, out_v, out_i, s);
+}
+
 // ------------------------------------------------------------------ error feedback
 
 // residual[i] += grad[i] for a float32 residual (GK: the gradient's kind, 16-bit widened
@@ -313,17 +336,12 @@ void topk(const U* x, int64_t n, int64_t k, U* out_v, I* out_i, void* workspace,
   SSF_CUDA_CHECK(cudaMemsetAsync(L.hist, 0, L.hist_bins * sizeof(unsigned long long), s));
   if constexpr (sizeof(U) == 4) {  // 31-bit key: digits 30..20, 19..9, 8..0
     radix_pass<U, 11>(x, n, k, 20, 0, L.state, L.hist, s);
-    radix_pass<U, 11>(x, n, k, 9, 1, L.state, L.hist + 2048, s);
-    radix_pass<U, 9>(x, n, k, 0, 2, L.state, L.hist + 4096, s);
+    topk_after_first_pass<I>(x, n, k, L, out_v, out_i, s);
   } else {  // 15-bit key: digits 14..7, 6..0
     radix_pass<U, 8>(x, n, k, 7, 0, L.state, L.hist, s);
     radix_pass<U, 7>(x, n, k, 0, 1, L.state, L.hist + 256, s);
+    topk_compact<U, I>(x, n, L, out_v, out_i, s);
   }
-  const TileRule rule{0u, L.state};
-  tile_count_and_scan<U>(x, n, rule, L.tiles, s);
-  tile_write_kernel<U, I><<<unsigned(L.tiles.tiles), kTileThreads, 0, s>>>(
-      x, n, rule, L.tiles.goff, L.tiles.toff, out_v, out_i);
-  SSF_CUDA_CHECK_LAUNCH();
 }
 
 template <typename U, typename I>
@@ -367,13 +385,7 @@ void ef_topk_f32(const void* grad, ValueKind grad_kind, float* residual, int64_t
     });
     radix_pivot_kernel<11><<<1, kPivotThreads, 0, s>>>(L.hist, 20, 0, (long long)k, L.state);
     SSF_CUDA_CHECK_LAUNCH();
-    radix_pass<uint32_t, 11>(r, n, k, 9, 1, L.state, L.hist + 2048, s);
-    radix_pass<uint32_t, 9>(r, n, k, 0, 2, L.state, L.hist + 4096, s);
-    const TileRule rule{0u, L.state};
-    tile_count_and_scan<uint32_t>(r, n, rule, L.tiles, s);
-    tile_write_kernel<uint32_t, I><<<unsigned(L.tiles.tiles), kTileThreads, 0, s>>>(
-        r, n, rule, L.tiles.goff, L.tiles.toff, out_v, out_i);
-    SSF_CUDA_CHECK_LAUNCH();
+    topk_after_first_pass<I>(r, n, k, L, out_v, out_i, s);
   }
   apply_wire_error<uint32_t, I>(r, ValueKind::kFloat32, wire_kind, out_v, out_i, k, s);
 }
