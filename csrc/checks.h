@@ -116,9 +116,14 @@ inline void check_velocity(const std::optional<at::Tensor>& velocity, const at::
   TORCH_CHECK(v.numel() == residual.numel(), op, ": velocity has ", v.numel(),
               " elements, residual ", residual.numel());
   TORCH_CHECK(v.is_contiguous(), op, ": the velocity must be contiguous (it is updated in place)");
-  TORCH_CHECK(v.numel() == 0 || (v.data_ptr() != residual.data_ptr() &&
-                                 v.data_ptr() != grad.data_ptr()),
-              op, ": the velocity must not share the residual's or the gradient's memory");
+  // contiguous, so each spans [data_ptr, data_ptr + nbytes): any overlap is a shared byte
+  auto overlaps = [](const at::Tensor& a, const at::Tensor& b) {
+    const auto* pa = static_cast<const char*>(a.data_ptr());
+    const auto* pb = static_cast<const char*>(b.data_ptr());
+    return a.numel() && b.numel() && pa < pb + b.nbytes() && pb < pa + a.nbytes();
+  };
+  TORCH_CHECK(!overlaps(v, residual) && !overlaps(v, grad), op,
+              ": the velocity must not share memory with the residual or the gradient");
 }
 
 // The inputs of the fused error-feedback ops (ef_topk, segmented_ef_topk): a gradient and

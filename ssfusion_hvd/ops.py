@@ -275,8 +275,12 @@ def _velocity_input(velocity, grad: torch.Tensor, residual: torch.Tensor, op: st
                          f"({residual.numel()} on {residual.device}) must match")
     if not velocity.is_contiguous():
         raise ValueError(f"{op}: the velocity must be contiguous (it is updated in place)")
-    if velocity.numel() and velocity.data_ptr() in (residual.data_ptr(), grad.data_ptr()):
-        raise ValueError(f"{op}: the velocity must not share the residual's or the gradient's memory")
+    def overlaps(a, b):  # contiguous (checked or required): byte ranges
+        return (a.numel() and b.numel() and a.data_ptr() < b.data_ptr() + b.nbytes
+                and b.data_ptr() < a.data_ptr() + a.nbytes)
+    if overlaps(velocity, residual) or (grad.is_contiguous() and overlaps(velocity, grad)):
+        raise ValueError(f"{op}: the velocity must not share memory with the residual or the "
+                         "gradient")
 
 
 def _velocity_step(grad: torch.Tensor, velocity, momentum: float) -> torch.Tensor:

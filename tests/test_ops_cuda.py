@@ -476,6 +476,17 @@ def test_ef_topk_cuda_equals_cpu(gdt, rdt, wdt, kind):
         assert torch.equal(got[1].cpu(), want[1])
         _same_nan(got[0].cpu(), want[0])
         _same_nan(r_gpu.cpu(), r_cpu)
+        if gdt == rdt:  # DGC's velocity step (the velocity has the residual's dtype)
+            u = torch.randn(n, generator=torch.Generator().manual_seed(n + 1)).to(rdt)
+            u_cpu, u_gpu = u.clone(), u.to(DEV)
+            want = ops.ef_topk(grad, r_cpu, k, wdt, velocity=u_cpu, momentum=0.9,
+                               mask_velocity=True, backend="native")
+            got = ops.ef_topk(grad.to(DEV), r_gpu, k, wdt, velocity=u_gpu, momentum=0.9,
+                              mask_velocity=True, backend="native")
+            assert torch.equal(got[1].cpu(), want[1])
+            _same_nan(got[0].cpu(), want[0])
+            _same_nan(r_gpu.cpu(), r_cpu)
+            _same_nan(u_gpu.cpu(), u_cpu)
     sizes = [5, 0, 70_000, 3, 1_000_000]
     off = torch.tensor([0] + sizes).cumsum(0)
     ks = [1, 0, 700, 3, 10_000]
@@ -487,6 +498,17 @@ def test_ef_topk_cuda_equals_cpu(gdt, rdt, wdt, kind):
     assert torch.equal(got[1].cpu(), want[1])
     _same_nan(got[0].cpu(), want[0])
     _same_nan(r_gpu.cpu(), res)
+    if gdt == rdt:
+        u = torch.randn(int(off[-1]), generator=torch.Generator().manual_seed(2)).to(rdt)
+        u_cpu, u_gpu = u.clone(), u.to(DEV)
+        want = ops.segmented_ef_topk(grad, res, off, ks, wdt, velocity=u_cpu, momentum=0.5,
+                                     mask_velocity=True, backend="native")
+        got = ops.segmented_ef_topk(grad.to(DEV), r_gpu, off, ks, wdt, velocity=u_gpu,
+                                    momentum=0.5, mask_velocity=True, backend="native")
+        assert torch.equal(got[1].cpu(), want[1])
+        _same_nan(got[0].cpu(), want[0])
+        _same_nan(r_gpu.cpu(), res)
+        _same_nan(u_gpu.cpu(), u_cpu)
 
 
 def _same_nan(a, b):

@@ -194,11 +194,13 @@ def test_segmented_ef_topk_with_velocity_equals_torch(dt, wdt):
 
 def test_ef_topk_rejects_bad_velocity_before_anything_moves():
     for backend in ("native", "torch"):
-        r, u = torch.zeros(10), torch.ones(10)
+        r2 = torch.zeros(20)
+        r, u = r2[:10], torch.ones(10)  # a velocity r2[5:15] overlaps half of this residual
         bad = [(dict(velocity=torch.ones(10, dtype=torch.float16)), "one dtype"),
                (dict(velocity=torch.ones(9)), "must match|elements"),
                (dict(velocity=torch.ones(20)[::2]), "contiguous"),
-               (dict(velocity=r), "share")]
+               (dict(velocity=r), "share"),
+               (dict(velocity=r2[5:15]), "share")]
         for kw, msg in bad:
             with pytest.raises((TypeError, ValueError, RuntimeError), match=msg):
                 ops.ef_topk(torch.randn(10), r, 2, velocity=kw["velocity"], momentum=0.9,
@@ -254,10 +256,11 @@ def test_baseline_isa_filter_equals_torch():
 
 def _rules():
     return [GradientRule(), MomentumRule(0.9), MomentumRule(0.9, nesterov=True, masking=True),
-            MomentumRule(0.5, dampening=0.1, masking=False), AdamRule()]
+            MomentumRule(0.5, dampening=0.1, masking=False), AdamRule(),
+            MomentumRule(0.9, masking=False)]
 
 
-@pytest.mark.parametrize("ri", range(5))
+@pytest.mark.parametrize("ri", range(6))
 @pytest.mark.parametrize("gdt,acc", [(torch.float32, None), (torch.float16, torch.float32),
                                      (torch.bfloat16, None)])
 def test_memory_select_topk_equals_compensate_topk_update(ri, gdt, acc):
@@ -288,6 +291,49 @@ def test_memory_select_topk_equals_compensate_topk_update(ri, gdt, acc):
                 assert torch.equal(_bits(fused.rule.state[key][b]),
                                    _bits(plain.rule.state[key][b])), (step, b)
             assert fused.rule.steps.get(key) == plain.rule.steps.get(key)
+
+
+def test_memory_fused_velocity_from_a_loaded_checkpoint():
+    """A velocity loaded from a checkpoint takes the fused path on the first step after it:
+    the same selections and state as the unfused path from the same checkpoint."""
+    names, shapes = ["a", "b"], [torch.Size([3_000]), torch.Size([40_000])]
+    first = ResidualMemory(MomentumRule(0.9))
+    first.register("k", names, shapes)
+    g = torch.Generator().manual_seed(7)
+    grads = [torch.randn(43_000, generator=g) for _ in range(4)]
+    for grad in grads[:2]:
+        first.select_topk("k", grad, 430)
+    saved = first.named_state()
+    fused, plain = ResidualMemory(MomentumRule(0.9)), ResidualMemory(MomentumRule(0.9))
+    for mem in (fused, plain):
+        mem.register("k", names, shapes)
+        mem.load_named_state(saved, torch.device("cpu"))
+        mem.rule.density = 0.01
+    assert fused.rule.fused_velocity("k", grads[2]) is not None  # the path under test
+    for grad in grads[2:]:
+        got = fused.select_topk("k", grad, 430)
+        a = plain.compensate("k", grad)
+        want = ops.topk(a, 430)
+        plain.update("k", a, want[1])
+        _same(got, want)
+        assert torch.equal(_bits(fused.residuals["k"]), _bits(plain.residuals["k"]))
+        assert torch.equal(_bits(fused.rule.state["k"]["momentum_buffer"]),
+                           _bits(plain.rule.state["k"]["momentum_buffer"]))
+        assert fused.rule.steps["k"] == plain.rule.steps["k"]
+
+
+def test_memory_fused_velocity_counts_a_step_only_when_the_kernel_ran():
+    mem = ResidualMemory(MomentumRule(0.9))
+    offsets, ks = [0, 50, 100], [5, 5]
+    mem.select_topk("s", torch.randn(100), offsets=offsets, ks=ks)
+    mem.select_topk("s", torch.randn(100), offsets=offsets, ks=ks)  # fused from here on
+    u = mem.rule.state["s"]["momentum_buffer"].clone()
+    for bad in (dict(offsets=[0, 60, 50], ks=[5, 5]),  # offsets decrease
+                dict(offsets=offsets, ks=ks, wire_dtype=torch.float64)):
+        with pytest.raises((ValueError, TypeError, RuntimeError)):
+            mem.select_topk("s", torch.randn(100), **bad)
+        assert torch.equal(mem.rule.state["s"]["momentum_buffer"], u)
+        assert mem.rule.steps["s"] == 2
 
 
 def test_memory_select_topk_checks_before_the_rule_moves():

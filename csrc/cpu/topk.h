@@ -11,8 +11,9 @@
 //   sample of the magnitudes gives a key that about 1.2-1.6 k elements exceed; ONE pass
 //   keeps those elements (with AVX-512: blocks of 16 tested, the blocks holding any
 //   listed, then their hits compressed out, no branch on the data; at the SSE2 baseline a
-//   block test and an append inside the blocks that hold any), and a radix select over
-//   the candidates' band resolves the exact k-th among them. The sample decides the
+//   block test and an append inside the blocks that hold any), and the exact k-th among
+//   them is resolved (a few thousand: bisection on the key with vectorized counts; more: a
+//   radix select over the candidates' band, in parallel). The sample decides the
 //   speed, never the result: when the candidates are fewer than k (the sample
 //   overestimated) or far too many, the radix select runs on the whole input instead;
 //   when a chunk overflows its candidate buffer, a second pass collects it into buffers
@@ -452,6 +453,35 @@ bool sample_key(const Src& src, int64_t n, int64_t k, U* key, int64_t* expect) {
   return true;
 }
 
+// Scratch memory of n T's for one call: a grow-only buffer of the calling thread (slot 0,
+// 1, 2), reused from call to call, since fresh pages cost page faults every call (2-4 % of
+// a 2.5e7 fused op). Up to kKeptBytes per slot stays with the thread; a larger request gets
+// its own allocation, freed with the Scratch.
+template <typename T>
+class Scratch {
+ public:
+  static constexpr int64_t kKeptBytes = int64_t(32) << 20;
+  Scratch(int slot, int64_t n) {
+    thread_local std::unique_ptr<T[]> kept[3];
+    thread_local int64_t kept_n[3] = {0, 0, 0};
+    if (n * int64_t(sizeof(T)) > kKeptBytes) {
+      own_.reset(new T[n]);
+      p_ = own_.get();
+      return;
+    }
+    if (kept_n[slot] < n) {
+      kept[slot].reset(new T[n]);
+      kept_n[slot] = n;
+    }
+    p_ = kept[slot].get();
+  }
+  T* get() const { return p_; }
+
+ private:
+  std::unique_ptr<T[]> own_;
+  T* p_ = nullptr;
+};
+
 // The candidates one chunk kept: raw values and positions relative to the chunk start.
 template <typename U>
 struct ChunkCandidates {
@@ -527,7 +557,8 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
   int64_t total_c = 0;
   for (const auto& ch : cc) total_c += ch.m;
   if (total_c < (int64_t(1) << 16)) {
-    std::unique_ptr<U[]> keys(new U[total_c]);
+    const Scratch<U> scratch(2, total_c);
+    U* keys = scratch.get();
     U top = t;
     for (int64_t c = 0, q = 0; c < nc; ++c) {
       for (int64_t j = 0; j < cc[c].m; ++j) {
@@ -535,8 +566,8 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
         top = std::max(top, keys[q++]);
       }
     }
-    const U kth = kth_key_by_count(keys.get(), total_c, k, t, top);
-    int64_t tie = k - count_at_least(keys.get(), total_c, static_cast<U>(kth + 1));
+    const U kth = kth_key_by_count(keys, total_c, k, t, top);
+    int64_t tie = k - count_at_least(keys, total_c, static_cast<U>(kth + 1));
     for (int64_t c = 0, o = 0; c < nc; ++c)
       o = emit_selected(cc[c].v, cc[c].p, cc[c].m, base + cc[c].begin, kth, tie, out_v, out_i,
                         o, k);
@@ -609,25 +640,6 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
   });
 }
 
-// Grow-only scratch buffers of the calling thread (slot 0, 1, ...): the candidate lists of a
-// top-k, reused from call to call, since fresh pages for them cost page faults every call.
-template <typename T>
-struct Scratch {
-  std::unique_ptr<T[]> p;
-  int64_t size = 0;
-  T* get() const { return p.get(); }
-};
-template <typename T>
-Scratch<T>& scratch(int slot, int64_t n) {
-  thread_local Scratch<T> s[2];
-  Scratch<T>& b = s[slot];
-  if (b.size < n) {
-    b.p.reset(new T[n]);
-    b.size = n;
-  }
-  return b;
-}
-
 // Exact top-k of src's n values into out_v/out_i (index order, positions base + i). After
 // the call src.values() holds every value (the error-feedback source has written them).
 template <typename U, typename I, typename Src>
@@ -642,8 +654,8 @@ void topk_filtered(const Src& src, int64_t n, int64_t k, U* out_v, I* out_i, int
   }
   const Chunks ch(n);
   const int64_t cap = (2 * expect) / ch.count + 4 * kBlock + 64;
-  Scratch<U>& cv = scratch<U>(0, cap * ch.count);
-  Scratch<uint32_t>& cp = scratch<uint32_t>(1, cap * ch.count);
+  const Scratch<U> cv(0, cap * ch.count);
+  const Scratch<uint32_t> cp(1, cap * ch.count);
   std::vector<int64_t> count(ch.count, 0);
   ch.for_each([&](int64_t c) {
     count[c] = src.filter(ch.begin(c), ch.end(c), t, cv.get() + c * cap, cp.get() + c * cap, cap);

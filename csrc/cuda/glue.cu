@@ -233,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor> ef_topk_cuda(const at::Tensor& grad_in, at::T
   const auto idt = index_dtype_for(n);
   at::Tensor values = at::empty({k}, residual.options());
   at::Tensor indices = at::empty({k}, residual.options().dtype(idt));
-  at::Tensor ws = workspace_for(residual, cuda::topk_workspace_bytes<uint32_t>(n, k));
+  at::Tensor ws = workspace_for(residual, (k == 0 || k == n) ? 0 : cuda::topk_workspace_bytes<uint32_t>(n, k));
   dispatch_index(idt, [&](auto i) {
     using I = decltype(i);
     cuda::ef_topk_f32<I>(grad.const_data_ptr(), kind_of(grad.scalar_type()),

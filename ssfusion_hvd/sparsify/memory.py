@@ -82,10 +82,11 @@ class LocalRule:
 
     def fused_velocity(self, key: str, g: torch.Tensor) -> Optional[Tuple[torch.Tensor, float, bool]]:
         """``(u, m, masks)`` when this step's :meth:`apply` is ``u = m·u + g`` on an existing
-        buffer ``u`` of ``g``'s dtype, device and size, and :meth:`mask` clears ``u`` where
-        elements are sent iff ``masks``: then the fused kernels take the step themselves
-        (``ops.ef_topk(velocity=u, momentum=m, mask_velocity=masks)``) and the step is counted
-        here. None: call :meth:`apply` and :meth:`mask`."""
+        contiguous buffer ``u`` of ``g``'s dtype, device and size, and :meth:`mask` clears
+        ``u`` where elements are sent iff ``masks``: then the fused kernels take the step
+        themselves (``ops.ef_topk(velocity=u, momentum=m, mask_velocity=masks)``) and the
+        caller counts it in :attr:`steps` once they have returned. None: call :meth:`apply`
+        and :meth:`mask`. Changes no state."""
         return None
 
     def mask(self, key: str, idx: torch.Tensor) -> None:
@@ -144,9 +145,9 @@ class MomentumRule(LocalRule):
         if self.dampening or self.nesterov:  # not one product and one sum: apply() runs
             return None
         u = self._buffers(key, g).get("momentum_buffer")
-        if u is None or u.dtype != g.dtype or u.device != g.device or u.numel() != g.numel():
+        if (u is None or u.dtype != g.dtype or u.device != g.device or u.numel() != g.numel()
+                or not u.is_contiguous()):
             return None  # the first step (u = g) or a state of another layout
-        self.steps[key] = self.steps.get(key, 0) + 1
         return u, self.momentum, self.masks(self.momentum)
 
     def mask(self, key, idx):
@@ -312,7 +313,9 @@ class ResidualMemory:
             values, indices = ops.ef_topk(flat, r, k, wire, **velocity)
         else:
             values, indices = ops.segmented_ef_topk(flat, r, offsets, ks, wire, **velocity)
-        if self.rule.buffers and fused is None:  # only rules with state look at what was sent
+        if fused is not None:  # the kernel took the step: counted now that it has (a bad
+            self.rule.steps[key] = self.rule.steps.get(key, 0) + 1  # argument left u as it was)
+        elif self.rule.buffers:  # only rules with state look at what was sent
             self.rule.mask(key, indices.long())
         return values, indices
 
