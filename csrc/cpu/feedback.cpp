@@ -126,19 +126,16 @@ struct Feedback {
     std::memcpy(&u, &a, sizeof(U));
     return u;
   }
-  // What is added into the residual at i (the new velocity, when there is one).
-  A update(int64_t i) const {
-    if constexpr (MOM) return momentum_step(v[i], g[i], m);
-    else return static_cast<A>(0);  // unused
-  }
+  // MOM: the new velocity at i, what is added into the residual (instantiated only then).
+  A velocity(int64_t i) const { return momentum_step(v[i], g[i], m); }
   A sum(int64_t i) const {
-    if constexpr (MOM) return accumulate(r[i], update(i));
+    if constexpr (MOM) return accumulate(r[i], velocity(i));
     else return accumulate(r[i], g[i]);
   }
-  // Writes position i's new velocity and residual; returns the residual.
+  // Writes position i's new velocity (MOM) and residual; returns the residual.
   A write(int64_t i) const {
     if constexpr (MOM) {
-      const A u = update(i);
+      const A u = velocity(i);
       v[i] = u;
       return r[i] = accumulate(r[i], u);
     } else {

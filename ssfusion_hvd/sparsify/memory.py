@@ -86,7 +86,8 @@ class LocalRule:
         ``u`` where elements are sent iff ``masks``: then the fused kernels take the step
         themselves (``ops.ef_topk(velocity=u, momentum=m, mask_velocity=masks)``) and the
         caller counts it in :attr:`steps` once they have returned. None: call :meth:`apply`
-        and :meth:`mask`. Changes no state."""
+        and :meth:`mask`. Changes no state beyond creating (or seeding) the key's buffers,
+        as :meth:`apply` would."""
         return None
 
     def mask(self, key: str, idx: torch.Tensor) -> None:
