@@ -22,8 +22,11 @@ this one process:
    runs vs the full decode (zero the output, scatter-add, scale it, copy it into the
    gradients), and a memcpy of the group's bytes (interleaved medians).
 
-Inputs rotate among several tensors from one repetition to the next (a single input lets
-the branch predictor learn the filter's branches: 2-3x optimistic at 1e5-1e6 elements).
+Inputs are new at every repetition, as gradients are (class Stream): a single input lets
+the branch predictor learn the filter's branches (2-3x optimistic at 1e5-1e6 elements),
+and even 32 inputs in rotation let it learn the sample's (a heap there looked 2.3x cheaper
+than it is on new data). Each slot of a small rotation is overwritten, untimed, a few
+repetitions before its use, so its cache state is that of a rotation.
 
     .venv/bin/python scripts/bench_kernels.py [--quick] [--threads N] [--only TABLE]
 
@@ -59,14 +62,18 @@ class Timing(float):
         return f"{self * 1e3:.3f} ({self.lo * 1e3:.3f}-{self.hi * 1e3:.3f})"
 
 
-def median_time(fn, reps: int, min_time: float = 0.2) -> Timing:
-    """Timing of ``fn(i)`` over repetitions i = 0, 1, ... (``fn`` may pick its input by i)."""
+def median_time(fn, reps: int, min_time: float = 0.2, setup=None) -> Timing:
+    """Timing of ``fn(i)`` over repetitions i = 0, 1, ... (``fn`` may pick its input by i);
+    ``setup(i)``, when given, runs untimed before each."""
     fn(0)  # warm-up
     times = []
     start = time.perf_counter()
     while len(times) < reps or (time.perf_counter() - start < min_time and len(times) < 100):
+        i = len(times) + 1
+        if setup is not None:
+            setup(i)
         t = time.perf_counter()
-        fn(len(times) + 1)
+        fn(i)
         times.append(time.perf_counter() - t)
     return Timing(times)
 
@@ -94,6 +101,35 @@ def inputs(n: int, seed: int, count: int = 0) -> list:
     return [torch.randn(n, generator=g) for _ in range(count)]
 
 
+class Stream:
+    """Inputs of n elements, new at every repetition: repetition i reads slot i % count of a
+    rotation (``self[i]``), and ``refresh(i)`` (a median_time setup, untimed) first fills the
+    slot that repetition i + count // 2 will read with a window of ``pool`` (n + 65536
+    values) at a random offset. The other slots are touched in between, so an input is
+    as far out of cache as in a plain rotation, but never one the branch predictor has seen."""
+
+    SHIFT = 1 << 16
+
+    def __init__(self, pool: torch.Tensor, n: int, seed: int, count: int = 0):
+        assert pool.numel() >= n + self.SHIFT
+        self.pool, self.n = pool, n
+        self.slots = [pool[:n].clone() for _ in range(count or (8 if n <= 2_000_000 else 2))]
+        self.offsets = torch.randint(0, self.SHIFT, (4096,),
+                                     generator=torch.Generator().manual_seed(seed)).tolist()
+
+    @classmethod
+    def normal(cls, n: int, seed: int) -> "Stream":
+        g = torch.Generator().manual_seed(seed)
+        return cls(torch.randn(n + cls.SHIFT, generator=g), n, seed)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.slots[i % len(self.slots)]
+
+    def refresh(self, i: int) -> None:
+        o = self.offsets[i % len(self.offsets)]
+        self[i + len(self.slots) // 2].copy_(self.pool[o:o + self.n])
+
+
 def kthvalue_select(x, k):
     a = x.abs()
     thr = torch.kthvalue(a, a.numel() - k + 1).values
@@ -104,15 +140,16 @@ def kthvalue_select(x, k):
 def bench_topk(sizes, densities, reps):
     rows = []
     for n in sizes:
-        xs = inputs(n, seed=n)
+        xs = Stream.normal(n, seed=n)
         dst = torch.empty(n)  # preallocated: the floor is the copy, not page faults
         for d in densities:
             k = max(1, math.ceil(d * n))
             r = reps if n < 5_000_000 else max(3, reps // 3)
-            ours = median_time(lambda i: ops.topk(xs[i % len(xs)], k), r)
-            torch_topk = median_time(lambda i: torch.topk(xs[i % len(xs)].abs(), k, sorted=False), r)
-            kth = median_time(lambda i: kthvalue_select(xs[i % len(xs)], k), r)
-            memcpy = median_time(lambda i: dst.copy_(xs[i % len(xs)]), r)
+            ours = median_time(lambda i: ops.topk(xs[i], k), r, setup=xs.refresh)
+            torch_topk = median_time(lambda i: torch.topk(xs[i].abs(), k, sorted=False), r,
+                                     setup=xs.refresh)
+            kth = median_time(lambda i: kthvalue_select(xs[i], k), r, setup=xs.refresh)
+            memcpy = median_time(lambda i: dst.copy_(xs[i]), r, setup=xs.refresh)
             rows.append((n, d, k, ours, torch_topk, kth, memcpy))
     return rows
 
@@ -130,21 +167,25 @@ def bench_feedback(sizes, density, reps):
     from call to call as in training: fused, unfused, top-k alone on such a sum, memcpy."""
     rows = []
     for n in sizes:
-        grads = inputs(n, seed=n + 1)
+        grads = Stream.normal(n, seed=n + 1)
         k = max(1, math.ceil(density * n))
         r = reps if n < 5_000_000 else max(3, reps // 3)
         res = torch.zeros(n)
-        fused = median_time(lambda i: ops.ef_topk(grads[i % len(grads)], res, k), r)
+        fused = median_time(lambda i: ops.ef_topk(grads[i], res, k), r, setup=grads.refresh)
         res = torch.zeros(n)
-        unfused = median_time(lambda i: unfused_feedback(grads[i % len(grads)], res, k), r)
-        sums = [g + res for g in grads]
-        alone = median_time(lambda i: ops.topk(sums[i % len(sums)], k), r)
-        res = torch.zeros(n)
-        accumulate = median_time(lambda i: res.add_(grads[i % len(grads)]), r)
-        dst = torch.empty(n)
-        memcpy = median_time(lambda i: dst.copy_(grads[i % len(grads)]), r)
-        rows.append((n, density, k, fused, unfused, alone, accumulate, memcpy))
+        unfused = median_time(lambda i: unfused_feedback(grads[i], res, k), r, setup=grads.refresh)
+        # a gradient plus the residual error feedback has left, top-k's input there; its
+        # windows are circular shifts of that one sum
+        base = grads.pool[:n] + res
+        sums = Stream(base.repeat(2 + Stream.SHIFT // n)[:n + Stream.SHIFT], n, seed=n + 2)
+        del base
+        alone = median_time(lambda i: ops.topk(sums[i], k), r, setup=sums.refresh)
         del sums
+        res = torch.zeros(n)
+        accumulate = median_time(lambda i: res.add_(grads[i]), r, setup=grads.refresh)
+        dst = torch.empty(n)
+        memcpy = median_time(lambda i: dst.copy_(grads[i]), r, setup=grads.refresh)
+        rows.append((n, density, k, fused, unfused, alone, accumulate, memcpy))
     return rows
 
 
