@@ -635,6 +635,28 @@ def test_topk_ties_at_the_kth_key_when_filtering(n):
         assert bool(taken[:int(taken.sum())].all())  # the lowest of them
 
 
+@pytest.mark.parametrize("n", [257, 1_003, 20_011])
+def test_topk_small_inputs_filtered_with_ties(n):
+    """From 256 elements up the sample and filter run (below 16384 the radix select ran
+    before): a sample of one to a few runs, ties at the k-th key inside the candidates,
+    k a fiftieth of n, and k = 1."""
+    for k in (max(1, n // 50), 1):
+        for ties in (2, 2 * k + 1):
+            x = tied_at_kth(n, k, ties, seed=n + ties) if k > 1 else \
+                torch.randn(n, generator=torch.Generator().manual_seed(n))
+            got = ops.topk(x, k, backend="native")
+            _same(got, ops.topk(x, k, backend="torch"))
+            if k == 1:
+                assert int(got[1]) == int(x.abs().argmax())
+                continue
+            key = ops.magnitude_key(x)
+            kth = key.sort(descending=True).values[k - 1]
+            tied = (key == kth).nonzero().flatten()
+            taken = torch.isin(tied, got[1].long())
+            assert 0 < int(taken.sum()) < len(tied)
+            assert bool(taken[:int(taken.sum())].all())
+
+
 @pytest.mark.parametrize("n", [100_003, 300_001, 1_000_003])
 def test_topk_large_values_clustered_in_one_chunk(n):
     """A run of large values: one chunk holds far more candidates than its share (its
