@@ -105,17 +105,25 @@ class Stream:
     """Inputs of n elements, new at every repetition: repetition i reads slot i % count of a
     rotation (``self[i]``), and ``refresh(i)`` (a median_time setup, untimed) first fills the
     slot that repetition i + count // 2 will read with a window of ``pool`` (n + 65536
-    values) at a random offset. The other slots are touched in between, so an input is
-    as far out of cache as in a plain rotation, but never one the branch predictor has seen."""
+    values) at a random offset; each slot starts as a window of its own. Between a slot's
+    refresh and its use three other slots are read (8 slots up to 2e6 elements), so an input
+    is about as far out of cache as in a plain rotation, but never one the branch predictor
+    has seen. Above 2e6 elements (2 slots, 8 MB and more each) the refreshed slot is the
+    one read next; the copy leaves part of it in the caches."""
 
     SHIFT = 1 << 16
 
     def __init__(self, pool: torch.Tensor, n: int, seed: int, count: int = 0):
         assert pool.numel() >= n + self.SHIFT
         self.pool, self.n = pool, n
-        self.slots = [pool[:n].clone() for _ in range(count or (8 if n <= 2_000_000 else 2))]
         self.offsets = torch.randint(0, self.SHIFT, (4096,),
                                      generator=torch.Generator().manual_seed(seed)).tolist()
+        count = count or (8 if n <= 2_000_000 else 2)
+        self.slots = [self._window(-1 - j).clone() for j in range(count)]
+
+    def _window(self, i: int) -> torch.Tensor:
+        o = self.offsets[i % len(self.offsets)]
+        return self.pool[o:o + self.n]
 
     @classmethod
     def normal(cls, n: int, seed: int) -> "Stream":
@@ -126,8 +134,7 @@ class Stream:
         return self.slots[i % len(self.slots)]
 
     def refresh(self, i: int) -> None:
-        o = self.offsets[i % len(self.offsets)]
-        self[i + len(self.slots) // 2].copy_(self.pool[o:o + self.n])
+        self[i + len(self.slots) // 2].copy_(self._window(i))
 
 
 def kthvalue_select(x, k):

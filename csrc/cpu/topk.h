@@ -27,6 +27,7 @@
 #include "common.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -466,7 +467,7 @@ bool sample_key(const Src& src, int64_t n, int64_t k, U* key, int64_t* expect) {
   U top = 0;
   for (int64_t j = 0; j < runs; ++j) {
     const int64_t lo = (j * n) / runs, width = ((j + 1) * n) / runs - lo - kRun + 1;
-    const int64_t at = lo + int64_t(mix32(uint32_t(j)) % uint64_t(width));
+    const int64_t at = lo + int64_t(mix32(uint32_t(j) + 1) % uint64_t(width));  // mix32(0) = 0
     for (int64_t r = 0; r < kRun; ++r) {
       keys[j * kRun + r] = Key<U>::of(src.raw(at + r));
       top = std::max(top, keys[j * kRun + r]);
@@ -636,12 +637,33 @@ void resolve_candidates(const std::vector<ChunkCandidates<U>>& cc, int64_t k, U 
   });
 }
 
-// Inputs up to this size that are not filtered (below 256 values, or k > n / 16) are
-// resolved whole, every element a candidate: bisection over all their keys, without the
-// radix select's fixed costs (2048-bin histograms and their scans). Per call, 2 threads,
-// new inputs each call: n = 64, k = 1: 2.7 -> 1.4 us; 1000, k = 500: 8.0 -> 2.9 us;
-// 4000, k = 2000: 19.6 -> 6.2 us; at 16000 (k = 1600) the two are level.
+// Inputs up to this size that are not filtered (below 256 values, k > n / 16, or the sample
+// missed) are resolved whole, every element a candidate: bisection over all their keys,
+// without the radix select's fixed costs (2048-bin histograms and their scans). Per call,
+// 2 threads, new inputs each call: n = 64, k = 1: 2.7 -> 1.4 us; 1000, k = 500: 8.0 -> 2.9
+// us; 4000, k = 2000: 19.6 -> 6.2 us; at 16000 (k = 1600) the two are level.
 constexpr int64_t kResolveAll = 4096;
+
+// The positions 0, 1, ..., kResolveAll - 1, built once: every element's, as a candidate.
+inline const uint32_t* every_position() {
+  static const std::array<uint32_t, kResolveAll> table = [] {
+    std::array<uint32_t, kResolveAll> a{};
+    for (int64_t i = 0; i < kResolveAll; ++i) a[i] = static_cast<uint32_t>(i);
+    return a;
+  }();
+  return table.data();
+}
+
+// The exact top k of x[0, n) without a filter: resolved whole when small, else radix select.
+template <typename U, typename I>
+void select_whole(const U* x, int64_t n, int64_t k, U* out_v, I* out_i, int64_t base) {
+  if (k > 0 && k < n && n <= kResolveAll) {
+    resolve_candidates<U, I>({ChunkCandidates<U>{x, every_position(), n, 0}}, k, U(0), out_v,
+                             out_i, base);
+  } else {
+    topk_bits<U, I>(x, n, k, out_v, out_i, base);
+  }
+}
 
 // Exact top-k of src's n values into out_v/out_i (index order, positions base + i). After
 // the call src.values() holds every value (the error-feedback source has written them).
@@ -652,14 +674,7 @@ void topk_filtered(const Src& src, int64_t n, int64_t k, U* out_v, I* out_i, int
   // Filtering pays when the candidates are a small share of the input.
   if (k == 0 || k == n || k > n / 16 || !sample_key<U>(src, n, k, &t, &expect)) {
     src.materialize();
-    if (k > 0 && k < n && n <= kResolveAll) {
-      const Scratch<uint32_t> pos(1, n);
-      for (int64_t i = 0; i < n; ++i) pos.get()[i] = static_cast<uint32_t>(i);
-      resolve_candidates<U, I>({ChunkCandidates<U>{src.values(), pos.get(), n, 0}}, k, U(0),
-                               out_v, out_i, base);
-      return;
-    }
-    topk_bits<U, I>(src.values(), n, k, out_v, out_i, base);
+    select_whole<U, I>(src.values(), n, k, out_v, out_i, base);
     return;
   }
   const Chunks ch(n);
@@ -674,7 +689,7 @@ void topk_filtered(const Src& src, int64_t n, int64_t k, U* out_v, I* out_i, int
   for (int64_t m : count) total += m;
   const U* x = src.values();
   if (total < k || total > 4 * expect + 4096) {  // the sample missed: select from everything
-    topk_bits<U, I>(x, n, k, out_v, out_i, base);
+    select_whole<U, I>(x, n, k, out_v, out_i, base);
     return;
   }
   std::vector<ChunkCandidates<U>> cc(ch.count);
