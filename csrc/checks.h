@@ -126,6 +126,25 @@ inline void check_velocity(const std::optional<at::Tensor>& velocity, const at::
               ": the velocity must not share memory with the residual or the gradient");
 }
 
+// A gradient (or a segment's) of `numel` elements and its residual on one device.
+inline void check_feedback_pair(const at::Tensor& grad, const at::Tensor& residual,
+                                int64_t numel, const char* op) {
+  TORCH_CHECK(residual.device() == grad.device(), op, ": residual on ", residual.device(),
+              ", gradient on ", grad.device());
+  TORCH_CHECK(grad.numel() == numel, op, ": ", numel, " residual elements, gradient ",
+              grad.numel());
+}
+
+// The dtypes of an error-feedback op: a float32 residual (the accumulation) with a gradient
+// and a wire dtype of any value dtype, or a 16-bit dtype shared by all three.
+inline void check_feedback_dtypes(at::ScalarType grad, at::ScalarType acc, at::ScalarType wire,
+                                  const char* op) {
+  TORCH_CHECK(is_value_dtype(wire), op, ": unsupported wire dtype ", wire);
+  TORCH_CHECK(acc == at::kFloat || (grad == acc && wire == acc), op, ": a ", acc,
+              " residual needs a gradient and a wire of the same dtype (got ", grad, ", ", wire,
+              "); accumulate 16-bit gradients in float32");
+}
+
 // The inputs of the fused error-feedback ops (ef_topk, segmented_ef_topk): a gradient and
 // a residual of as many elements, contiguous, on one device of the expected type; the
 // residual (the accumulation) is float32 with a gradient and a wire dtype of any value
@@ -136,17 +155,35 @@ inline at::Tensor check_feedback(const at::Tensor& grad, const at::Tensor& resid
                                  const char* op, c10::DeviceType device) {
   check_values(grad, op, device);
   check_values(residual, op, device);
-  TORCH_CHECK(residual.device() == grad.device(), op, ": residual on ", residual.device(),
-              ", gradient on ", grad.device());
-  TORCH_CHECK(residual.numel() == grad.numel(), op, ": residual has ", residual.numel(),
-              " elements, gradient ", grad.numel());
-  TORCH_CHECK(is_value_dtype(wire), op, ": unsupported wire dtype ", wire);
-  const at::ScalarType acc = residual.scalar_type();
-  TORCH_CHECK(acc == at::kFloat || (grad.scalar_type() == acc && wire == acc), op,
-              ": a ", acc, " residual needs a gradient and a wire of the same dtype (got ",
-              grad.scalar_type(), ", ", wire, "); accumulate 16-bit gradients in float32");
+  check_feedback_pair(grad, residual, grad.numel(), op);
+  check_feedback_dtypes(grad.scalar_type(), residual.scalar_type(), wire, op);
   check_velocity(velocity, grad, residual, op);
   return grad.reshape({-1});
+}
+
+// The gradient of a fused error-feedback op given as segments (segmented_ef_topk_tensors):
+// one tensor per segment, each holding its segment's elements, all of one dtype, segments
+// that tile the residual, and check_feedback's rules for each of them.
+inline void check_feedback_segments(const std::vector<at::Tensor>& grads,
+                                    const at::Tensor& residual, at::ScalarType wire,
+                                    const std::optional<at::Tensor>& velocity,
+                                    const std::vector<int64_t>& offsets, const char* op,
+                                    c10::DeviceType device) {
+  const int64_t nseg = int64_t(offsets.size()) - 1;
+  check_values(residual, op, device);
+  TORCH_CHECK(int64_t(grads.size()) == nseg, op, ": ", grads.size(), " gradient tensors for ",
+              nseg, " segments");
+  TORCH_CHECK(nseg >= 1 && offsets[0] == 0 && offsets[nseg] == residual.numel(), op,
+              ": the segments must tile the residual (offsets from 0 to ", residual.numel(), ")");
+  check_feedback_dtypes(grads[0].scalar_type(), residual.scalar_type(), wire, op);
+  for (int64_t s = 0; s < nseg; ++s) {
+    check_values(grads[s], op, device);
+    TORCH_CHECK(grads[s].scalar_type() == grads[0].scalar_type(), op,
+                ": the gradient tensors must share one dtype (", grads[s].scalar_type(), " and ",
+                grads[0].scalar_type(), ")");
+    check_feedback_pair(grads[s], residual, offsets[s + 1] - offsets[s], op);
+    check_velocity(velocity, grads[s], residual, op);
+  }
 }
 
 // Segments of a flat buffer of n elements (int64 CPU offsets[S+1], ks[S]): validates them and

@@ -50,6 +50,11 @@ namespace ssf {
 //     residual.add_(grad); topk(residual, k); residual[indices] = that loss.
 //   segmented_ef_topk(grad, residual, offsets, ks, wire_dtype): the same per segment of
 //     segmented_topk, in one call; elements outside every segment are accumulated only.
+//   segmented_ef_topk_tensors (CPU only): the same with the gradient given as its
+//     segments, one tensor each (a fusion group's .grad tensors, read where they lie):
+//     grads[s] holds offsets[s + 1] - offsets[s] elements, the segments tile the residual
+//     (offsets[0] = 0, offsets[nseg] = its size). Equal to segmented_ef_topk on their
+//     concatenation, without writing that concatenation first.
 //   Both take an optional DGC velocity (momentum correction; velocity, gradient and
 //   residual of one dtype): first velocity = momentum * velocity + grad (a product and a
 //   sum, each rounded, as velocity.mul_(momentum).add_(grad)), then the above with the
@@ -149,6 +154,10 @@ namespace ssf {
   at::Tensor hash_owner_##dev(const at::Tensor& indices, int64_t nparts, int64_t seed);
 
 SSF_DEVICE_OPS(cpu)
+std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_tensors_cpu(
+    const std::vector<at::Tensor>& grads, at::Tensor& residual, const at::Tensor& offsets,
+    const at::Tensor& ks, at::ScalarType wire_dtype, const std::optional<at::Tensor>& velocity,
+    double momentum, bool mask_velocity);
 #ifdef SSF_WITH_CUDA
 SSF_DEVICE_OPS(cuda)
 #endif

@@ -82,6 +82,11 @@ def _native(x: torch.Tensor, op: str, backend: Optional[str]):
     return fn
 
 
+def has_native(op: str, x: torch.Tensor) -> bool:
+    """Whether the extension has a native ``op`` for ``x``'s device."""
+    return _native(x, op, None) is not None
+
+
 def magnitude_key(x: torch.Tensor) -> torch.Tensor:
     """Integer key whose order is the magnitude order (NaN above Inf), same shape as x."""
     idt, mask = _SIGN_CLEAR[x.element_size()]
@@ -125,6 +130,19 @@ def _segments(offsets, ks, op: str):
         raise ValueError(f"{op}: {offsets.numel()} offsets for {ks.numel()} segments "
                          "(need len(ks) + 1)")
     return offsets, ks
+
+
+def _check_segments(offsets: torch.Tensor, ks: torch.Tensor, n: int, op: str) -> None:
+    """csrc/checks.h's check_segments for the torch fallbacks that change state (the fused
+    error-feedback ops): checked before the residual is touched."""
+    size = offsets[1:] - offsets[:-1]
+    if ks.numel() and (int(offsets[0]) < 0 or int(offsets[-1]) > n or bool((size < 0).any())):
+        raise ValueError(f"{op}: offsets {offsets.tolist()} outside [0, {n}] or decreasing")
+    bad = ((ks < 0) | (ks > size)).nonzero().flatten()
+    if bad.numel():
+        s = int(bad[0])
+        raise ValueError(f"{op}: k={int(ks[s])} out of range for segment {s} of {int(size[s])} "
+                         "elements")
 
 
 def segmented_topk(flat: torch.Tensor, offsets, ks, *, backend: Optional[str] = None):
@@ -334,7 +352,15 @@ def segmented_ef_topk(grad: torch.Tensor, residual: torch.Tensor, offsets, ks, w
     """:func:`ef_topk` per segment of :func:`segmented_topk`, in one call: ``residual +=
     grad`` everywhere, segment ``s`` gives its top ``ks[s]``, the selected entries of the
     residual become their wire error. Elements outside every segment are only
-    accumulated (and, with a velocity, its momentum step taken)."""
+    accumulated (and, with a velocity, its momentum step taken).
+
+    ``grad`` may also be a list of tensors, one per segment (a fusion group's gradients,
+    of one dtype), whose segments tile the residual: the same result as on their
+    concatenation. The CPU kernel reads each where it lies, so nothing stages them into
+    one buffer first; elsewhere they are concatenated."""
+    if isinstance(grad, (list, tuple)):
+        return _segmented_ef_topk_tensors(list(grad), residual, offsets, ks, wire_dtype,
+                                          velocity, momentum, mask_velocity, backend)
     wire = _feedback_input(grad, residual, wire_dtype, "segmented_ef_topk")
     _velocity_input(velocity, grad, residual, "segmented_ef_topk")
     offsets, ks = _segments(offsets, ks, "segmented_ef_topk")
@@ -342,6 +368,7 @@ def segmented_ef_topk(grad: torch.Tensor, residual: torch.Tensor, offsets, ks, w
     if fn is not None:
         return fn(grad if grad.is_contiguous() else grad.contiguous(), residual, offsets, ks, wire,
                   velocity, float(momentum), bool(mask_velocity))
+    _check_segments(offsets, ks, residual.numel(), "segmented_ef_topk")
     acc = residual.view(-1)
     acc.add_(_velocity_step(grad, velocity, momentum).to(acc.dtype))
     values, indices = segmented_topk(acc, offsets, ks, backend="torch")
@@ -349,6 +376,34 @@ def segmented_ef_topk(grad: torch.Tensor, residual: torch.Tensor, offsets, ks, w
     if velocity is not None and mask_velocity:
         velocity.view(-1).index_fill_(0, indices.long(), 0)
     return values, indices
+
+
+def _segmented_ef_topk_tensors(grads, residual, offsets, ks, wire_dtype, velocity, momentum,
+                               mask_velocity, backend):
+    """segmented_ef_topk with the gradient as one tensor per segment (see there)."""
+    op = "segmented_ef_topk"
+    offsets, ks = _segments(offsets, ks, op)
+    if len(grads) != ks.numel() or not grads:
+        raise ValueError(f"{op}: {len(grads)} gradient tensors for {ks.numel()} segments")
+    for g in grads:
+        _check_values(g, op)
+    if any(g.dtype != grads[0].dtype for g in grads):
+        raise TypeError(f"{op}: the gradient tensors must share one dtype")
+    bounds = offsets.tolist()
+    if bounds[0] != 0 or bounds[-1] != residual.numel() or any(
+            g.numel() != hi - lo for g, lo, hi in zip(grads, bounds, bounds[1:])):
+        raise ValueError(f"{op}: gradient tensors of {[g.numel() for g in grads]} elements do "
+                         f"not tile a residual of {residual.numel()} by offsets {bounds}")
+    # CPU only; elsewhere (and with backend="native") the concatenation takes the native
+    # segmented op, which raises if there is none
+    fn = _native(residual, "segmented_ef_topk_tensors", None if backend == "native" else backend)
+    if fn is not None:
+        return fn([g if g.is_contiguous() else g.contiguous() for g in grads], residual, offsets,
+                  ks, residual.dtype if wire_dtype is None else wire_dtype, velocity,
+                  float(momentum), bool(mask_velocity))
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    return segmented_ef_topk(flat, residual, offsets, ks, wire_dtype, velocity=velocity,
+                             momentum=momentum, mask_velocity=mask_velocity, backend=backend)
 
 
 # --------------------------------------------------------------------------- codec

@@ -218,9 +218,10 @@ def time_sparsifier(sparsifier: str, device="cpu", density=0.01, sizes_bytes=SPA
         def run(part=part, send=send, memory=memory, grad=grad):
             if part.stage.device != grad.device:  # the offload path's host staging copy
                 part.stage.copy_(grad)
+                result = part.select(memory)
             else:
-                part.stage_grads([grad])
-            part.pack(part.select(memory), send, 1.0)
+                result = part.select_grads(memory, [grad])
+            part.pack(result, send, 1.0)
 
         ts.append(_median_seconds(run, dev, max(1, int(repeats))))
         xs.append(n * grad.element_size())

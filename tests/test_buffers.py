@@ -217,3 +217,33 @@ def test_nonfinite_count_is_exact_whatever_the_sum_does(dtype):
         cases[what] = (x, len(values))
     for what, (x, expected) in cases.items():
         assert nonfinite_count(x) == expected == int((~torch.isfinite(x)).sum()), what
+
+
+@pytest.mark.parametrize("dtype,acc", KINDS)
+@pytest.mark.parametrize("rule", ["gradient", "momentum", "adam"])
+def test_select_grads_equals_staging_then_select(dtype, acc, rule):
+    """A segmented part selects from its gradients where they lie once its residual exists
+    and the rule is taken inside the kernel (plain error feedback; momentum with the
+    gradient in the accumulation dtype): its staging buffer is then never written (NaN
+    left in it stays). Otherwise it stages. Either way the selections and the residual
+    equal those of stage_grads + select over four steps."""
+    from ssfusion_hvd.sparsify import ResidualMemory
+    from ssfusion_hvd.sparsify.memory import AdamRule, GradientRule, MomentumRule
+    make_rule = {"gradient": GradientRule, "momentum": lambda: MomentumRule(0.9),
+                 "adam": AdamRule}[rule]
+    direct, staged = _part(dtype, acc), _part(dtype, acc)
+    mem_d, mem_s = ResidualMemory(make_rule(), acc), ResidualMemory(make_rule(), acc)
+    mem_d.rule.density = mem_s.rule.density = 0.01
+    in_place = rule == "gradient" or (rule == "momentum" and (acc is None or acc == dtype))
+    g = torch.Generator().manual_seed(7)
+    for step in range(4):
+        grads = [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+        direct.stage.fill_(float("nan"))
+        got = direct.select_grads(mem_d, grads)
+        assert bool(direct.stage.isnan().all()) == (in_place and step > 0), step
+        staged.stage_grads(grads)
+        want = staged.select(mem_s)
+        assert torch.equal(got.indices, want.indices) and got.per_tensor == want.per_tensor
+        assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8))
+        assert torch.equal(mem_d.residuals[direct.key].view(torch.uint8),
+                           mem_s.residuals[staged.key].view(torch.uint8)), step

@@ -56,10 +56,11 @@ def _inputs(n, kind, seed):
 
 
 KINDS = ["normal", "ties", "zeros", "clustered", "nonfinite"]
-# sizes past the filter's minimum (2^14) with small k take the sampled filter; the others,
-# and k past n / 16, the radix select
-FILTER_CASES = [(20_000, 1), (20_000, 13), (65_539, 65), (300_001, 3_000), (300_001, 300),
-                (1_000_003, 10_001), (1_000_003, 1_001), (300_001, 30_000)]
+# from 256 elements up, k <= n / 16 takes the sampled filter; up to 4096 elements the
+# others are resolved whole (bisection over every key), larger ones by the radix select
+FILTER_CASES = [(300, 3), (1_000, 10), (4_000, 2_000), (5_000, 1), (20_000, 1), (20_000, 13),
+                (65_539, 65), (300_001, 3_000), (300_001, 300), (1_000_003, 10_001),
+                (1_000_003, 1_001), (300_001, 30_000)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -348,3 +349,93 @@ def test_memory_select_topk_checks_before_the_rule_moves():
             bad()
         assert torch.equal(mem.rule.state["a"]["momentum_buffer"], u)
         assert mem.rule.steps["a"] == 1
+
+
+def _segments_of(sizes):
+    off = [0]
+    for n in sizes:
+        off.append(off[-1] + n)
+    return off
+
+
+@pytest.mark.parametrize("gdt,rdt", [(torch.float32, torch.float32), (torch.float16, torch.float32),
+                                     (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("velocity", [False, True])
+def test_segmented_ef_topk_of_tensors_equals_the_concatenation(gdt, rdt, velocity):
+    """The gradient as one tensor per segment (read where it lies): values, indices,
+    residual and velocity bit for bit those of the op on the concatenation, native and
+    torch; a non-contiguous segment too."""
+    if velocity and gdt != rdt:
+        return  # a velocity has the residual's dtype, as the gradient
+    sizes = [300, 5_000, 17, 40_000, 1, 70_000]
+    off, ks = _segments_of(sizes), [max(1, n // 100) for n in sizes]
+    g = torch.Generator().manual_seed(len(sizes))
+    grads = [_inputs(n, kind, seed=n).to(gdt) for n, kind in zip(sizes, KINDS + KINDS)]
+    grads[3] = torch.randn(100, 400, generator=g).to(gdt).t()  # 40,000, not contiguous
+    r0 = torch.randn(off[-1], generator=g).to(rdt)
+    v0 = torch.randn(off[-1], generator=g).to(rdt)
+    for backend in ("native", "torch"):
+        r, rc = r0.clone(), r0.clone()
+        kw, kwc = {}, {}
+        if velocity:
+            kw = dict(velocity=v0.clone(), momentum=0.9, mask_velocity=True)
+            kwc = dict(velocity=v0.clone(), momentum=0.9, mask_velocity=True)
+        got = ops.segmented_ef_topk(grads, r, off, ks, gdt, backend=backend, **kw)
+        want = ops.segmented_ef_topk(torch.cat([x.reshape(-1) for x in grads]), rc, off, ks, gdt,
+                                     backend="torch", **kwc)
+        _same(got, want)
+        assert torch.equal(_bits(r), _bits(rc)), backend
+        if velocity:
+            assert torch.equal(_bits(kw["velocity"]), _bits(kwc["velocity"])), backend
+
+
+def test_segmented_ef_topk_of_tensors_rejects_bad_segments():
+    r = torch.zeros(30)
+    good = [torch.randn(10), torch.randn(20)]
+    bad = [([torch.randn(10)], [0, 10, 30], [1, 1], "segments"),  # one tensor, two segments
+           ([torch.randn(10), torch.randn(19)], [0, 10, 30], [1, 1], "tile"),
+           (good, [0, 10, 29], [1, 1], "tile"),  # do not reach the residual's end
+           ([torch.randn(10), torch.randn(20, dtype=torch.float16)], [0, 10, 30], [1, 1], "one dtype"),
+           (good, [0, 10, 30], [1, 21], "out of range"),
+           ([torch.randn(10), torch.zeros(20, dtype=torch.int32)], [0, 10, 30], [1, 1], "dtype")]
+    for backend in ("native", "torch"):
+        for grads, off, ks, msg in bad:
+            with pytest.raises((TypeError, ValueError, RuntimeError), match=msg):
+                ops.segmented_ef_topk(grads, r, off, ks, backend=backend)
+            assert torch.equal(r, torch.zeros(30))
+        with pytest.raises((TypeError, ValueError, RuntimeError), match="share"):
+            ops.segmented_ef_topk(good, r, [0, 10, 30], [1, 1], velocity=r, momentum=0.9,
+                                  backend=backend)
+
+
+@pytest.mark.parametrize("ri", range(6))
+@pytest.mark.parametrize("gdt,acc", [(torch.float32, None), (torch.float16, torch.float32),
+                                     (torch.bfloat16, None)])
+def test_memory_select_topk_segments_equals_the_staged_path(ri, gdt, acc):
+    """Four steps of select_topk_segments (gradients where they lie, where it applies) and of
+    select_topk on their concatenation: same selections, residuals and rule state. It
+    applies from the second step (the first creates the residual), for the rules the kernel
+    takes inside (plain error feedback; momentum without dampening or Nesterov, of the
+    accumulation dtype), and otherwise returns None having changed nothing."""
+    direct, staged = ResidualMemory(_rules()[ri], acc), ResidualMemory(_rules()[ri], acc)
+    direct.rule.density = staged.rule.density = 0.01
+    sizes = [3_000, 40_000, 17]
+    off, ks = torch.tensor(_segments_of(sizes)), [30, 400, 1]
+    g = torch.Generator().manual_seed(ri)
+    rule = _rules()[ri]
+    takes = isinstance(rule, GradientRule) or (
+        isinstance(rule, MomentumRule) and not rule.dampening and not rule.nesterov
+        and (acc is None or gdt == acc))
+    for step in range(4):
+        grads = [torch.randn(n, generator=g).to(gdt) for n in sizes]
+        flat = torch.cat(grads)
+        got = direct.select_topk_segments("k", grads, off, ks, wire_dtype=gdt)
+        assert (got is not None) == (takes and step > 0), step
+        if got is None:
+            got = direct.select_topk("k", flat, offsets=off, ks=ks, wire_dtype=gdt)
+        want = staged.select_topk("k", flat, offsets=off, ks=ks, wire_dtype=gdt)
+        _same(got, want)
+        assert torch.equal(_bits(direct.residuals["k"]), _bits(staged.residuals["k"])), step
+        for b in direct.rule.buffers:
+            assert torch.equal(_bits(direct.rule.state["k"][b]), _bits(staged.rule.state["k"][b]))
+        assert direct.rule.steps.get("k") == staged.rule.steps.get("k"), step

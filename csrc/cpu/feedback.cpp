@@ -311,4 +311,41 @@ std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_cpu(const at::Tensor& grad_
   return {values, indices};
 }
 
+std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_tensors_cpu(
+    const std::vector<at::Tensor>& grads, at::Tensor& residual, const at::Tensor& offsets_in,
+    const at::Tensor& ks_in, at::ScalarType wire_dtype, const std::optional<at::Tensor>& velocity,
+    double momentum, bool mask_velocity) {
+  constexpr const char* op = "segmented_ef_topk";
+  const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
+  const at::Tensor ks = ks_in.to(at::kLong).contiguous();
+  const int64_t nseg = ks.numel();
+  const std::vector<int64_t> out_off = check_segments(offsets, ks, residual.numel());
+  const int64_t* off = offsets.const_data_ptr<int64_t>();
+  const int64_t* kp = ks.const_data_ptr<int64_t>();
+  check_feedback_segments(grads, residual, wire_dtype, velocity,
+                          std::vector<int64_t>(off, off + nseg + 1), op, at::kCPU);
+  const auto idt = index_dtype_for(residual.numel());
+  at::Tensor values = at::empty({out_off[nseg]}, residual.options());
+  at::Tensor indices = at::empty({out_off[nseg]}, residual.options().dtype(idt));
+  dispatch_feedback(grads[0], residual, wire_dtype, idt, [&](auto a, auto g, auto w, auto i) {
+    using A = decltype(a);
+    using G = decltype(g);
+    using I = decltype(i);
+    A* pr = static_cast<A*>(residual.data_ptr());
+    A* pv = velocity ? static_cast<A*>(velocity->data_ptr()) : nullptr;
+    auto* out_v = static_cast<BitsOf<A>*>(values.data_ptr());
+    I* out_i = indices.data_ptr<I>();
+    cpu::for_segments(off, nseg, [&](int64_t s) {
+      // segment s: its own gradient tensor against the residual (and velocity) from off[s]
+      const G* pg = static_cast<const G*>(grads[s].const_data_ptr());
+      with_source(pg, pr + off[s], pv ? pv + off[s] : nullptr, float(momentum), 0,
+                  off[s + 1] - off[s], [&](const auto& src) {
+        ef_segment<decltype(w), I>(src, kp[s], mask_velocity && pv, out_v + out_off[s],
+                                   out_i + out_off[s], off[s]);
+      });
+    });
+  });
+  return {values, indices};
+}
+
 }  // namespace ssf

@@ -48,9 +48,9 @@ class OffloadWorker:
         t0 = time.perf_counter()
         if copied is not None:
             copied.synchronize()
+            result = part.select(memory)  # the kernels release the GIL
         else:
-            part.stage_grads([grad])
-        result = part.select(memory)  # the kernels release the GIL
+            result = part.select_grads(memory, [grad])
         self.seconds += time.perf_counter() - t0
         return result
 

@@ -166,8 +166,7 @@ class PlannedPhase:
             if isinstance(part, DensePart):
                 part.encode([self._grad(i) for i in part.tensors], gb.send, self._prescale)
             elif part not in gb.offloaded:
-                part.stage_grads([self._grad(i) for i in part.tensors])
-                result = part.select(self.memory)
+                result = part.select_grads(self.memory, [self._grad(i) for i in part.tensors])
                 part.pack(result, gb.send, self._prescale)
                 self._results[part.key] = result
         self._sparsify_s += time.perf_counter() - t0

@@ -320,6 +320,41 @@ class ResidualMemory:
             self.rule.mask(key, indices.long())
         return values, indices
 
+    def select_topk_segments(self, key: str, grads: Sequence[torch.Tensor], offsets, ks,
+                             wire_dtype: Optional[torch.dtype] = None):
+        """:meth:`select_topk` with ``offsets``/``ks`` for the concatenation of ``grads`` (one
+        tensor per segment), reading them where they lie (``ops.segmented_ef_topk`` with a
+        list) instead of from a staged copy. Returns ``(values, indices)``, or None, having
+        changed nothing, where that does not apply: no residual yet (the first step creates
+        it), no native kernel for their device (the CPU has one), gradients of different
+        dtypes or devices, a rule whose update is not taken inside the kernel (only
+        momentum's velocity step is), or a gradient dtype the rule's state does not have;
+        the caller then stages the gradients and calls :meth:`select_topk`."""
+        r = self.residuals.get(key)
+        if r is None or not grads or not ops.has_native("segmented_ef_topk_tensors", r):
+            return None
+        dtype, device = grads[0].dtype, grads[0].device
+        want = self.acc_dtype(dtype)
+        if (r.dtype != want or r.numel() != sum(g.numel() for g in grads)
+                or any(g.dtype != dtype or g.device != device for g in grads)
+                or device != r.device):
+            return None
+        velocity = {}
+        if self.rule.buffers:
+            fused = self.rule.fused_velocity(key, r) if dtype == want else None
+            if fused is None:
+                return None
+            u, m, masks = fused
+            velocity = {"velocity": u, "momentum": m, "mask_velocity": masks}
+        elif dtype != want and want != torch.float32:
+            return None
+        values, indices = ops.segmented_ef_topk(list(grads), r, offsets, ks,
+                                                want if wire_dtype is None else wire_dtype,
+                                                **velocity)
+        if velocity:  # the kernel took the step: counted now that it has
+            self.rule.steps[key] = self.rule.steps.get(key, 0) + 1
+        return values, indices
+
     def update(self, key: str, acc: torch.Tensor, indices: torch.Tensor,
                wire_dtype: Optional[torch.dtype] = None) -> None:
         """After sending ``acc[indices]`` rounded to ``wire_dtype``: the residual is ``acc``
