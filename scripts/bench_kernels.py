@@ -17,7 +17,9 @@ this one process:
    top-k call per tensor vs one call over the concatenation, and the fused segmented op,
    also with DGC's momentum correction (the velocity step in the op's pass vs torch's
    ``mul_``/``add_`` and ``index_fill_`` around it);
-4. a sparse part's decode (``core/buffers.unpack``) of GPT-2's 148 tensors at a fifth of
+4. one step of a model's gradients as one segmented sparse part, staged into the part's
+   buffer then selected, against selected where they lie (``SparsePart.select_grads``);
+5. a sparse part's decode (``core/buffers.unpack``) of GPT-2's 148 tensors at a fifth of
    their size (~25M elements), density 0.01, P = 2 and 4 ranks' records: the decode as it
    runs vs the full decode (zero the output, scatter-add, scale it, copy it into the
    gradients), and a memcpy of the group's bytes (interleaved medians).
@@ -234,6 +236,44 @@ def bench_segmented(model, density, reps):
             composed, dgc)
 
 
+def bench_stage(model, density, reps, rule):
+    """(staged, in place) seconds of one step of a model's gradients as one segmented sparse
+    part: ``stage_grads`` + ``select`` (the copy into the part's buffer, then the fused
+    op) against ``select_grads`` (the fused op reading the gradients where they lie), the
+    residual and the rule's state carried over, interleaved."""
+    from ssfusion_hvd.core.buffers import SparsePart
+    from ssfusion_hvd.sparsify import ResidualMemory, make_sparsifier
+    from ssfusion_hvd.sparsify.memory import GradientRule, MomentumRule
+
+    shapes = [torch.Size([n]) for _, n in model_tensors(model)]
+    ks = [max(1, math.ceil(density * s.numel())) for s in shapes]
+    g = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(2)]
+    make_rule = (lambda: MomentumRule(0.9)) if rule == "momentum" else GradientRule
+    runs = []
+    for _ in range(2):
+        part = SparsePart("p", range(len(shapes)), shapes, ks, "segmented",
+                          [make_sparsifier("topk") for _ in shapes], 0, torch.float32,
+                          torch.device("cpu"))
+        runs.append((part, ResidualMemory(make_rule()), [0]))
+
+    def staged():
+        part, mem, i = runs[0]
+        i[0] += 1
+        part.stage_grads(grads[i[0] % 2])
+        part.select(mem)
+
+    def in_place():
+        part, mem, i = runs[1]
+        i[0] += 1
+        part.select_grads(mem, grads[i[0] % 2])
+
+    for _ in range(2):  # the first step creates the residual and the velocity
+        staged()
+        in_place()
+    return interleaved_medians([staged, in_place], reps)
+
+
 def bench_decode(model, shrink, density, nranks, reps):
     """(elements, tensors, k total, full decode, decode, memcpy) for one sparse part holding
     every tensor of ``model`` (sizes // shrink), float32, Average over ``nranks``."""
@@ -282,12 +322,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all)")
-    ap.add_argument("--only", choices=("topk", "feedback", "segmented", "decode"), default=None,
-                    help="run one of the four tables")
+    ap.add_argument("--only", choices=("topk", "feedback", "segmented", "stage", "decode"),
+                    default=None, help="run one of the five tables")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    run = {t: args.only in (None, t) for t in ("topk", "feedback", "segmented", "decode")}
+    run = {t: args.only in (None, t) for t in ("topk", "feedback", "segmented", "stage", "decode")}
     sizes = [1_000, 100_000, 1_000_000, 25_000_000] if args.quick else \
         [1_000, 10_000, 100_000, 300_000, 1_000_000, 10_000_000, 25_000_000]
     reps = 5 if args.quick else args.reps
@@ -323,6 +363,16 @@ def main():
             print(f"| {m} | {t} | {n:,} | {k:,} | {seg.ms()} | {fmt_ms(loop)} | {single.ms()} "
                   f"| {fmt_ms(tl)} | {seg / single:5.2f}x | {fmt_ms(fused)} | {fmt_ms(comp)} "
                   f"| {dgc.ms()} |")
+    if run["stage"]:
+        print()
+        print("| model | rule | staged (stage_grads + select) | in place (select_grads) "
+              "| staged/in place |")
+        print("|---|---|---:|---:|---:|")
+        for model in ("resnet50", "gpt2"):
+            for rule in ("gradient", "momentum"):
+                staged, direct = bench_stage(model, 0.01, 3 if args.quick else 7, rule)
+                print(f"| {model} | {rule} | {staged.ms()} | {direct.ms()} "
+                      f"| {staged / direct:5.2f}x |")
     if run["decode"]:
         print()
         print("| group | tensors | elements | P | k per rank | full decode | decode | memcpy "
