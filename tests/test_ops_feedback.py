@@ -439,3 +439,16 @@ def test_memory_select_topk_segments_equals_the_staged_path(ri, gdt, acc):
         for b in direct.rule.buffers:
             assert torch.equal(_bits(direct.rule.state["k"][b]), _bits(staged.rule.state["k"][b]))
         assert direct.rule.steps.get("k") == staged.rule.steps.get("k"), step
+
+
+def test_memory_select_topk_segments_declines_what_it_cannot_take():
+    """None, with nothing changed, for float64 gradients (the staged path then raises its
+    own error) and for segments of mixed dtypes."""
+    mem = ResidualMemory(GradientRule(), torch.float32)
+    off, ks = [0, 10, 30], [1, 2]
+    mem.select_topk("k", torch.randn(30), offsets=off, ks=ks)
+    r = mem.residuals["k"].clone()
+    for grads in ([torch.randn(10, dtype=torch.float64), torch.randn(20, dtype=torch.float64)],
+                  [torch.randn(10), torch.randn(20, dtype=torch.float16)]):
+        assert mem.select_topk_segments("k", grads, off, ks) is None
+        assert torch.equal(mem.residuals["k"], r)

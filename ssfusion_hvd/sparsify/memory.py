@@ -334,6 +334,8 @@ class ResidualMemory:
         if r is None or not grads or not ops.has_native("segmented_ef_topk_tensors", r):
             return None
         dtype, device = grads[0].dtype, grads[0].device
+        if dtype not in ops.VALUE_DTYPES:  # select_topk's staged path says what is wrong
+            return None
         want = self.acc_dtype(dtype)
         if (r.dtype != want or r.numel() != sum(g.numel() for g in grads)
                 or any(g.dtype != dtype or g.device != device for g in grads)
