@@ -181,7 +181,10 @@ inline void check_feedback_segments(const std::vector<at::Tensor>& grads,
     TORCH_CHECK(grads[s].scalar_type() == grads[0].scalar_type(), op,
                 ": the gradient tensors must share one dtype (", grads[s].scalar_type(), " and ",
                 grads[0].scalar_type(), ")");
-    check_feedback_pair(grads[s], residual, offsets[s + 1] - offsets[s], op);
+    TORCH_CHECK(grads[s].numel() == offsets[s + 1] - offsets[s], op, ": gradient tensor ", s,
+                " has ", grads[s].numel(), " elements, its segment ", offsets[s + 1] - offsets[s],
+                " (the tensors must tile the residual)");
+    check_feedback_pair(grads[s], residual, grads[s].numel(), op);
     check_velocity(velocity, grads[s], residual, op);
   }
 }

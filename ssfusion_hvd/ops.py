@@ -383,6 +383,14 @@ def _segmented_ef_topk_tensors(grads, residual, offsets, ks, wire_dtype, velocit
     """segmented_ef_topk with the gradient as one tensor per segment (see there)."""
     op = "segmented_ef_topk"
     offsets, ks = _segments(offsets, ks, op)
+    # CPU only (its checks in csrc/checks.h: check_feedback_segments, the same rules as
+    # below); elsewhere, and with backend="native", the concatenation takes the native
+    # segmented op, which raises if there is none
+    fn = _native(residual, "segmented_ef_topk_tensors", None if backend == "native" else backend)
+    if fn is not None:
+        grads = [g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads]
+        return fn(grads, residual, offsets, ks, residual.dtype if wire_dtype is None else wire_dtype,
+                  velocity, float(momentum), bool(mask_velocity))
     if len(grads) != ks.numel() or not grads:
         raise ValueError(f"{op}: {len(grads)} gradient tensors for {ks.numel()} segments")
     for g in grads:
@@ -394,13 +402,6 @@ def _segmented_ef_topk_tensors(grads, residual, offsets, ks, wire_dtype, velocit
             g.numel() != hi - lo for g, lo, hi in zip(grads, bounds, bounds[1:])):
         raise ValueError(f"{op}: gradient tensors of {[g.numel() for g in grads]} elements do "
                          f"not tile a residual of {residual.numel()} by offsets {bounds}")
-    # CPU only; elsewhere (and with backend="native") the concatenation takes the native
-    # segmented op, which raises if there is none
-    fn = _native(residual, "segmented_ef_topk_tensors", None if backend == "native" else backend)
-    if fn is not None:
-        return fn([g if g.is_contiguous() else g.contiguous() for g in grads], residual, offsets,
-                  ks, residual.dtype if wire_dtype is None else wire_dtype, velocity,
-                  float(momentum), bool(mask_velocity))
     flat = torch.cat([g.reshape(-1) for g in grads])
     return segmented_ef_topk(flat, residual, offsets, ks, wire_dtype, velocity=velocity,
                              momentum=momentum, mask_velocity=mask_velocity, backend=backend)

@@ -210,11 +210,11 @@ void dispatch_value(at::ScalarType t, const F& fn) {
 // op: a 16-bit residual has gradient and wire of its own dtype, so only the float32
 // residual mixes.
 template <typename F>
-void dispatch_feedback(const at::Tensor& grad, const at::Tensor& residual, at::ScalarType wire,
+void dispatch_feedback(at::ScalarType grad, const at::Tensor& residual, at::ScalarType wire,
                        at::ScalarType idt, const F& fn) {
   dispatch_value(residual.scalar_type(), [&](auto a_tag) {
     using A = decltype(a_tag);
-    dispatch_value(grad.scalar_type(), [&](auto g_tag) {
+    dispatch_value(grad, [&](auto g_tag) {
       using G = decltype(g_tag);
       dispatch_value(wire, [&](auto w_tag) {
         using W = decltype(w_tag);
@@ -254,7 +254,7 @@ std::tuple<at::Tensor, at::Tensor> ef_topk_cpu(const at::Tensor& grad_in, at::Te
   const auto idt = index_dtype_for(n);
   at::Tensor values = at::empty({k}, residual.options());
   at::Tensor indices = at::empty({k}, residual.options().dtype(idt));
-  dispatch_feedback(grad, residual, wire_dtype, idt, [&](auto a, auto g, auto w, auto i) {
+  dispatch_feedback(grad.scalar_type(), residual, wire_dtype, idt, [&](auto a, auto g, auto w, auto i) {
     using A = decltype(a);
     using G = decltype(g);
     using I = decltype(i);
@@ -269,6 +269,50 @@ std::tuple<at::Tensor, at::Tensor> ef_topk_cpu(const at::Tensor& grad_in, at::Te
   return {values, indices};
 }
 
+namespace {
+
+// The segmented error-feedback selection (checked inputs, offsets and ks int64 on the host):
+// segment s's gradient starts at seg[s]; with `flat` (the whole gradient, residual-sized)
+// the elements outside every segment are accumulated and kept.
+std::tuple<at::Tensor, at::Tensor> segmented_feedback(
+    at::ScalarType grad_dtype, at::Tensor& residual, const at::Tensor& offsets,
+    const at::Tensor& ks, const std::vector<int64_t>& out_off, at::ScalarType wire_dtype,
+    const std::optional<at::Tensor>& velocity, double momentum, bool mask_velocity,
+    const void* flat, const std::vector<const void*>& seg) {
+  const int64_t nseg = ks.numel(), n = residual.numel();
+  const int64_t* off = offsets.const_data_ptr<int64_t>();
+  const int64_t* kp = ks.const_data_ptr<int64_t>();
+  const auto idt = index_dtype_for(n);
+  at::Tensor values = at::empty({out_off[nseg]}, residual.options());
+  at::Tensor indices = at::empty({out_off[nseg]}, residual.options().dtype(idt));
+  dispatch_feedback(grad_dtype, residual, wire_dtype, idt, [&](auto a, auto g, auto w, auto i) {
+    using A = decltype(a);
+    using G = decltype(g);
+    using I = decltype(i);
+    A* pr = static_cast<A*>(residual.data_ptr());
+    A* pv = velocity ? static_cast<A*>(velocity->data_ptr()) : nullptr;
+    const float m = float(momentum);
+    auto* out_v = static_cast<BitsOf<A>*>(values.data_ptr());
+    I* out_i = indices.data_ptr<I>();
+    if (flat != nullptr) {
+      const G* pg = static_cast<const G*>(flat);
+      auto keep = [&](const auto& src) { src.materialize(); };
+      with_source(pg, pr, pv, m, 0, nseg ? off[0] : n, keep);
+      if (nseg) with_source(pg, pr, pv, m, off[nseg], n, keep);
+    }
+    cpu::for_segments(off, nseg, [&](int64_t s) {
+      with_source(static_cast<const G*>(seg[s]), pr + off[s], pv ? pv + off[s] : nullptr, m, 0,
+                  off[s + 1] - off[s], [&](const auto& src) {
+        ef_segment<decltype(w), I>(src, kp[s], mask_velocity && pv, out_v + out_off[s],
+                                   out_i + out_off[s], off[s]);
+      });
+    });
+  });
+  return {values, indices};
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_cpu(const at::Tensor& grad_in,
                                                          at::Tensor& residual,
                                                          const at::Tensor& offsets_in,
@@ -280,72 +324,30 @@ std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_cpu(const at::Tensor& grad_
       check_feedback(grad_in, residual, wire_dtype, velocity, "segmented_ef_topk", at::kCPU);
   const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
   const at::Tensor ks = ks_in.to(at::kLong).contiguous();
-  const int64_t nseg = ks.numel(), n = grad.numel();
-  const std::vector<int64_t> out_off = check_segments(offsets, ks, n);
+  const std::vector<int64_t> out_off = check_segments(offsets, ks, grad.numel());
   const int64_t* off = offsets.const_data_ptr<int64_t>();
-  const int64_t* kp = ks.const_data_ptr<int64_t>();
-  const auto idt = index_dtype_for(n);
-  at::Tensor values = at::empty({out_off[nseg]}, residual.options());
-  at::Tensor indices = at::empty({out_off[nseg]}, residual.options().dtype(idt));
-  dispatch_feedback(grad, residual, wire_dtype, idt, [&](auto a, auto g, auto w, auto i) {
-    using A = decltype(a);
-    using G = decltype(g);
-    using I = decltype(i);
-    const G* pg = static_cast<const G*>(grad.const_data_ptr());
-    A* pr = static_cast<A*>(residual.data_ptr());
-    A* pv = velocity ? static_cast<A*>(velocity->data_ptr()) : nullptr;
-    const float m = float(momentum);
-    auto* out_v = static_cast<BitsOf<A>*>(values.data_ptr());
-    I* out_i = indices.data_ptr<I>();
-    // Elements outside every segment are accumulated and kept.
-    auto keep = [&](const auto& src) { src.materialize(); };
-    with_source(pg, pr, pv, m, 0, nseg ? off[0] : n, keep);
-    if (nseg) with_source(pg, pr, pv, m, off[nseg], n, keep);
-    cpu::for_segments(off, nseg, [&](int64_t s) {
-      with_source(pg, pr, pv, m, off[s], off[s + 1], [&](const auto& src) {
-        ef_segment<decltype(w), I>(src, kp[s], mask_velocity && pv, out_v + out_off[s],
-                                   out_i + out_off[s], off[s]);
-      });
-    });
-  });
-  return {values, indices};
+  const auto* base = static_cast<const char*>(grad.const_data_ptr());
+  std::vector<const void*> seg(ks.numel());
+  for (size_t s = 0; s < seg.size(); ++s) seg[s] = base + off[s] * grad.element_size();
+  return segmented_feedback(grad.scalar_type(), residual, offsets, ks, out_off, wire_dtype,
+                            velocity, momentum, mask_velocity, base, seg);
 }
 
 std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_tensors_cpu(
     const std::vector<at::Tensor>& grads, at::Tensor& residual, const at::Tensor& offsets_in,
     const at::Tensor& ks_in, at::ScalarType wire_dtype, const std::optional<at::Tensor>& velocity,
     double momentum, bool mask_velocity) {
-  constexpr const char* op = "segmented_ef_topk";
   const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
   const at::Tensor ks = ks_in.to(at::kLong).contiguous();
-  const int64_t nseg = ks.numel();
   const std::vector<int64_t> out_off = check_segments(offsets, ks, residual.numel());
   const int64_t* off = offsets.const_data_ptr<int64_t>();
-  const int64_t* kp = ks.const_data_ptr<int64_t>();
   check_feedback_segments(grads, residual, wire_dtype, velocity,
-                          std::vector<int64_t>(off, off + nseg + 1), op, at::kCPU);
-  const auto idt = index_dtype_for(residual.numel());
-  at::Tensor values = at::empty({out_off[nseg]}, residual.options());
-  at::Tensor indices = at::empty({out_off[nseg]}, residual.options().dtype(idt));
-  dispatch_feedback(grads[0], residual, wire_dtype, idt, [&](auto a, auto g, auto w, auto i) {
-    using A = decltype(a);
-    using G = decltype(g);
-    using I = decltype(i);
-    A* pr = static_cast<A*>(residual.data_ptr());
-    A* pv = velocity ? static_cast<A*>(velocity->data_ptr()) : nullptr;
-    auto* out_v = static_cast<BitsOf<A>*>(values.data_ptr());
-    I* out_i = indices.data_ptr<I>();
-    cpu::for_segments(off, nseg, [&](int64_t s) {
-      // segment s: its own gradient tensor against the residual (and velocity) from off[s]
-      const G* pg = static_cast<const G*>(grads[s].const_data_ptr());
-      with_source(pg, pr + off[s], pv ? pv + off[s] : nullptr, float(momentum), 0,
-                  off[s + 1] - off[s], [&](const auto& src) {
-        ef_segment<decltype(w), I>(src, kp[s], mask_velocity && pv, out_v + out_off[s],
-                                   out_i + out_off[s], off[s]);
-      });
-    });
-  });
-  return {values, indices};
+                          std::vector<int64_t>(off, off + ks.numel() + 1), "segmented_ef_topk",
+                          at::kCPU);
+  std::vector<const void*> seg(grads.size());
+  for (size_t s = 0; s < seg.size(); ++s) seg[s] = grads[s].const_data_ptr();
+  return segmented_feedback(grads[0].scalar_type(), residual, offsets, ks, out_off, wire_dtype,
+                            velocity, momentum, mask_velocity, nullptr, seg);
 }
 
 }  // namespace ssf

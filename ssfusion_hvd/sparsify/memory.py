@@ -299,13 +299,10 @@ class ResidualMemory:
         if self.rule.buffers or (flat.dtype != want and want != torch.float32):
             flat = flat.to(want)  # the rule's state lives in the accumulation dtype
         # (a float32 accumulation takes 16-bit gradients as they are: the kernel widens them)
-        fused = self.rule.fused_velocity(key, flat)
-        if fused is None:
+        velocity = self._in_kernel(key, flat)
+        if velocity is None:
             flat = self.rule.apply(key, flat)
             velocity = {}
-        else:  # DGC's momentum step, and its masking, inside the kernel's one pass
-            u, m, masks = fused
-            velocity = {"velocity": u, "momentum": m, "mask_velocity": masks}
         if r is None:  # -0.0: adding it changes nothing, so the first sum is the input, bit for bit
             r = self.residuals[key] = torch.full((flat.numel(),), -0.0, dtype=want,
                                                  device=flat.device)
@@ -314,11 +311,25 @@ class ResidualMemory:
             values, indices = ops.ef_topk(flat, r, k, wire, **velocity)
         else:
             values, indices = ops.segmented_ef_topk(flat, r, offsets, ks, wire, **velocity)
-        if fused is not None:  # the kernel took the step: counted now that it has (a bad
-            self.rule.steps[key] = self.rule.steps.get(key, 0) + 1  # argument left u as it was)
+        if velocity:  # the kernel took the step: counted now that it has (a bad argument
+            self.rule.steps[key] = self.rule.steps.get(key, 0) + 1  # left u as it was)
         elif self.rule.buffers:  # only rules with state look at what was sent
             self.rule.mask(key, indices.long())
         return values, indices
+
+    def _in_kernel(self, key: str, like: torch.Tensor) -> Optional[dict]:
+        """The fused kernels' arguments that take this step's rule inside them (like: the
+        flat update's dtype, device and size): {} for a rule without state (the gradient
+        itself, the base :meth:`LocalRule.apply`), DGC's velocity step when
+        ``fused_velocity`` offers it; None when the rule's ``apply`` (and ``mask``) must run
+        outside."""
+        if not self.rule.buffers and type(self.rule).apply is LocalRule.apply:
+            return {}
+        fused = self.rule.fused_velocity(key, like)
+        if fused is None:
+            return None
+        u, m, masks = fused
+        return {"velocity": u, "momentum": m, "mask_velocity": masks}
 
     def select_topk_segments(self, key: str, grads: Sequence[torch.Tensor], offsets, ks,
                              wire_dtype: Optional[torch.dtype] = None):
@@ -341,14 +352,10 @@ class ResidualMemory:
                 or any(g.dtype != dtype or g.device != device for g in grads)
                 or device != r.device):
             return None
-        velocity = {}
-        if self.rule.buffers:
-            fused = self.rule.fused_velocity(key, r) if dtype == want else None
-            if fused is None:
-                return None
-            u, m, masks = fused
-            velocity = {"velocity": u, "momentum": m, "mask_velocity": masks}
-        elif dtype != want and want != torch.float32:
+        if dtype != want and (self.rule.buffers or want != torch.float32):
+            return None  # select_topk converts these first
+        velocity = self._in_kernel(key, r)  # the residual: the update's dtype, device, size
+        if velocity is None:
             return None
         values, indices = ops.segmented_ef_topk(list(grads), r, offsets, ks,
                                                 want if wire_dtype is None else wire_dtype,
