@@ -42,6 +42,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("hash_owner_" #dev, &ssf::hash_owner_##dev, py::arg("indices"), py::arg("nparts"),    \
         py::arg("seed"), nogil);
   SSF_BIND_DEVICE_OPS(cpu)
+  m.def("ef_topk_tensors_cpu", &ssf::ef_topk_tensors_cpu, py::arg("grads"), py::arg("residual"),
+        py::arg("k"), py::arg("wire_dtype"), py::arg("velocity") = py::none(),
+        py::arg("momentum") = 0.0, py::arg("mask_velocity") = false, nogil);
   m.def("segmented_ef_topk_tensors_cpu", &ssf::segmented_ef_topk_tensors_cpu, py::arg("grads"),
         py::arg("residual"), py::arg("offsets"), py::arg("ks"), py::arg("wire_dtype"),
         py::arg("velocity") = py::none(), py::arg("momentum") = 0.0,

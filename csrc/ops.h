@@ -55,7 +55,11 @@ namespace ssf {
 //     grads[s] holds offsets[s + 1] - offsets[s] elements, the segments tile the residual
 //     (offsets[0] = 0, offsets[nseg] = its size). Equal to segmented_ef_topk on their
 //     concatenation, without writing that concatenation first.
-//   Both take an optional DGC velocity (momentum correction; velocity, gradient and
+//   ef_topk_tensors (CPU only): ef_topk with the gradient given as tensors laid back to
+//     back (grads[s]'s elements at [n_0 + ... + n_{s-1}, ... + n_s) of the residual,
+//     which they tile): equal to ef_topk on their concatenation, one k over all of them,
+//     without writing that concatenation first.
+//   All take an optional DGC velocity (momentum correction; velocity, gradient and
 //   residual of one dtype): first velocity = momentum * velocity + grad (a product and a
 //   sum, each rounded, as velocity.mul_(momentum).add_(grad)), then the above with the
 //   velocity for the gradient, and with mask_velocity the selected entries of the
@@ -154,6 +158,10 @@ namespace ssf {
   at::Tensor hash_owner_##dev(const at::Tensor& indices, int64_t nparts, int64_t seed);
 
 SSF_DEVICE_OPS(cpu)
+std::tuple<at::Tensor, at::Tensor> ef_topk_tensors_cpu(
+    const std::vector<at::Tensor>& grads, at::Tensor& residual, int64_t k,
+    at::ScalarType wire_dtype, const std::optional<at::Tensor>& velocity, double momentum,
+    bool mask_velocity);
 std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_tensors_cpu(
     const std::vector<at::Tensor>& grads, at::Tensor& residual, const at::Tensor& offsets,
     const at::Tensor& ks, at::ScalarType wire_dtype, const std::optional<at::Tensor>& velocity,

@@ -236,11 +236,12 @@ def bench_segmented(model, density, reps):
             composed, dgc)
 
 
-def bench_stage(model, density, reps, rule):
-    """(staged, in place) seconds of one step of a model's gradients as one segmented sparse
-    part: ``stage_grads`` + ``select`` (the copy into the part's buffer, then the fused
-    op) against ``select_grads`` (the fused op reading the gradients where they lie), the
-    residual and the rule's state carried over, interleaved."""
+def bench_stage(model, density, reps, rule, mode="segmented"):
+    """(staged, in place) seconds of one step of a model's gradients as one sparse part,
+    ``mode`` "segmented" (a top-k per tensor, SSFusion's) or "buffer" (one top-k over all,
+    multi_tensor's): ``stage_grads`` + ``select`` (the copy into the part's buffer, then
+    the fused op) against ``select_grads`` (the fused op reading the gradients where they
+    lie), the residual and the rule's state carried over, interleaved."""
     from ssfusion_hvd.core.buffers import SparsePart
     from ssfusion_hvd.sparsify import ResidualMemory, make_sparsifier
     from ssfusion_hvd.sparsify.memory import GradientRule, MomentumRule
@@ -251,9 +252,11 @@ def bench_stage(model, density, reps, rule):
     grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(2)]
     make_rule = (lambda: MomentumRule(0.9)) if rule == "momentum" else GradientRule
     runs = []
+    if mode == "buffer":
+        ks = [max(1, math.ceil(density * sum(s.numel() for s in shapes)))]
     for _ in range(2):
-        part = SparsePart("p", range(len(shapes)), shapes, ks, "segmented",
-                          [make_sparsifier("topk") for _ in shapes], 0, torch.float32,
+        part = SparsePart("p", range(len(shapes)), shapes, ks, mode,
+                          [make_sparsifier("topk") for _ in ks], 0, torch.float32,
                           torch.device("cpu"))
         runs.append((part, ResidualMemory(make_rule()), [0]))
 
@@ -365,14 +368,15 @@ def main():
                   f"| {dgc.ms()} |")
     if run["stage"]:
         print()
-        print("| model | rule | staged (stage_grads + select) | in place (select_grads) "
+        print("| model | top-k | rule | staged (stage_grads + select) | in place (select_grads) "
               "| staged/in place |")
-        print("|---|---|---:|---:|---:|")
-        for model in ("resnet50", "gpt2"):
-            for rule in ("gradient", "momentum"):
-                staged, direct = bench_stage(model, 0.01, 3 if args.quick else 7, rule)
-                print(f"| {model} | {rule} | {staged.ms()} | {direct.ms()} "
-                      f"| {staged / direct:5.2f}x |")
+        print("|---|---|---|---:|---:|---:|")
+        for mode, what in (("segmented", "per tensor"), ("buffer", "one k")):
+            for model in ("resnet50", "gpt2"):
+                for rule in ("gradient", "momentum"):
+                    staged, direct = bench_stage(model, 0.01, 3 if args.quick else 7, rule, mode)
+                    print(f"| {model} | {what} | {rule} | {staged.ms()} | {direct.ms()} "
+                          f"| {staged / direct:5.2f}x |")
     if run["decode"]:
         print()
         print("| group | tensors | elements | P | k per rank | full decode | decode | memcpy "

@@ -327,7 +327,22 @@ def ef_topk(grad: torch.Tensor, residual: torch.Tensor, k: int, wire_dtype=None,
     ``velocity`` (DGC's momentum correction; the residual's dtype, as the gradient): first
     ``velocity.mul_(momentum).add_(grad)``, then the above with the velocity for the
     gradient, and with ``mask_velocity`` its selected entries set to 0 (momentum factor
-    masking). The CPU kernel does it in the same pass."""
+    masking). The CPU kernel does it in the same pass.
+
+    ``grad`` may also be a list of tensors laid back to back that tile the residual (a
+    fusion buffer's gradients, of one dtype): one k over their concatenation, the same
+    result. The CPU kernel reads each where it lies, so nothing stages them into one buffer
+    first; elsewhere they are concatenated."""
+    if isinstance(grad, (list, tuple)):
+        grads = list(grad)
+        fn = _native(residual, "ef_topk_tensors", None if backend == "native" else backend)
+        if fn is not None:  # checks in csrc/checks.h: check_feedback_segments
+            return fn([g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads],
+                      residual, int(k), residual.dtype if wire_dtype is None else wire_dtype,
+                      velocity, float(momentum), bool(mask_velocity))
+        return ef_topk(_concat_tiles(grads, None, residual, "ef_topk"), residual, k, wire_dtype,
+                       velocity=velocity, momentum=momentum, mask_velocity=mask_velocity,
+                       backend=backend)
     wire = _feedback_input(grad, residual, wire_dtype, "ef_topk")
     _velocity_input(velocity, grad, residual, "ef_topk")
     k = int(k)
@@ -391,20 +406,32 @@ def _segmented_ef_topk_tensors(grads, residual, offsets, ks, wire_dtype, velocit
         grads = [g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads]
         return fn(grads, residual, offsets, ks, residual.dtype if wire_dtype is None else wire_dtype,
                   velocity, float(momentum), bool(mask_velocity))
-    if len(grads) != ks.numel() or not grads:
-        raise ValueError(f"{op}: {len(grads)} gradient tensors for {ks.numel()} segments")
+    flat = _concat_tiles(grads, offsets.tolist(), residual, op)
+    return segmented_ef_topk(flat, residual, offsets, ks, wire_dtype, velocity=velocity,
+                             momentum=momentum, mask_velocity=mask_velocity, backend=backend)
+
+
+def _concat_tiles(grads, bounds, residual: torch.Tensor, op: str) -> torch.Tensor:
+    """The torch fallback's concatenation of gradient tensors that tile the residual, tensor
+    s at [bounds[s], bounds[s + 1]) (None: back to back), checked by the rules of the
+    native list ops (csrc/checks.h: check_feedback_segments); the op checks the rest."""
+    if not grads or (bounds is not None and len(grads) != len(bounds) - 1):
+        raise ValueError(f"{op}: {len(grads)} gradient tensors for "
+                         f"{'no' if bounds is None else len(bounds) - 1} segments")
     for g in grads:
         _check_values(g, op)
     if any(g.dtype != grads[0].dtype for g in grads):
         raise TypeError(f"{op}: the gradient tensors must share one dtype")
-    bounds = offsets.tolist()
+    numels = [g.numel() for g in grads]
+    if bounds is None:
+        bounds = [0]
+        for n in numels:
+            bounds.append(bounds[-1] + n)
     if bounds[0] != 0 or bounds[-1] != residual.numel() or any(
-            g.numel() != hi - lo for g, lo, hi in zip(grads, bounds, bounds[1:])):
-        raise ValueError(f"{op}: gradient tensors of {[g.numel() for g in grads]} elements do "
-                         f"not tile a residual of {residual.numel()} by offsets {bounds}")
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    return segmented_ef_topk(flat, residual, offsets, ks, wire_dtype, velocity=velocity,
-                             momentum=momentum, mask_velocity=mask_velocity, backend=backend)
+            n != hi - lo for n, lo, hi in zip(numels, bounds, bounds[1:])):
+        raise ValueError(f"{op}: gradient tensors of {numels} elements do not tile a residual "
+                         f"of {residual.numel()} by offsets {bounds}")
+    return torch.cat([g.reshape(-1) for g in grads])
 
 
 # --------------------------------------------------------------------------- codec

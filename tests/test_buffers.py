@@ -29,7 +29,13 @@ KINDS = [(torch.float32, None), (torch.float16, torch.float32), (torch.bfloat16,
 OFFSET = 6  # a dense part's values before the sparse part's record
 
 
-def _part(dtype, acc, sparsifier="topk"):
+def _part(dtype, acc, sparsifier="topk", buffer=False):
+    """A part of SHAPES: per tensor (segmented for top-k), or with buffer=True one k over
+    the whole buffer (multi_tensor's mode)."""
+    if buffer:
+        return SparsePart("g0.s", range(len(SHAPES)), SHAPES, [sum(KS)], "buffer",
+                          [make_sparsifier(sparsifier)], OFFSET, dtype, torch.device("cpu"),
+                          acc_dtype=acc)
     sps = [make_sparsifier(sparsifier) for _ in SHAPES]
     mode = "segmented" if sparsifier == "topk" else "per_tensor"
     return SparsePart("g0.s", range(len(SHAPES)), SHAPES, KS, mode, sps, OFFSET, dtype,
@@ -221,17 +227,18 @@ def test_nonfinite_count_is_exact_whatever_the_sum_does(dtype):
 
 @pytest.mark.parametrize("dtype,acc", KINDS)
 @pytest.mark.parametrize("rule", ["gradient", "momentum", "adam"])
-def test_select_grads_equals_staging_then_select(dtype, acc, rule):
-    """A segmented part selects from its gradients where they lie once its residual exists
-    and the rule is taken inside the kernel (plain error feedback; momentum with the
-    gradient in the accumulation dtype): its staging buffer is then never written (NaN
-    left in it stays). Otherwise it stages. Either way the selections and the residual
-    equal those of stage_grads + select over four steps."""
+@pytest.mark.parametrize("buffer", [False, True])
+def test_select_grads_equals_staging_then_select(dtype, acc, rule, buffer):
+    """A top-k part, segmented or one k over its buffer, selects from its gradients where
+    they lie once its residual exists and the rule is taken inside the kernel (plain error
+    feedback; momentum with the gradient in the accumulation dtype): its staging buffer is
+    then never written (NaN left in it stays). Otherwise it stages. Either way the
+    selections and the residual equal those of stage_grads + select over four steps."""
     from ssfusion_hvd.sparsify import ResidualMemory
     from ssfusion_hvd.sparsify.memory import AdamRule, GradientRule, MomentumRule
     make_rule = {"gradient": GradientRule, "momentum": lambda: MomentumRule(0.9),
                  "adam": AdamRule}[rule]
-    direct, staged = _part(dtype, acc), _part(dtype, acc)
+    direct, staged = _part(dtype, acc, buffer=buffer), _part(dtype, acc, buffer=buffer)
     mem_d, mem_s = ResidualMemory(make_rule(), acc), ResidualMemory(make_rule(), acc)
     mem_d.rule.density = mem_s.rule.density = 0.01
     in_place = rule == "gradient" or (rule == "momentum" and (acc is None or acc == dtype))

@@ -239,6 +239,10 @@ def test_baseline_isa_filter_equals_torch():
         "        a = ops.ef_topk(x, r1, k, dt)\n"
         "        b = ops.ef_topk(x, r2, k, dt, backend='torch')\n"
         "        assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]) and torch.equal(r1, r2)\n"
+        "        pieces = list(x.split([n // 7, 5, n - n // 7 - 5 - n // 3, n // 3]))\n"
+        "        r1 = r0.clone()\n"
+        "        a = ops.ef_topk(pieces, r1, k, dt)\n"
+        "        assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]) and torch.equal(r1, r2)\n"
         "from test_ops import tied_at_kth\n"
         "for n in (100_003, 300_001):\n"
         "    x = tied_at_kth(n, n // 100, 37, seed=n)\n"
@@ -358,17 +362,33 @@ def _segments_of(sizes):
     return off
 
 
+def _list_call(grads, r, off, ks, k, wire, **kw):
+    """The list form under test: one k over the tensors back to back (ops.ef_topk) when k
+    is given, else one top-k per tensor (ops.segmented_ef_topk)."""
+    if k is None:
+        return ops.segmented_ef_topk(grads, r, off, ks, wire, **kw)
+    return ops.ef_topk(grads, r, k, wire, **kw)
+
+
+# one k over a list of tensors: the sample finds its positions' tensors, the filter runs
+# across tensor bounds inside a thread's chunk; k = 0, small shares, a share too large to
+# filter (radix select on the formed sums), the whole input
+LIST_KS = [None, 0, 1, 1_162, 20_000, 116_226]
+
+
 @pytest.mark.parametrize("gdt,rdt", [(torch.float32, torch.float32), (torch.float16, torch.float32),
                                      (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
 @pytest.mark.parametrize("velocity", [False, True])
-def test_segmented_ef_topk_of_tensors_equals_the_concatenation(gdt, rdt, velocity):
-    """The gradient as one tensor per segment (read where it lies): values, indices,
-    residual and velocity bit for bit those of the op on the concatenation, native and
-    torch; a non-contiguous segment too."""
+@pytest.mark.parametrize("k", LIST_KS)
+def test_ef_topk_of_tensors_equals_the_concatenation(gdt, rdt, velocity, k):
+    """The gradient as a list of tensors (read where they lie), one top-k per tensor
+    (segmented_ef_topk) or one over all (ef_topk): values, indices, residual and velocity
+    bit for bit those of the op on the concatenation, native and torch; a non-contiguous
+    tensor, an empty one and tensors shorter than a vector block too."""
     if velocity and gdt != rdt:
         return  # a velocity has the residual's dtype, as the gradient
-    sizes = [300, 5_000, 17, 40_000, 1, 70_000]
-    off, ks = _segments_of(sizes), [max(1, n // 100) for n in sizes]
+    sizes = [300, 5_000, 17, 40_000, 1, 0, 70_000, 5, 3, 900]
+    off, ks = _segments_of(sizes), [max(1, n // 100) if n else 0 for n in sizes]
     g = torch.Generator().manual_seed(len(sizes))
     grads = [_inputs(n, kind, seed=n).to(gdt) for n, kind in zip(sizes, KINDS + KINDS)]
     grads[3] = torch.randn(100, 400, generator=g).to(gdt).t()  # 40,000, not contiguous
@@ -380,16 +400,39 @@ def test_segmented_ef_topk_of_tensors_equals_the_concatenation(gdt, rdt, velocit
         if velocity:
             kw = dict(velocity=v0.clone(), momentum=0.9, mask_velocity=True)
             kwc = dict(velocity=v0.clone(), momentum=0.9, mask_velocity=True)
-        got = ops.segmented_ef_topk(grads, r, off, ks, gdt, backend=backend, **kw)
-        want = ops.segmented_ef_topk(torch.cat([x.reshape(-1) for x in grads]), rc, off, ks, gdt,
-                                     backend="torch", **kwc)
+        got = _list_call(grads, r, off, ks, k, gdt, backend=backend, **kw)
+        want = _list_call(torch.cat([x.reshape(-1) for x in grads]), rc, off, ks, k, gdt,
+                          backend="torch", **kwc)
         _same(got, want)
         assert torch.equal(_bits(r), _bits(rc)), backend
         if velocity:
             assert torch.equal(_bits(kw["velocity"]), _bits(kwc["velocity"])), backend
 
 
-def test_segmented_ef_topk_of_tensors_rejects_bad_segments():
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("pieces", [7, 300])
+def test_ef_topk_of_many_tensors_equals_torch(kind, pieces):
+    """One k over many tensors of uneven sizes (the filtered path, candidates from every
+    thread's chunk crossing tensor bounds), against the unfused torch composition, on
+    every input kind (ties, every element a candidate, one region overflowing its chunk's
+    buffer, NaN/Inf)."""
+    n = 300_001
+    g = torch.Generator().manual_seed(pieces)
+    cuts = sorted(torch.randint(0, n, (pieces - 1,), generator=g).tolist())
+    x = _inputs(n, kind, seed=pieces)
+    grads = [x[lo:hi] for lo, hi in zip([0] + cuts, cuts + [n])]
+    r0 = torch.randn(n, generator=g) * 0.1
+    for k in (1, 300, 3_000):
+        r, rc = r0.clone(), r0.clone()
+        got = ops.ef_topk(grads, r, k, backend="native")
+        rc.add_(x)
+        want = ops.topk(rc, k, backend="torch")
+        rc[want[1].long()] = 0
+        _same(got, want)
+        assert torch.equal(_bits(r), _bits(rc)), k
+
+
+def test_ef_topk_of_tensors_rejects_bad_lists():
     r = torch.zeros(30)
     good = [torch.randn(10), torch.randn(20)]
     bad = [([torch.randn(10)], [0, 10, 30], [1, 1], "segments"),  # one tensor, two segments
@@ -398,10 +441,18 @@ def test_segmented_ef_topk_of_tensors_rejects_bad_segments():
            ([torch.randn(10), torch.randn(20, dtype=torch.float16)], [0, 10, 30], [1, 1], "one dtype"),
            (good, [0, 10, 30], [1, 21], "out of range"),
            ([torch.randn(10), torch.zeros(20, dtype=torch.int32)], [0, 10, 30], [1, 1], "dtype")]
+    one_k = [([], "segments"), ([torch.randn(10), torch.randn(19)], "tile"),
+             ([torch.randn(10), torch.randn(21)], "tile"),
+             ([torch.randn(10), torch.randn(20, dtype=torch.float16)], "one dtype"),
+             ([torch.randn(10), torch.zeros(20, dtype=torch.int32)], "dtype")]
     for backend in ("native", "torch"):
         for grads, off, ks, msg in bad:
             with pytest.raises((TypeError, ValueError, RuntimeError), match=msg):
                 ops.segmented_ef_topk(grads, r, off, ks, backend=backend)
+            assert torch.equal(r, torch.zeros(30))
+        for grads, msg in one_k + [(good, "out of range")]:
+            with pytest.raises((TypeError, ValueError, RuntimeError), match=msg):
+                ops.ef_topk(grads, r, 31 if grads is good else 1, backend=backend)
             assert torch.equal(r, torch.zeros(30))
         with pytest.raises((TypeError, ValueError, RuntimeError), match="share"):
             ops.segmented_ef_topk(good, r, [0, 10, 30], [1, 1], velocity=r, momentum=0.9,
@@ -411,16 +462,19 @@ def test_segmented_ef_topk_of_tensors_rejects_bad_segments():
 @pytest.mark.parametrize("ri", range(6))
 @pytest.mark.parametrize("gdt,acc", [(torch.float32, None), (torch.float16, torch.float32),
                                      (torch.bfloat16, None)])
-def test_memory_select_topk_segments_equals_the_staged_path(ri, gdt, acc):
-    """Four steps of select_topk_segments (gradients where they lie, where it applies) and of
-    select_topk on their concatenation: same selections, residuals and rule state. It
-    applies from the second step (the first creates the residual), for the rules the kernel
-    takes inside (plain error feedback; momentum without dampening or Nesterov, of the
-    accumulation dtype), and otherwise returns None having changed nothing."""
+@pytest.mark.parametrize("segmented", [True, False])
+def test_memory_select_topk_tensors_equals_the_staged_path(ri, gdt, acc, segmented):
+    """Four steps of select_topk_tensors (gradients where they lie, where it applies) and of
+    select_topk on their concatenation, per tensor or one k over all: same selections,
+    residuals and rule state. It applies from the second step (the first creates the
+    residual), for the rules the kernel takes inside (plain error feedback; momentum
+    without dampening or Nesterov, of the accumulation dtype), and otherwise returns None
+    having changed nothing."""
     direct, staged = ResidualMemory(_rules()[ri], acc), ResidualMemory(_rules()[ri], acc)
     direct.rule.density = staged.rule.density = 0.01
     sizes = [3_000, 40_000, 17]
-    off, ks = torch.tensor(_segments_of(sizes)), [30, 400, 1]
+    how = dict(offsets=torch.tensor(_segments_of(sizes)), ks=[30, 400, 1]) if segmented \
+        else dict(k=430)
     g = torch.Generator().manual_seed(ri)
     rule = _rules()[ri]
     takes = isinstance(rule, GradientRule) or (
@@ -429,11 +483,11 @@ def test_memory_select_topk_segments_equals_the_staged_path(ri, gdt, acc):
     for step in range(4):
         grads = [torch.randn(n, generator=g).to(gdt) for n in sizes]
         flat = torch.cat(grads)
-        got = direct.select_topk_segments("k", grads, off, ks, wire_dtype=gdt)
+        got = direct.select_topk_tensors("k", grads, wire_dtype=gdt, **how)
         assert (got is not None) == (takes and step > 0), step
         if got is None:
-            got = direct.select_topk("k", flat, offsets=off, ks=ks, wire_dtype=gdt)
-        want = staged.select_topk("k", flat, offsets=off, ks=ks, wire_dtype=gdt)
+            got = direct.select_topk("k", flat, wire_dtype=gdt, **how)
+        want = staged.select_topk("k", flat, wire_dtype=gdt, **how)
         _same(got, want)
         assert torch.equal(_bits(direct.residuals["k"]), _bits(staged.residuals["k"])), step
         for b in direct.rule.buffers:
@@ -441,14 +495,15 @@ def test_memory_select_topk_segments_equals_the_staged_path(ri, gdt, acc):
         assert direct.rule.steps.get("k") == staged.rule.steps.get("k"), step
 
 
-def test_memory_select_topk_segments_declines_what_it_cannot_take():
+@pytest.mark.parametrize("segmented", [True, False])
+def test_memory_select_topk_tensors_declines_what_it_cannot_take(segmented):
     """None, with nothing changed, for float64 gradients (the staged path then raises its
-    own error) and for segments of mixed dtypes."""
+    own error) and for tensors of mixed dtypes."""
     mem = ResidualMemory(GradientRule(), torch.float32)
-    off, ks = [0, 10, 30], [1, 2]
-    mem.select_topk("k", torch.randn(30), offsets=off, ks=ks)
+    how = dict(offsets=[0, 10, 30], ks=[1, 2]) if segmented else dict(k=3)
+    mem.select_topk("k", torch.randn(30), **how)
     r = mem.residuals["k"].clone()
     for grads in ([torch.randn(10, dtype=torch.float64), torch.randn(20, dtype=torch.float64)],
                   [torch.randn(10), torch.randn(20, dtype=torch.float16)]):
-        assert mem.select_topk_segments("k", grads, off, ks) is None
+        assert mem.select_topk_tensors("k", grads, **how) is None
         assert torch.equal(mem.residuals["k"], r)

@@ -23,8 +23,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace ssf {
 namespace {
@@ -242,7 +244,128 @@ void with_source(const G* g, A* r, A* v, float m, int64_t lo, int64_t hi, const 
   }
 }
 
+// A source over pieces that tile [0, n): piece p holds positions [off[p], off[p + 1]) and
+// is a Feedback source of its own (positions from 0; its gradient where it lies, its
+// residual and velocity views of the whole ones, which are single buffers). topk.h's
+// selection sees one input: the sample finds a position's piece by binary search, and the
+// filter and the materialization run each piece's own loops over the part of a thread's
+// chunk it covers, so a fusion group's gradients are read where they lie and no staged
+// concatenation is written.
+template <typename Src>
+struct Pieces {
+  using A = std::remove_pointer_t<decltype(Src::r)>;
+  using U = BitsOf<A>;
+  const std::vector<Src>& piece;
+  const int64_t* off;  // piece.size() + 1 bounds, from 0 to n
+  A* r;                // the whole residual (the values once formed)
+  A* v;                // the whole velocity, or nullptr
+  int64_t n;
+
+  int64_t find(int64_t i) const {  // the piece holding position i (empty pieces hold none)
+    return std::upper_bound(off, off + piece.size() + 1, i) - off - 1;
+  }
+  U raw(int64_t i) const {
+    const int64_t p = find(i);
+    return piece[p].raw(i - off[p]);
+  }
+  const U* values() const { return static_cast<const U*>(static_cast<const void*>(r)); }
+  // fn(p, lo, hi) for every non-empty part [lo, hi) (piece p's positions) of [b, e).
+  template <typename F>
+  void each(int64_t b, int64_t e, const F& fn) const {
+    for (int64_t p = find(b); p < int64_t(piece.size()) && off[p] < e; ++p) {
+      const int64_t lo = std::max(b, off[p]) - off[p], hi = std::min(e, off[p + 1]) - off[p];
+      if (hi > lo) fn(p, lo, hi);
+    }
+  }
+  void materialize() const {
+    at::parallel_for(0, n, int64_t(1) << 15, [&](int64_t b, int64_t e) {
+      each(b, e, [&](int64_t p, int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) piece[p].write(i);
+      });
+    });
+  }
+  // topk.h's filter over [b, e): each part's hits appended after the last part's, their
+  // positions moved from the part's start to b's.
+  int64_t filter(int64_t b, int64_t e, U t, U* cv, uint32_t* cp, int64_t cap) const {
+    int64_t m = 0;
+    each(b, e, [&](int64_t p, int64_t lo, int64_t hi) {
+      const int64_t at = std::min(m, cap);
+      const int64_t got = piece[p].filter(lo, hi, t, cv + at, cp + at, cap - at);
+      const auto shift = static_cast<uint32_t>(off[p] + lo - b);
+      for (int64_t j = at, end = std::min(m + got, cap); j < end; ++j) cp[j] += shift;
+      m += got;
+    });
+    return m;
+  }
+};
+
+// Calls fn(src) with the Pieces source of gradients seg[p] (piece p at [off[p], off[p+1])
+// of the residual and velocity), as with_source.
+template <typename A, typename G, typename F>
+void with_pieces(const std::vector<const void*>& seg, const int64_t* off, A* r, A* v, float m,
+                 const F& fn) {
+  const int64_t np = int64_t(seg.size());
+  auto run = [&](auto tag) {
+    using Src = decltype(tag);
+    std::vector<Src> piece;
+    piece.reserve(np);
+    for (int64_t p = 0; p < np; ++p) {
+      Src s{static_cast<const G*>(seg[p]) , r + off[p], off[p + 1] - off[p]};
+      if (v != nullptr) {
+        s.v = v + off[p];
+        s.m = m;
+      }
+      piece.push_back(s);
+    }
+    fn(Pieces<Src>{piece, off, r, v, off[np]});
+  };
+  if (v == nullptr) {
+    run(Feedback<A, G, false>{});
+  } else {
+    if constexpr (std::is_same_v<A, G>) {
+      run(Feedback<A, G, true>{});
+    } else {
+      TORCH_CHECK(false, "ef_topk: a velocity needs the gradient in the residual's dtype");
+    }
+  }
+}
+
+// The offsets of tensors laid back to back: 0, n_0, n_0 + n_1, ...
+inline std::vector<int64_t> tiling_offsets(const std::vector<at::Tensor>& tensors) {
+  std::vector<int64_t> off(tensors.size() + 1, 0);
+  for (size_t s = 0; s < tensors.size(); ++s) off[s + 1] = off[s] + tensors[s].numel();
+  return off;
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> ef_topk_tensors_cpu(const std::vector<at::Tensor>& grads,
+                                                       at::Tensor& residual, int64_t k,
+                                                       at::ScalarType wire_dtype,
+                                                       const std::optional<at::Tensor>& velocity,
+                                                       double momentum, bool mask_velocity) {
+  const std::vector<int64_t> off = tiling_offsets(grads);
+  check_feedback_segments(grads, residual, wire_dtype, velocity, off, "ef_topk", at::kCPU);
+  const int64_t n = residual.numel();
+  check_k(k, 0, n, "ef_topk");
+  std::vector<const void*> seg(grads.size());
+  for (size_t s = 0; s < seg.size(); ++s) seg[s] = grads[s].const_data_ptr();
+  const auto idt = index_dtype_for(n);
+  at::Tensor values = at::empty({k}, residual.options());
+  at::Tensor indices = at::empty({k}, residual.options().dtype(idt));
+  dispatch_feedback(grads[0].scalar_type(), residual, wire_dtype, idt, [&](auto a, auto g, auto w, auto i) {
+    using A = decltype(a);
+    using I = decltype(i);
+    A* v = velocity ? static_cast<A*>(velocity->data_ptr()) : nullptr;
+    with_pieces<A, decltype(g)>(seg, off.data(), static_cast<A*>(residual.data_ptr()), v,
+                                float(momentum), [&](const auto& src) {
+      ef_segment<decltype(w), I>(src, k, mask_velocity && v,
+                                 static_cast<BitsOf<A>*>(values.data_ptr()),
+                                 indices.data_ptr<I>(), 0);
+    });
+  });
+  return {values, indices};
+}
 
 std::tuple<at::Tensor, at::Tensor> ef_topk_cpu(const at::Tensor& grad_in, at::Tensor& residual,
                                                int64_t k, at::ScalarType wire_dtype,

@@ -200,16 +200,22 @@ class SparsePart:
         torch.cat([g.reshape(-1) for g in grads], out=self.stage)
 
     def select_grads(self, memory: ResidualMemory, grads: Sequence[torch.Tensor]) -> SelectionResult:
-        """:meth:`stage_grads` then :meth:`select`, in one: a segmented part whose gradients
-        the fused kernel can read where they lie (``ResidualMemory.select_topk_segments``:
-        the CPU, a residual that exists, a rule it takes inside) is selected from them
-        directly, without writing the staged copy, a pass over the part's bytes (on GPT-2's
-        124M elements, one thread: 25 ms of a 85 ms stage and select). Same result."""
-        if self.mode == "segmented" and self.stage.device == grads[0].device:
-            got = memory.select_topk_segments(self.key, grads, self._offsets, self._ks,
-                                              wire_dtype=self.dtype)
+        """:meth:`stage_grads` then :meth:`select`, in one: an exact top-k part whose
+        gradients the fused kernel can read where they lie (``ResidualMemory.
+        select_topk_tensors``: the CPU, a residual that exists, a rule it takes inside) is
+        selected from them directly, without writing the staged copy, a pass over the part's
+        bytes (on GPT-2's 124M elements, one thread: 25 ms of a 85 ms stage and select).
+        Same result."""
+        if self.stage.device == grads[0].device:
+            got = None
+            if self.mode == "segmented":
+                got = memory.select_topk_tensors(self.key, grads, offsets=self._offsets,
+                                                 ks=self._ks, wire_dtype=self.dtype)
+            elif self.mode == "buffer" and self.sparsifiers[0].exact_topk:
+                got = memory.select_topk_tensors(self.key, grads, self.ks[0], wire_dtype=self.dtype)
             if got is not None:
-                return SelectionResult(got[0], got[1], list(self.ks))
+                per_tensor = list(self.ks) if self.mode == "segmented" else None
+                return SelectionResult(got[0], got[1], per_tensor)
         self.stage_grads(grads)
         return self.select(memory)
 

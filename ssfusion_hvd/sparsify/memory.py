@@ -331,18 +331,20 @@ class ResidualMemory:
         u, m, masks = fused
         return {"velocity": u, "momentum": m, "mask_velocity": masks}
 
-    def select_topk_segments(self, key: str, grads: Sequence[torch.Tensor], offsets, ks,
-                             wire_dtype: Optional[torch.dtype] = None):
-        """:meth:`select_topk` with ``offsets``/``ks`` for the concatenation of ``grads`` (one
-        tensor per segment), reading them where they lie (``ops.segmented_ef_topk`` with a
-        list) instead of from a staged copy. Returns ``(values, indices)``, or None, having
-        changed nothing, where that does not apply: no residual yet (the first step creates
-        it), no native kernel for their device (the CPU has one), gradients of different
-        dtypes or devices, a rule whose update is not taken inside the kernel (only
-        momentum's velocity step is), or a gradient dtype the rule's state does not have;
-        the caller then stages the gradients and calls :meth:`select_topk`."""
+    def select_topk_tensors(self, key: str, grads: Sequence[torch.Tensor], k: Optional[int] = None,
+                            *, offsets=None, ks=None, wire_dtype: Optional[torch.dtype] = None):
+        """:meth:`select_topk` for the concatenation of ``grads`` (a fusion buffer's
+        gradients, back to back; with ``offsets``/``ks`` one tensor per segment), reading them
+        where they lie (``ops.ef_topk`` / ``ops.segmented_ef_topk`` with a list) instead of
+        from a staged copy. Returns ``(values, indices)``, or None, having changed nothing,
+        where that does not apply: no residual yet (the first step creates it), no native
+        kernel for their device (the CPU has one), gradients of different dtypes or devices,
+        a rule whose update is not taken inside the kernel (only momentum's velocity step
+        is), or a gradient dtype the rule's state does not have; the caller then stages the
+        gradients and calls :meth:`select_topk`."""
         r = self.residuals.get(key)
-        if r is None or not grads or not ops.has_native("segmented_ef_topk_tensors", r):
+        op = "ef_topk_tensors" if offsets is None else "segmented_ef_topk_tensors"
+        if r is None or not grads or not ops.has_native(op, r):
             return None
         dtype, device = grads[0].dtype, grads[0].device
         if dtype not in ops.VALUE_DTYPES:  # select_topk's staged path says what is wrong
@@ -357,9 +359,11 @@ class ResidualMemory:
         velocity = self._in_kernel(key, r)  # the residual: the update's dtype, device, size
         if velocity is None:
             return None
-        values, indices = ops.segmented_ef_topk(list(grads), r, offsets, ks,
-                                                want if wire_dtype is None else wire_dtype,
-                                                **velocity)
+        wire = want if wire_dtype is None else wire_dtype
+        if offsets is None:
+            values, indices = ops.ef_topk(list(grads), r, k, wire, **velocity)
+        else:
+            values, indices = ops.segmented_ef_topk(list(grads), r, offsets, ks, wire, **velocity)
         if velocity:  # the kernel took the step: counted now that it has
             self.rule.steps[key] = self.rule.steps.get(key, 0) + 1
         return values, indices
