@@ -74,6 +74,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._config = config
         self._scheme_name = scheme
         self._scheme = SCHEMES[scheme].load()(config)
+        self._scheme.agree = self._finish_check
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for p in config.order}
         self._submitted = set()
@@ -200,12 +201,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         when the step's other collectives cannot match (a rank that loaded a checkpoint
         alone, a rank a step ahead); ``synchronize()`` reads it before waiting on any of
         them and raises the same error on every rank instead of hanging. Costs one small
-        allreduce per step, overlapped with the gradients' collectives."""
+        allreduce per step, overlapped with the gradients' collectives.
+
+        A last entry of 1 tells a rank that called ``hvd.join()`` apart: Horovod runs the
+        allreduce on the ranks still stepping with zeros for the joined ones, so its
+        minimum comes back 0."""
         sig = self._scheme.signature()
         if sig is None:
             self._check = False
             return
-        vals = [int(v) for v in sig]  # max of v and of -v: every rank learns min and max
+        vals = [int(v) for v in sig] + [1]  # max of v and of -v: every rank learns min and max
         t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64)
         self._check = self._transport.allreduce(t, "step", op=hvd.Max)
 
@@ -216,6 +221,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         out = self._transport.wait(handle).tolist()
         n = len(out) // 2
         hi, lo = out[:n], [-v for v in out[n:]]
+        if lo[-1] == 0:
+            raise RuntimeError(
+                f"ssfusion_hvd: a rank of the process set called hvd.join() while this rank "
+                f"still steps (ranks with different numbers of batches). Scheme "
+                f"{self._scheme_name!r} sends its sparse records by allgather, which Horovod "
+                f"does not run with joined ranks. Give every rank the same number of steps "
+                f"(e.g. shards of equal length: DistributedSampler(drop_last=True), or stop "
+                f"every rank at the smallest count, agreed by hvd.allreduce(op=hvd.Min)), or "
+                f"use scheme='dense', which runs with hvd.join() as Horovod's optimizer does. "
+                f"This rank's step did not update the parameters; call hvd.join() to end it.")
         if hi != lo:
             raise RuntimeError(
                 f"ssfusion_hvd: the ranks of the process set are at different points of "

@@ -172,6 +172,27 @@ def test_checkpoint_on_one_rank_without_broadcast_fails_clearly(scheme, tmp_path
     assert "different points" in errors[0] and "broadcast_optimizer_state" in errors[0]
 
 
+@pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "multi_tensor", "spardl", "zen",
+                                    "exdyna"])
+def test_uneven_steps_with_hvd_join(scheme):
+    """Rank 0 has 5 batches, rank 1 has 3 and then calls hvd.join(). Dense runs the extra
+    steps as Horovod's optimizer does (the joined rank adds zeros). A sparse scheme's
+    step agreement sees the joined rank and raises on rank 0, naming hvd.join() and the
+    fixes, before any update (ExDyna before its first collective of the step: see its
+    _launch): both ranks still hold the same parameters, rank 0 joins too, and a later
+    collective completes on both (no hang)."""
+    r0, r1 = run_workers("workers_horovod:uneven_join", np=2, timeout=180, scheme=scheme)
+    assert r1["error"] is None
+    if scheme == "dense":
+        assert r0["error"] is None
+        assert any(not torch.equal(r0["params"][n], r1["params"][n]) for n in r0["params"])
+    else:
+        assert "hvd.join()" in r0["error"] and "scheme='dense'" in r0["error"]
+        _equal_dicts(r0["params"], r1["params"])
+    assert r0["join_error"] is None and r1["join_error"] is None
+    assert r0["after"] == r1["after"] == 2.0 and r0["last"] == r1["last"]
+
+
 def test_process_sets_with_live_probes():
     """The start-up probes, the cost model's and the plan's broadcasts run on each
     scheme's own process set (no profile given): a pair and a single rank plan at once."""

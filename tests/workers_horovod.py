@@ -8,6 +8,7 @@ every rank builds the model and the optimizer; rank 0 alone loads the checkpoint
 import os
 
 import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError
 import torch
 
 import ssfusion_hvd
@@ -333,3 +334,26 @@ def scheme_mismatch():
         error = str(exc)
     hvd.allreduce(torch.ones(1), name="after_scheme_mismatch", op=hvd.Sum)
     return error
+
+
+def uneven_join(scheme, steps=(5, 3)):
+    """Horovod's pattern for ranks with uneven data: rank r trains ``steps[r]`` steps, then
+    calls hvd.join(). A sparse scheme's step on the rank still stepping raises (its records
+    travel by allgather, which Horovod refuses with joined ranks) and leaves the parameters
+    as they were; that rank then joins too. Returns the error, what join() returned, the
+    parameters and an allreduce run by both afterwards (nobody was left waiting)."""
+    torch.manual_seed(1234)
+    model = Net()
+    opt = _wrap(model, "sgd", scheme)
+    error = None
+    try:
+        _train_steps(model, opt, range(steps[hvd.rank()]))
+    except RuntimeError as exc:
+        error = str(exc)
+    out = {"error": error, "params": _params(model), "join_error": None}
+    try:
+        out["last"] = int(hvd.join())
+        out["after"] = float(hvd.allreduce(torch.ones(1), name="after_uneven_join", op=hvd.Sum))
+    except HorovodInternalError as exc:  # Horovod's own failure after the join (see the test)
+        out["join_error"] = str(exc)
+    return out

@@ -161,6 +161,12 @@ class Scheme:
         optimizer compares it across ranks every step (``_DistributedOptimizer``)."""
         return None
 
+    def agree(self) -> None:
+        """Reads the step's agreement on :meth:`signature` now, raising as ``synchronize()``
+        would where the ranks disagree or one has called ``hvd.join()``. The optimizer
+        installs it; ``finish()`` need not call it (``synchronize()`` does), but a scheme
+        whose collectives must not even start on such a set calls it first."""
+
     def memories(self) -> list:
         """The :class:`~ssfusion_hvd.sparsify.memory.ResidualMemory` objects in use."""
         return []
