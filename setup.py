@@ -42,7 +42,7 @@ class CMakeBuild(build_ext):
         ]
         if torch.version.cuda and os.environ.get("TORCH_CUDA_ARCH_LIST"):
             archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(".", "").replace("+PTX", "")
-            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={archs.replace(' ', ';')}")
+            args.append(f"-DSSF_CUDA_ARCHS={archs.replace(' ', ';')}")
         ninja = shutil.which("ninja")
         try:
             import ninja as ninja_pkg  # the PyPI package ships a binary

@@ -6,6 +6,10 @@
 //   * Magnitude order is a total order on |x|: it is IEEE order of |x| for numbers and
 //     puts NaN above +Inf, so a NaN gradient is always selected (never dropped silently).
 //     Formally: key(x) = bits(x) with the sign bit cleared, compared as unsigned ints.
+//     NaNs therefore rank among themselves by payload. An op that adds (the error-feedback
+//     ops) gets the payload from its hardware: x86 keeps an input NaN's, a GPU returns the
+//     canonical NaN. So when more than k float32 NaNs of different payloads compete, CPU
+//     and CUDA may pick different ones; with at most k NaNs both select all of them.
 //   * Ties are broken by the lower index; selections come out in ascending index order.
 //   * Indices are int32 when numel < 2^31, else int64.
 #pragma once

@@ -373,6 +373,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_cuda(const at::Ten
   const int64_t m = indices.numel();
   at::Tensor order, counts, overflow;
   std::tie(order, counts, overflow) = hash_partition_outputs(indices, nparts);
+  // The device keeps every partition's table at once: 16 bytes a slot (the CPU kernel, a
+  // table per thread). Refused here, before a size that wraps or no GPU holds is computed.
+  TORCH_CHECK(m == 0 || double(nparts) * double(table_size) * 16.0 <= double(int64_t(1) << 40),
+              "hash_partition: ", nparts, " partitions of ", table_size,
+              " slots need more than 1 TiB of GPU workspace; lower table_size");
   const OnDevice on(indices);
   at::Tensor ws =
       workspace_for(indices, cuda::hash_partition_workspace_bytes(m, nparts, table_size));
