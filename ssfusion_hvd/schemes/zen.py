@@ -186,9 +186,12 @@ class ZenScheme(WholeGradientScheme):
         t0 = time.perf_counter()
         self._step_density = self._density()
         k = int(nominal_k(self._n, self._step_density)) if self._n else 0
-        if self._sparsifier.exact_topk:  # error feedback and top-k in one kernel
-            values, indices = self._memory.select_topk(self._KEY, self._flat_grad(), k,
-                                                       wire_dtype=self._dtype)
+        if self._sparsifier.exact_topk:  # error feedback and top-k in one kernel, reading
+            # the gradients where they lie once it can (ResidualMemory.select_topk_tensors)
+            grads = [self._grad(p) for p in self._trainable]
+            got = self._memory.select_topk_tensors(self._KEY, grads, k, wire_dtype=self._dtype)
+            values, indices = got if got is not None else self._memory.select_topk(
+                self._KEY, self.flat.gather(grads), k, wire_dtype=self._dtype)
         else:
             acc = self._memory.compensate(self._KEY, self._flat_grad())
             values, indices = self._sparsifier.select(acc, k)
