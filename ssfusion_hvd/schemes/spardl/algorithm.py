@@ -283,13 +283,16 @@ def _bruck(layout: Layout, members: Sequence[int], me: int, item: Sparse,
 
 
 def run_rank(layout: Layout, rank: int, acc: torch.Tensor,
-             bsag: Optional[BSAGState] = None) -> Generator:
+             bsag: Optional[BSAGState] = None, scratch=None) -> Generator:
     """One rank's SparDL iteration on its error-compensated flat gradient ``acc`` (taken
     over). Yields :class:`Send` / :class:`Gather` requests, expects the replies, returns a
-    :class:`RankResult`. ``bsag`` (B-SAG only) is read and then adjusted in place."""
+    :class:`RankResult`. ``bsag`` (B-SAG only) is read and then adjusted in place.
+    ``scratch``: two tensors like ``acc`` (the working copy and the delivered output, the
+    result's ``delivered``), reused from step to step; by default new ones, whose pages a
+    whole model's size costs the kernel to fault in every step."""
     m, d = layout.team_size, layout.teams
     team, pos = layout.team_of(rank), layout.pos_of(rank)
-    W = acc.clone()
+    W = acc.clone() if scratch is None else scratch[0].copy_(acc)
     res = RankResult(delivered=acc, residual=acc, final=acc)  # filled below
     # ---- Spar-Reduce-Scatter inside the team (§III-B)
     for s, (dist, first, end) in enumerate(layout.srs_schedule()):
@@ -330,7 +333,7 @@ def run_rank(layout: Layout, rank: int, acc: torch.Tensor,
     else:
         items = yield from _bruck(layout, [layout.rank_of(team, x) for x in range(m)], pos, S,
                                   list(layout.block_k), "ag", res, "gather")
-    delivered = torch.zeros_like(acc)
+    delivered = torch.zeros_like(acc) if scratch is None else scratch[1].zero_()
     for v, i in items:  # disjoint blocks
         ops.scatter_add(delivered, v, i)
     res.final = torch.cat([i for _, i in items])

@@ -34,6 +34,10 @@ class SparDLScheme(WholeGradientScheme):
         self.layout = None
         self._set_layout()  # raises ValueError (on every rank) when teams do not divide P
         self._scale = output_scale(self.transport.averages, self._nranks)
+        # the gradients gathered back to back, read by the error feedback: allocated once
+        # (a new tensor each step cost page faults over the whole model every step)
+        self._flat = torch.empty(self.flat.numel, dtype=self._dtype, device=self._device)
+        self._scratch = None  # run_rank's working copy and output, allocated at the first step
         self.reset()
 
     def _set_layout(self) -> None:
@@ -54,8 +58,10 @@ class SparDLScheme(WholeGradientScheme):
 
     def _launch(self) -> None:
         self._set_layout()
-        acc = self._memory.compensate(self._KEY, self._flat_grad())
-        self._gen = run_rank(self.layout, self._rank, acc, self._bsag)
+        acc = self._memory.compensate(self._KEY, self._flat_grad(out=self._flat))
+        if self._scratch is None or self._scratch[0].dtype != acc.dtype:
+            self._scratch = (torch.empty_like(acc), torch.empty_like(acc))
+        self._gen = run_rank(self.layout, self._rank, acc, self._bsag, self._scratch)
         self._advance(None)
 
     def _advance(self, reply) -> None:
