@@ -178,6 +178,9 @@ class ZenScheme(WholeGradientScheme):
         self._agg = torch.zeros(n, dtype=self._acc_dtype(), device=dev)  # owner sums
         self._touched = torch.zeros(n, dtype=torch.bool, device=dev)
         self._out = torch.zeros(n, dtype=self._dtype, device=dev)
+        # the gradients back to back where the selection needs them so (allocated once: a
+        # new tensor of the model's size faults its pages in every step)
+        self._gathered = torch.empty(n, dtype=self._dtype, device=dev)
 
     # ------------------------------------------------------------------ sparsify, hash, push
     def _launch(self) -> None:
@@ -191,9 +194,9 @@ class ZenScheme(WholeGradientScheme):
             grads = [self._grad(p) for p in self._trainable]
             got = self._memory.select_topk_tensors(self._KEY, grads, k, wire_dtype=self._dtype)
             values, indices = got if got is not None else self._memory.select_topk(
-                self._KEY, self.flat.gather(grads), k, wire_dtype=self._dtype)
+                self._KEY, self.flat.gather(grads, self._gathered), k, wire_dtype=self._dtype)
         else:
-            acc = self._memory.compensate(self._KEY, self._flat_grad())
+            acc = self._memory.compensate(self._KEY, self._flat_grad(self._gathered))
             values, indices = self._sparsifier.select(acc, k)
             self._memory.update(self._KEY, acc, indices, self._dtype)
         values = values.to(self._dtype)  # the wire dtype; the rounding stays in the residual
