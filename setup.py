@@ -40,9 +40,15 @@ class CMakeBuild(build_ext):
             # SSF_COMPILE_CUDA=0 skips csrc/cuda even when nvcc is found (CI never sets it)
             f"-DSSF_COMPILE_CUDA={'OFF' if os.environ.get('SSF_COMPILE_CUDA') == '0' else 'ON'}",
         ]
-        if torch.version.cuda and os.environ.get("TORCH_CUDA_ARCH_LIST"):
-            archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(".", "").replace("+PTX", "")
-            args.append(f"-DSSF_CUDA_ARCHS={archs.replace(' ', ';')}")
+        if torch.version.cuda:
+            # the kernels' GPU architectures: TORCH_CUDA_ARCH_LIST's, else those of the GPUs
+            # this machine has (CMakeLists.txt's default, 90, where it has none)
+            archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(".", "").replace("+PTX", "")
+            if not archs.strip() and torch.cuda.is_available():
+                archs = ";".join(sorted({"%d%d" % torch.cuda.get_device_capability(i)
+                                         for i in range(torch.cuda.device_count())}))
+            if archs.strip():
+                args.append(f"-DSSF_CUDA_ARCHS={';'.join(archs.replace(';', ' ').split())}")
         ninja = shutil.which("ninja")
         try:
             import ninja as ninja_pkg  # the PyPI package ships a binary

@@ -178,9 +178,9 @@ def test_uneven_steps_with_hvd_join(scheme):
     """Rank 0 has 5 batches, rank 1 has 3 and then calls hvd.join(). Dense runs the extra
     steps as Horovod's optimizer does (the joined rank adds zeros). A sparse scheme's
     step agreement sees the joined rank and raises on rank 0, naming hvd.join() and the
-    fixes, before any update (ExDyna before its first collective of the step: see its
-    _launch): both ranks still hold the same parameters, rank 0 joins too, and a later
-    collective completes on both (no hang)."""
+    fixes, before the parameters change (the whole-gradient schemes before their first
+    collective of the step: WholeGradientScheme.submit): both ranks still hold the same
+    parameters, rank 0 joins too, and a later collective completes on both (no hang)."""
     r0, r1 = run_workers("workers_horovod:uneven_join", np=2, timeout=180, scheme=scheme)
     assert r1["error"] is None
     if scheme == "dense":

@@ -306,6 +306,12 @@ class WholeGradientScheme(Scheme):
             self._t_first = time.perf_counter()
         self._submitted += 1
         if self._submitted == len(self._trainable):
+            # the step's agreement first (its allreduce went out with the first gradient and
+            # has usually completed): on ranks at different points, or beside a rank that
+            # called hvd.join(), the error comes before any residual moves or any collective
+            # of the step starts (Horovod 0.28.1's background loop on a joined rank even
+            # fails on ExDyna's index allgather, whose length changes every step)
+            self.agree()
             self._launch()
 
     def _launch(self) -> None:

@@ -273,14 +273,7 @@ class ExDynaScheme(WholeGradientScheme):
 
     # ------------------------------------------------------------------ submit
     def _launch(self) -> None:
-        """Error feedback, exclusive selection in the own partition, index allgather.
-
-        The step's agreement is read first (:meth:`agree`; its allreduce went out with the
-        first gradient and has long completed): the index allgather changes length every
-        step, and Horovod 0.28.1's background loop fails on such a tensor on a rank that
-        has called ``hvd.join()`` ("Trying to overwrite cached response"), taking the job
-        down with its own error instead of ours."""
-        self.agree()
+        """Error feedback, exclusive selection in the own partition, index allgather."""
         t0 = time.perf_counter()
         st = self.state
         if self._numel:

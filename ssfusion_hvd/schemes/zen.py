@@ -178,11 +178,17 @@ class ZenScheme(WholeGradientScheme):
         self._agg = torch.zeros(n, dtype=self._acc_dtype(), device=dev)  # owner sums
         self._touched = torch.zeros(n, dtype=torch.bool, device=dev)
         self._out = torch.zeros(n, dtype=self._dtype, device=dev)
-        # the gradients back to back where the selection needs them so (allocated once: a
-        # new tensor of the model's size faults its pages in every step)
-        self._gathered = torch.empty(n, dtype=self._dtype, device=dev)
+        self._gathered = None  # _gather()'s buffer, allocated when first needed
 
     # ------------------------------------------------------------------ sparsify, hash, push
+    def _gather(self, grads) -> torch.Tensor:
+        """The gradients back to back, where the selection cannot read them where they lie
+        (the first step, a rule or sparsifier the fused kernel does not take), into a buffer
+        allocated once: a new tensor of the model's size faults its pages in every step."""
+        if self._gathered is None:
+            self._gathered = torch.empty(self._n, dtype=self._dtype, device=self._device)
+        return self.flat.gather(grads, self._gathered)
+
     def _launch(self) -> None:
         if self._sets is None:
             self._build_sets()
@@ -194,9 +200,10 @@ class ZenScheme(WholeGradientScheme):
             grads = [self._grad(p) for p in self._trainable]
             got = self._memory.select_topk_tensors(self._KEY, grads, k, wire_dtype=self._dtype)
             values, indices = got if got is not None else self._memory.select_topk(
-                self._KEY, self.flat.gather(grads, self._gathered), k, wire_dtype=self._dtype)
+                self._KEY, self._gather(grads), k, wire_dtype=self._dtype)
         else:
-            acc = self._memory.compensate(self._KEY, self._flat_grad(self._gathered))
+            acc = self._memory.compensate(self._KEY, self._gather(
+                [self._grad(p) for p in self._trainable]))
             values, indices = self._sparsifier.select(acc, k)
             self._memory.update(self._KEY, acc, indices, self._dtype)
         values = values.to(self._dtype)  # the wire dtype; the rounding stays in the residual
