@@ -55,3 +55,8 @@ def test_compare_line(tmp_path):
         "; ssfusion_oi sent every tensor dense: on this link its planner predicted no gain "
         "from sparsifying (the plan table above)")
     assert compare.line(dict(ours, tensors_sparse=3), base) == compare.line(ours, base)
+    # with the test set's size (train.py records it) the difference is also in images
+    assert compare.line(dict(ours, held_out=300), dict(base, held_out=300)).endswith(
+        "test accuracy 97.00% vs 98.00% (-1.00 points, -3 of 300 test images)")
+    # ... only when both runs scored the same set
+    assert compare.line(dict(ours, held_out=300), dict(base, held_out=360)) == compare.line(ours, base)

@@ -74,6 +74,7 @@ class Task:
     evaluate: Callable[[], float]  # the metric on held-out data
     metric: str  # its name in the history rows
     describe: str
+    held_out: int = 0  # the samples `evaluate` scores (0: not a count of samples)
 
 
 def digits_task(args, rank: int, size: int) -> Task:
@@ -102,7 +103,7 @@ def digits_task(args, rank: int, size: int) -> Task:
         model.train()
         return correct / len(test.y)
     return Task(model, opt, steps, loss, evaluate, "test_acc",
-                f"digits train={len(train.y)} test={len(test.y)}")
+                f"digits train={len(train.y)} test={len(test.y)}", held_out=len(test.y))
 
 
 def lm_task(args, rank: int, size: int) -> Task:
@@ -211,7 +212,8 @@ def main(argv=None):
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "workers": size, "metric": task.metric,
-                       "history": history, "stats": stats}, f, indent=1)
+                       "held_out": task.held_out, "history": history, "stats": stats}, f,
+                      indent=1)
     return history
 
 
