@@ -11,6 +11,7 @@ times are gathered so that the plan sees the slowest rank's
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Sequence, Tuple
 
 import torch
@@ -35,7 +36,8 @@ class WarmupPhase:
         self.config = config
         self.trainable = list(trainable)
         self.device = device
-        self.dense = DenseScheme(config)
+        # Horovod's allreduce has no options of its own: the planned scheme's are not its
+        self.dense = DenseScheme(dataclasses.replace(config, options={}))
         self.timer = _profile.BackwardTimer(device=device)
         self._held: List[torch.Tensor] = []  # this step's ready gradients, in ready order
 
