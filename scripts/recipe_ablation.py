@@ -23,7 +23,11 @@ Variants (``--variants``):
 * ``ef_warm``: the same with the density warm-up;
 * ``auto`` / ``mask`` / ``nomask``: the recipe's local rule (momentum correction for
   SGD, local Adam moments for Adam) with ``momentum_masking`` "auto", True, False, and
-  the density warm-up of ``--warmup`` steps (default: the package's).
+  the density warm-up of ``--warmup`` steps (default: the package's);
+* ``auto_min_k``: ``auto`` with the SSFusion planner's accuracy rule
+  (``plan.keep_small_dense``): tensors whose top-k at ``--density`` would keep fewer than
+  ``--min-k`` elements are averaged dense and stepped by the task's optimizer, as the
+  engine steps a plan's dense tensors.
 
 Output: one line per run and a mean ± std table per task (``--json`` keeps the runs).
 """
@@ -47,7 +51,7 @@ from ssfusion_hvd.plan.cost import nominal_k  # noqa: E402
 from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe  # noqa: E402
 from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule, ResidualMemory  # noqa: E402
 
-VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask")
+VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask", "auto_min_k")
 
 
 def parse_args(argv=None):
@@ -58,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP_STEPS)
+    p.add_argument("--min-k", type=int, default=32, help="auto_min_k's threshold")
     p.add_argument("--epochs", type=int, default=0, help="0: digits 10, lm 3 (of 100 steps)")
     p.add_argument("--no-seed", action="store_true",
                    help="local rules start fresh instead of from the optimizer's state")
@@ -112,7 +117,10 @@ def run(task: str, variant: str, seed: int, args) -> dict:
     schedule = Recipe("none", args.density, warm, True)
     opt = (torch.optim.SGD(params, lr=lr, momentum=0.9) if kind == "sgd"
            else torch.optim.Adam(params, lr=lr))
-    masking = {"auto": "auto", "mask": True, "nomask": False}.get(variant)
+    masking = {"auto": "auto", "mask": True, "nomask": False, "auto_min_k": "auto"}.get(variant)
+    # auto_min_k: what the plan sends dense (decided at the target density, as the planner)
+    dense_t = [variant == "auto_min_k" and int(nominal_k(p.numel(), args.density)) < args.min_k
+               for p in params]
     by_name = {str(i): p for i, p in enumerate(params)}
 
     def from_optimizer(names, buffers):  # what Recipe.take_state hands over
@@ -156,8 +164,17 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                     total += ranks * p.numel()
                 opt.step()
                 continue
+            if any(dense_t):  # the plan's dense tensors: the optimizer on their average
+                for i, p in enumerate(params):
+                    p.grad = sum(g[i] for g in grads) / ranks if dense_t[i] else None
+                n_dense = ranks * sum(p.numel() for p, d in zip(params, dense_t) if d)
+                sent, total = sent + n_dense, total + n_dense
+                opt.step()
             avg = []
             for i, p in enumerate(params):
+                if dense_t[i]:
+                    avg.append(torch.zeros_like(p))
+                    continue
                 k = int(nominal_k(p.numel(), density))
                 acc_sum = torch.zeros(p.numel())
                 for r in range(ranks):

@@ -303,10 +303,10 @@ def test_recipe_ablation_replays_the_ranks(tmp_path, capsys):
     """One epoch of digits in the one-process replica: dense learns; the recipe's variant
     sends the warm-up's densities (more than the target, less than dense)."""
     out = tmp_path / "ablation.json"
-    recipe_ablation.main(["--tasks", "digits", "--seeds", "0", "--variants", "dense,auto",
+    recipe_ablation.main(["--tasks", "digits", "--seeds", "0", "--variants", "dense,auto,auto_min_k",
                           "--epochs", "1", "--json", str(out)])
     runs = json.loads(out.read_text())["runs"]
-    assert [r["variant"] for r in runs] == ["dense", "auto"]
+    assert [r["variant"] for r in runs] == ["dense", "auto", "auto_min_k"]
     assert runs[0]["metric"] > 30 and runs[0]["density_sent"] == 1.0
     # what the sparse variant must have sent, from the schedule: the zero-gradient step and
     # the next 4 are dense (profiling 5), then every tensor sends nominal_k at the warm-up's
@@ -324,6 +324,14 @@ def test_recipe_ablation_replays_the_ranks(tmp_path, capsys):
     assert 0.01 < expected < 1.0
     assert runs[1]["density_sent"] == pytest.approx(expected, rel=1e-9)
     assert runs[1]["metric"] > 10
+    # auto_min_k: the tensors whose k at the target density is under 32 go dense every step
+    small = [int(nominal_k(n, 0.01)) < 32 for n in sizes]
+    assert any(small) and not all(small)
+    sent = sum(sum(sizes) if t <= 5 else
+               sum(n if sm else int(nominal_k(n, schedule.density_at(t - 1))) for n, sm in zip(sizes, small))
+               for t in range(2, steps + 2))
+    assert runs[2]["density_sent"] == pytest.approx(sent / (steps * sum(sizes)), rel=1e-9)
+    assert runs[2]["density_sent"] > runs[1]["density_sent"] and runs[2]["metric"] > 10
     assert "| auto |" in capsys.readouterr().out
 
 

@@ -26,6 +26,7 @@ from ssfusion_hvd.plan import (
     wire_budget,
     wire_time,
     fused_plan,
+    keep_small_dense,
     model_tensors,
     nominal_k,
     optimal_fusion,
@@ -359,6 +360,59 @@ def test_every_scheme_on_resnet50(resnet50):
     assert any(x == ALLREDUCE for x in plans["ssfusion_i"].collective)
 
 
+def test_keep_small_dense_sends_tensors_with_tiny_k_dense(resnet50):
+    """The accuracy rule: a per-tensor sparsified tensor whose top-k at the user's density
+    would keep fewer than min_k elements (norms, biases) is sent dense; nothing else
+    changes, so the other tensors keep their compensated k. The dense ones ride the
+    group's allreduce part when it has one, else its allgather (no collective added)."""
+    names, sizes, c = resnet50
+    for s in ("ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"):
+        paper = build_plan(s, sizes, c, 0.01, names)
+        ruled = build_plan(s, sizes, c, 0.01, names, min_k=32)
+        small = {i for i, n in enumerate(sizes) if nominal_k(n, 0.01) < 32}
+        assert small and all(sizes[i] < 3200 for i in small)
+        assert ruled.groups == paper.groups, s
+        for i in range(len(sizes)):
+            if i in small:
+                assert not ruled.sparse[i] and ruled.k[i] == sizes[i] and not ruled.offload[i], (s, i)
+            elif ruled.sparse[i]:  # the time-based decisions stand, k included
+                assert (paper.sparse[i], paper.k[i]) == (True, ruled.k[i]), (s, i)
+        for g in ruled.groups:
+            members = list(g.indices())
+            had_ar = any(paper.collective[i] == ALLREDUCE for i in members)
+            for i in members:
+                if i in small and paper.sparse[i]:
+                    assert ruled.collective[i] == (ALLREDUCE if had_ar else ALLGATHER), (s, i)
+        # simulated never slower than Horovod's dense buckets (the fallback still applies)
+        dense = build_plan("dense", sizes, c, 0.01, names)
+        assert simulate(ruled, c).iteration_s <= simulate(dense, c).iteration_s
+    # the same rule as a function; 0 is the paper's planner; multi-tensor buffers untouched
+    p = build_plan("ssfusion_oi", sizes, c, 0.01, names)
+    assert keep_small_dense(p, 0) is p
+    mt = build_plan("multi_tensor", sizes, c, 0.01, names)
+    assert keep_small_dense(mt, 10**9) == mt
+    assert build_plan("per_tensor", sizes, c, 0.01, names, min_k=32).sparse == [True] * len(sizes)
+    assert all(not keep_small_dense(p, 10**9).sparse[i] for i in range(len(sizes)))
+    # auto compares the ruled SSFusion plans
+    auto = build_plan("auto", sizes, c, 0.01, names, min_k=32)
+    if auto.scheme.startswith("ssfusion"):
+        assert all(not auto.sparse[i] for i in small)
+
+
+def test_keep_small_dense_by_hand():
+    # density 0.01: k = 1, 2, 11, 100 for these sizes; min_k 2 keeps the first dense only
+    p = plan([100, 150, 1050, 10_000], [(0, 2), (2, 4)], [True, True, True, False],
+             [1, 2, 11, 10_000], coll=[ALLGATHER, ALLGATHER, ALLGATHER, ALLREDUCE],
+             offload=[True, False, False, False])
+    q = keep_small_dense(p, 2)
+    assert q.sparse == [False, True, True, False] and q.k == [100, 2, 11, 10_000]
+    assert q.collective == [ALLGATHER] * 3 + [ALLREDUCE] and q.offload == [False] * 4
+    q = keep_small_dense(p, 12)  # the second group has an allreduce part: joins it
+    assert q.sparse == [False, False, False, False] and q.k == [100, 150, 1050, 10_000]
+    assert q.collective == [ALLGATHER, ALLGATHER, ALLREDUCE, ALLREDUCE]
+    assert p.sparse == [True, True, True, False]  # the input is not changed
+
+
 def test_dense_groups_follow_horovods_cycle_and_threshold():
     """Horovod fuses what became ready in one cycle (1 ms), up to the threshold."""
     from ssfusion_hvd.plan.schemes import horovod_groups
@@ -459,6 +513,17 @@ def test_cli_compares_every_scheme(capsys, tmp_path):
     assert all(f"\n{s} " in out for s in PLANNERS)
     assert all(f"\n{s} " in out for s in ("spardl", "zen", "exdyna"))
     assert Plan.load(tmp_path / "p.json").scheme == "ssfusion_oi"
+    # the CLI plans as the live scheme does: the paper's planner by default (min_k 0), the
+    # small-tensor rule with --min-k
+    saved = Plan.load(tmp_path / "p.json")
+    small = [i for i, n in enumerate(saved.sizes) if nominal_k(n, 0.01) < 32]
+    assert small and any(saved.sparse[i] for i in small)
+    assert cli_main(["--model", "resnet50", "--world-size", "16", "--bandwidth", "10Gbps",
+                     "--min-k", "32", "--save-plan", str(tmp_path / "q.json")]) == 0
+    ruled = Plan.load(tmp_path / "q.json")
+    assert ruled.sizes == saved.sizes and all(not ruled.sparse[i] for i in small)
+    with pytest.raises(SystemExit, match="min-k"):
+        cli_main(["--model", "resnet50", "--min-k", "-1"])
 
 
 def test_cli_with_profile(capsys, tmp_path, resnet50):

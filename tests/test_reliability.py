@@ -176,6 +176,11 @@ def test_scheme_options_are_validated_and_agreed_on_every_rank():
         assert "('blocks_per_worker', 32)" in m["differs"]
         assert "setup differs across ranks" in m["scheme_differs"]
         assert m["same"] is None
+        # the SSFusion schemes' small-tensor rule (min_k): checked, agreed, not the baselines'
+        assert "option 'min_k' must be an int >= 0" in m["min_k_bad"]
+        assert "scheme 'per_tensor' has no option 'min_k'" in m["min_k_baseline"]
+        assert "('min_k', 32)" in m["min_k_differs"] and "setup differs" in m["min_k_differs"]
+        assert m["min_k_same"] is None
 
 
 @pytest.mark.multiworker

@@ -174,6 +174,10 @@ def options_cases():
         "differs": ("exdyna", {"blocks_per_worker": 64 if rank == 0 else 32}),
         "scheme_differs": ("exdyna" if rank == 0 else "zen", None),
         "same": ("exdyna", {"blocks_per_worker": 64}),
+        "min_k_bad": ("ssfusion_oi", {"min_k": -1}),
+        "min_k_baseline": ("per_tensor", {"min_k": 8}),
+        "min_k_differs": ("auto", {"min_k": 32 if rank == 0 else 0}),
+        "min_k_same": ("ssfusion", {"min_k": 0}),
     }
     messages = {}
     for case, (scheme, options) in cases.items():

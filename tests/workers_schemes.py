@@ -58,7 +58,8 @@ def _residuals(opt):
 
 
 def record(scheme, steps=4, passes=1, op="average", predivide=1.0, dtype="float32",
-           sparsifier="topk", density=0.05, warmup=2, plan=None, gbit=10.0, latency=5e-5):
+           sparsifier="topk", density=0.05, warmup=2, plan=None, gbit=10.0, latency=5e-5,
+           scheme_options=None):
     model = _model(dtype)
     opt = ssfusion_hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
@@ -66,7 +67,7 @@ def record(scheme, steps=4, passes=1, op="average", predivide=1.0, dtype="float3
         op=OPS[op], gradient_predivide_factor=predivide, warmup_steps=warmup,
         profile=profile(sparsifier, torch.empty(0, dtype=DTYPES[dtype]).element_size(), gbit,
                         latency),
-        plan=plan, log_plan=False)
+        plan=plan, log_plan=False, scheme_options=scheme_options)
     names = [n for n, _ in model.named_parameters()]
     loss_fn = nn.CrossEntropyLoss()
     steps_out = []
@@ -115,13 +116,16 @@ def mixed_plan(density=0.05):
     return Plan("ssfusion_oi", names, sizes, groups, sparse, k, coll, offload, density, "topk")
 
 
-def record_all(schemes, forced=True, **kwargs):
+def record_all(schemes, forced=True, min_k=False, **kwargs):
     """One launch, many schemes: each gets its own model and optimizer; ``forced`` adds a
-    run of ssfusion_oi on :func:`mixed_plan` (every part kind, from the first step)."""
+    run of ssfusion_oi on :func:`mixed_plan` (every part kind, from the first step),
+    ``min_k`` one of ssfusion_oi planned with the small-tensor rule (``min_k`` 32)."""
     out = {s: record(s, **kwargs) for s in schemes}
     if forced:
         out["forced"] = record("ssfusion_oi", plan=mixed_plan(kwargs.get("density", 0.05)),
                                **kwargs)
+    if min_k:
+        out["min_k"] = record("ssfusion_oi", scheme_options={"min_k": 32}, **kwargs)
     return out
 
 

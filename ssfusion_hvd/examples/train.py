@@ -53,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--density-warmup-steps", type=int, default=None,
                    help="the recipe's density warm-up in steps (default: the optimizer's, 50; 0: off)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-k", type=int, default=None,
+                   help="SSFusion schemes and auto: scheme_options['min_k'], tensors whose top-k "
+                        "would keep fewer elements go dense (default: the scheme's, 0: off)")
     p.add_argument("--plan", default=None,
                    help="a Plan JSON (opt.plan.save) the sparse scheme runs from the first step "
                         "instead of profiling and planning")
@@ -146,10 +149,11 @@ def main(argv=None):
     recipe = {"momentum_correction": {"auto": "auto", "on": True, "off": False}[args.momentum_correction]}
     if args.density_warmup_steps is not None:
         recipe["density_warmup_steps"] = args.density_warmup_steps
+    options = None if args.min_k is None else {"min_k": args.min_k}
     opt = ssfusion_hvd.DistributedOptimizer(task.optimizer, named_parameters=model.named_parameters(),
                                             scheme=args.scheme, sparsifier=args.sparsifier,
                                             density=args.density, profile=args.profile,
-                                            plan=args.plan, **recipe)
+                                            plan=args.plan, scheme_options=options, **recipe)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)

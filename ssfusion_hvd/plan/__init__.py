@@ -16,10 +16,12 @@ from .models import MODELS, model_tensors
 from .plan import ALLGATHER, ALLREDUCE, Group, Plan
 from .schemes import DEFAULT_FUSION_THRESHOLD, PLANNERS, build_plan, choose_plan, threshold_groups
 from .selective import (
+    DEFAULT_MIN_K,
     MIN_DENSITY,
     choose_offload,
     compensate_density,
     floor_density,
+    keep_small_dense,
     wire_budget,
     wire_time,
     select_sparsified,
@@ -29,10 +31,10 @@ from .selective import (
 from .timeline import GroupTimeline, Timeline, decode_bytes, simulate, wire_bytes
 
 __all__ = [
-    "ALLGATHER", "ALLREDUCE", "CostModel", "DEFAULT_FUSION_THRESHOLD", "DEFAULT_SPARSIFY",
+    "ALLGATHER", "ALLREDUCE", "CostModel", "DEFAULT_FUSION_THRESHOLD", "DEFAULT_MIN_K", "DEFAULT_SPARSIFY",
     "Group", "GroupTimeline", "MIN_DENSITY", "MODELS", "Plan", "PLANNERS", "SPARSIFICATIONS",
     "Timeline", "build_plan", "choose_offload", "choose_plan", "compensate_density", "decode_bytes",
-    "default_backward_times", "floor_density",
+    "default_backward_times", "floor_density", "keep_small_dense",
     "wire_budget", "wire_time",
     "fused_plan", "model_tensors", "nominal_k", "optimal_fusion", "parse_bandwidth",
     "select_sparsified", "simulate", "split_interleaved", "split_objective",

@@ -20,6 +20,7 @@ from .cost import (
 from .models import MODELS, model_tensors
 from .schemes import DEFAULT_FUSION_THRESHOLD, PLANNERS, build_plan, choose_plan
 from .formulas import FORMULA_SCHEMES, iteration_s
+from .selective import DEFAULT_MIN_K
 from .timeline import simulate
 
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -45,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--latency", default="25us", help="per-hop latency, e.g. 25us, 0.1ms")
     p.add_argument("--fusion-threshold", type=int, default=DEFAULT_FUSION_THRESHOLD,
                    help="dense scheme: Horovod fusion threshold in bytes (0: one allreduce per tensor)")
+    p.add_argument("--min-k", type=int, default=DEFAULT_MIN_K,
+                   help="SSFusion schemes: send dense a tensor whose top-k would keep fewer "
+                        "elements (as scheme_options['min_k']; default 0: off)")
     p.add_argument("--save-plan", help="write the printed plan as JSON")
     return p
 
@@ -74,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if args.profile else "  [assumption: fitted to SSFusion Table III]"))
     print(f"model: {args.model}, {len(sizes)} gradient tensors, {sum(sizes):,} elements\n")
 
-    plans = {s: build_plan(s, sizes, cost, args.density, names, args.sparsifier, args.fusion_threshold)
+    if args.min_k < 0:
+        raise SystemExit(f"--min-k must be >= 0, got {args.min_k}")
+    plans = {s: build_plan(s, sizes, cost, args.density, names, args.sparsifier, args.fusion_threshold,
+                           min_k=args.min_k)
              for s in PLANNERS if s != "auto"}
     plans["auto"] = choose_plan(sizes, cost, density=args.density, names=names,
-                                sparsifier=args.sparsifier, fusion_threshold_bytes=args.fusion_threshold)
+                                sparsifier=args.sparsifier, fusion_threshold_bytes=args.fusion_threshold,
+                                min_k=args.min_k)
     timelines = {s: simulate(p, cost) for s, p in plans.items()}
     print(plans[args.scheme].table(timelines[args.scheme]))
     if args.save_plan:

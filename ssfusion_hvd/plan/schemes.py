@@ -27,7 +27,7 @@ from typing import Sequence
 from .cost import CostModel
 from .fusion import fused_plan, optimal_fusion
 from .plan import Plan
-from .selective import choose_offload, select_sparsified, split_interleaved
+from .selective import choose_offload, keep_small_dense, select_sparsified, split_interleaved
 from .timeline import simulate
 
 from ..registry import PLANNERS
@@ -80,15 +80,21 @@ def build_plan(
     names: Sequence[str] | None = None,
     sparsifier: str = "dgc",
     fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD,
+    min_k: int = 0,
 ) -> Plan:
-    """The plan of ``scheme`` for gradient tensors ``sizes`` (element counts, backward order)."""
+    """The plan of ``scheme`` for gradient tensors ``sizes`` (element counts, backward order).
+
+    ``min_k`` (SSFusion schemes only; the live schemes pass ``scheme_options["min_k"]``,
+    default 0): tensors whose top-k at ``density`` would be below it are sent dense
+    (:func:`keep_small_dense`). The paper's baselines (per_tensor, multi_tensor) sparsify
+    every tensor, as published."""
     if scheme not in PLANNERS:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {PLANNERS}")
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
     if scheme == "auto":
         return choose_plan(sizes, cost, density=density, names=names, sparsifier=sparsifier,
-                           fusion_threshold_bytes=fusion_threshold_bytes)
+                           fusion_threshold_bytes=fusion_threshold_bytes, min_k=min_k)
     n = len(sizes)
     if scheme == "dense":  # what hvd.DistributedOptimizer sends
         bounds = horovod_groups(sizes, cost, fusion_threshold_bytes)
@@ -103,6 +109,9 @@ def build_plan(
     plan = select_sparsified(fused, cost, scheme="ssfusion")
     if scheme in ("ssfusion_i", "ssfusion_oi"):  # §IV-D builds on §IV-B's selection
         plan = split_interleaved(plan, cost, scheme="ssfusion_i")
+    # the accuracy rule last among the per-tensor decisions, so the time-based steps above
+    # cannot sparsify those tensors again; before offloading (they would never be offloaded)
+    plan = keep_small_dense(plan, min_k)
     if scheme in ("ssfusion_o", "ssfusion_oi"):
         plan = choose_offload(plan, cost, scheme=scheme)
     # SSFusion's premise is to sparsify only where it pays: a plan predicted slower than

@@ -14,9 +14,11 @@ from .plan import ALLGATHER, ALLREDUCE, Plan
 from .timeline import _run
 
 __all__ = [
+    "DEFAULT_MIN_K",
     "MIN_DENSITY",
     "choose_offload",
     "compensate_density",
+    "keep_small_dense",
     "select_sparsified",
     "split_interleaved",
     "split_objective",
@@ -28,6 +30,10 @@ MIN_DENSITY = 0.001
 #: Compensation never takes a sparsified tensor below this fraction of the user's density
 #: (see :func:`floor_density`).
 FLOOR_FRACTION = 0.5
+#: The SSFusion schemes' default ``scheme_options["min_k"]`` (:func:`keep_small_dense`):
+#: 0, the paper's planner. The rule is opt-in because the live jobs measured no gain from
+#: it (``docs/schemes.md``, "Small tensors").
+DEFAULT_MIN_K = 0
 
 
 def floor_density(density: float) -> float:
@@ -208,6 +214,36 @@ def _compensate(plan: Plan, cost: CostModel):
         if not sp:
             new_k[i] = sizes[i]
     return dataclasses.replace(plan, sparse=sparse, k=new_k, collective=coll), dens
+
+
+def keep_small_dense(plan: Plan, min_k: int) -> Plan:
+    """Sends dense every per-tensor sparsified tensor whose top-k at the user's density,
+    ``ceil(density · n)``, is below ``min_k``: LayerNorm and BatchNorm parameters and biases
+    (a 128-element LayerNorm weight at density 0.01 would send 2 elements per step).
+
+    An accuracy rule, not a time one: Eq. 2 keeps small tensors dense only where that
+    pays in time. PyTorch's PowerSGD hook leaves 1-D tensors uncompressed likewise. In
+    the one-process replica of the example jobs it helped (``scripts/recipe_ablation.py
+    --variants auto,auto_min_k``); in the live jobs, 8 seeds each, it changed nothing
+    measurable, so it is off by default (``docs/schemes.md``, "Small tensors").
+
+    They are not charged to the density budget of :func:`compensate_density`: the other
+    tensors keep their k. A tensor joins its group's allreduce part when the group has one
+    (SSFusion-I), else it is sent dense inside the allgather, so no collective is added.
+    Multi-tensor buffers are left alone. Deterministic: sizes and density only."""
+    if min_k <= 0:
+        return plan
+    sparse, k = list(plan.sparse), list(plan.k)
+    coll, offload = list(plan.collective), list(plan.offload)
+    for g in plan.groups:
+        if g.buffer_k is not None:
+            continue
+        idx = list(g.indices())
+        part = ALLREDUCE if any(coll[i] == ALLREDUCE for i in idx) else ALLGATHER
+        for i in idx:
+            if sparse[i] and int(nominal_k(plan.sizes[i], plan.density)) < min_k:
+                sparse[i], k[i], coll[i], offload[i] = False, plan.sizes[i], part, False
+    return dataclasses.replace(plan, sparse=sparse, k=k, collective=coll, offload=offload)
 
 
 def choose_offload(plan: Plan, cost: CostModel, scheme: str = "ssfusion_o") -> Plan:

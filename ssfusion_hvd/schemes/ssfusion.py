@@ -19,27 +19,45 @@
 * ``auto``: after the warm-up, rank 0 builds the plan of every planned scheme and of
   Horovod's dense buckets on the measured cost model and runs the one the simulator
   predicts fastest (``plan.choose_plan``); ``opt.plan.scheme`` and ``stats()`` say which.
+
+Option (``scheme_options=``), all five: ``min_k`` (default 0, the paper's planner): a
+tensor whose top-k at the target density would keep fewer elements is sent dense
+(``plan.keep_small_dense``: norms and biases with e.g. 32). Opt-in: the live example jobs
+measured no accuracy gain from it (``docs/schemes.md``, "Small tensors").
 """
+from ..plan.selective import DEFAULT_MIN_K
+from .base import Option, is_int
 from .planned import PlannedScheme
 
 __all__ = ["SSFusionScheme", "SSFusionOScheme", "SSFusionIScheme", "SSFusionOIScheme", "AutoScheme"]
 
 
+#: the SSFusion schemes' ``scheme_options``
+SSFUSION_OPTIONS = {
+    "min_k": Option(DEFAULT_MIN_K, is_int(0), "an int >= 0 (0: every tensor may be sparsified)"),
+}
+
+
 class SSFusionScheme(PlannedScheme):
     name = planner = "ssfusion"
+    options = SSFUSION_OPTIONS
 
 
 class SSFusionOScheme(PlannedScheme):
     name = planner = "ssfusion_o"
+    options = SSFUSION_OPTIONS
 
 
 class SSFusionIScheme(PlannedScheme):
     name = planner = "ssfusion_i"
+    options = SSFUSION_OPTIONS
 
 
 class SSFusionOIScheme(PlannedScheme):
     name = planner = "ssfusion_oi"
+    options = SSFUSION_OPTIONS
 
 
 class AutoScheme(PlannedScheme):
     name = planner = "auto"
+    options = SSFUSION_OPTIONS
