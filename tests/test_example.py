@@ -37,11 +37,11 @@ def test_default_training_job_learns():
 def test_compare_line(tmp_path):
     from ssfusion_hvd.examples import compare
 
-    def write(name, scheme, speeds, accs):
+    def write(name, scheme, speeds, accs, **extra):
         hist = [{"epoch": i + 1, "loss": 1.0, "test_acc": a, "samples_per_s": v}
                 for i, (v, a) in enumerate(zip(speeds, accs))]
         path = tmp_path / name
-        path.write_text(json.dumps({"args": {"scheme": scheme}, "history": hist}))
+        path.write_text(json.dumps({"args": {"scheme": scheme}, "history": hist, **extra}))
         return str(path)
 
     ours = compare.summary(write("a.json", "ssfusion_oi", [1.0, 300.0, 100.0, 200.0], [0.5, 0.8, 0.9, 0.97]))
@@ -58,5 +58,8 @@ def test_compare_line(tmp_path):
     # with the test set's size (train.py records it) the difference is also in images
     assert compare.line(dict(ours, held_out=300), dict(base, held_out=300)).endswith(
         "test accuracy 97.00% vs 98.00% (-1.00 points, -3 of 300 test images)")
+    # summary() reads the count train.py writes
+    held = compare.summary(write("c.json", "dense", [1.0, 100.0], [0.5, 0.98], held_out=360))
+    assert held["held_out"] == 360 and ours["held_out"] == 0
     # ... only when both runs scored the same set
     assert compare.line(dict(ours, held_out=300), dict(base, held_out=360)) == compare.line(ours, base)

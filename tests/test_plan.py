@@ -372,6 +372,7 @@ def test_keep_small_dense_sends_tensors_with_tiny_k_dense(resnet50):
         small = {i for i, n in enumerate(sizes) if nominal_k(n, 0.01) < 32}
         assert small and all(sizes[i] < 3200 for i in small)
         assert ruled.groups == paper.groups, s
+        assert ruled.notes["min_k"] == "32" and "min_k" not in paper.notes, s
         for i in range(len(sizes)):
             if i in small:
                 assert not ruled.sparse[i] and ruled.k[i] == sizes[i] and not ruled.offload[i], (s, i)

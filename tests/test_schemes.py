@@ -146,14 +146,12 @@ def test_every_scheme_matches_reference(np_):
     results = run_workers("workers_schemes:record_all", np=np_, timeout=300,
                           schemes=SCHEMES, steps=5, warmup=2, min_k=True)
     # scheme_options {"min_k": 32}: every tensor whose top-k at density 0.05 would keep
-    # fewer than 32 elements is sent dense; the default (0, the paper's planner) may
-    # sparsify them, and on this cost model does
-    for scheme in ("ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi", "min_k"):
-        plan = Plan.from_json(results[0][scheme]["steps"][-1]["plan"])
-        small = [i for i, n in enumerate(plan.sizes) if nominal_k(n, 0.05) < 32]
-        assert small and len(small) < len(plan.sizes)
-        assert all(not plan.sparse[i] for i in small) == (scheme == "min_k"), scheme
-        assert any(plan.sparse), scheme
+    # fewer than 32 elements is sent dense (which plans the rule changes: tests/test_plan.py;
+    # here the plan depends on measured backward times)
+    plan = Plan.from_json(results[0]["min_k"]["steps"][-1]["plan"])
+    small = [i for i, n in enumerate(plan.sizes) if nominal_k(n, 0.05) < 32]
+    assert small and len(small) < len(plan.sizes)
+    assert all(not plan.sparse[i] for i in small)
     for scheme in SCHEMES + ["forced", "min_k"]:
         runs = [r[scheme] for r in results]
         assert check_run(runs) == (5 if scheme == "forced" else 3), scheme

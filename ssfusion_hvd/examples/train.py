@@ -149,7 +149,9 @@ def main(argv=None):
     recipe = {"momentum_correction": {"auto": "auto", "on": True, "off": False}[args.momentum_correction]}
     if args.density_warmup_steps is not None:
         recipe["density_warmup_steps"] = args.density_warmup_steps
-    options = None if args.min_k is None else {"min_k": args.min_k}
+    # min_k is the SSFusion schemes' option: the demo's dense comparison run ignores it
+    planned = args.scheme.startswith("ssfusion") or args.scheme == "auto"
+    options = {"min_k": args.min_k} if args.min_k is not None and planned else None
     opt = ssfusion_hvd.DistributedOptimizer(task.optimizer, named_parameters=model.named_parameters(),
                                             scheme=args.scheme, sparsifier=args.sparsifier,
                                             density=args.density, profile=args.profile,

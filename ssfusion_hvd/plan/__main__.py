@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.min_k < 0:
+        raise SystemExit(f"--min-k must be >= 0, got {args.min_k}")
     tensors = model_tensors(args.model)
     names = [name for name, _ in tensors]
     sizes = [n for _, n in tensors]
@@ -78,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if args.profile else "  [assumption: fitted to SSFusion Table III]"))
     print(f"model: {args.model}, {len(sizes)} gradient tensors, {sum(sizes):,} elements\n")
 
-    if args.min_k < 0:
-        raise SystemExit(f"--min-k must be >= 0, got {args.min_k}")
     plans = {s: build_plan(s, sizes, cost, args.density, names, args.sparsifier, args.fusion_threshold,
                            min_k=args.min_k)
              for s in PLANNERS if s != "auto"}

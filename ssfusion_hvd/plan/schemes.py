@@ -111,7 +111,9 @@ def build_plan(
         plan = split_interleaved(plan, cost, scheme="ssfusion_i")
     # the accuracy rule last among the per-tensor decisions, so the time-based steps above
     # cannot sparsify those tensors again; before offloading (they would never be offloaded)
-    plan = keep_small_dense(plan, min_k)
+    if min_k > 0:  # recorded, so a saved plan says how it was made
+        plan = keep_small_dense(plan, min_k)
+        plan.notes = dict(plan.notes, min_k=str(int(min_k)))
     if scheme in ("ssfusion_o", "ssfusion_oi"):
         plan = choose_offload(plan, cost, scheme=scheme)
     # SSFusion's premise is to sparsify only where it pays: a plan predicted slower than

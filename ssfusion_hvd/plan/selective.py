@@ -218,11 +218,12 @@ def _compensate(plan: Plan, cost: CostModel):
 
 def keep_small_dense(plan: Plan, min_k: int) -> Plan:
     """Sends dense every per-tensor sparsified tensor whose top-k at the user's density,
-    ``ceil(density · n)``, is below ``min_k``: LayerNorm and BatchNorm parameters and biases
-    (a 128-element LayerNorm weight at density 0.01 would send 2 elements per step).
+    ``ceil(density · n)``, is below ``min_k``: with 32 at density 0.01, tensors of at most
+    3,100 elements (norms, biases, small weight matrices; a 128-element LayerNorm weight
+    would send 2 elements per step).
 
     An accuracy rule, not a time one: Eq. 2 keeps small tensors dense only where that
-    pays in time. PyTorch's PowerSGD hook leaves 1-D tensors uncompressed likewise. In
+    pays in time. In
     the one-process replica of the example jobs it helped (``scripts/recipe_ablation.py
     --variants auto,auto_min_k``); in the live jobs, 8 seeds each, it changed nothing
     measurable, so it is off by default (``docs/schemes.md``, "Small tensors").
