@@ -58,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--plan", default="",
                    help="a Plan JSON every planned scheme runs instead of planning (train.py --plan)")
     p.add_argument("--min-k", type=int, default=None,
-                   help="train.py --min-k for the SSFusion schemes and auto (default: theirs)")
+                   help="train.py --min-k (SSFusion schemes and auto; default: theirs)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=str(REPO / "docs" / "results"))
     p.add_argument("--name", default="convergence")
@@ -84,7 +84,7 @@ def run_one(args, task: str, scheme: str, seed: int, logs: Path) -> dict:
     cmd += ["--momentum-correction", args.momentum_correction]
     if args.density_warmup_steps is not None:
         cmd += ["--density-warmup-steps", str(args.density_warmup_steps)]
-    if args.min_k is not None and (scheme.startswith("ssfusion") or scheme == "auto"):
+    if args.min_k is not None:  # train.py passes it to the schemes that take it
         cmd += ["--min-k", str(args.min_k)]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.workers)),
                HOROVOD_CYCLE_TIME="1", PYTHONPATH=str(REPO))

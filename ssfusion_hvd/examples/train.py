@@ -149,9 +149,10 @@ def main(argv=None):
     recipe = {"momentum_correction": {"auto": "auto", "on": True, "off": False}[args.momentum_correction]}
     if args.density_warmup_steps is not None:
         recipe["density_warmup_steps"] = args.density_warmup_steps
-    # min_k is the SSFusion schemes' option: the demo's dense comparison run ignores it
-    planned = args.scheme.startswith("ssfusion") or args.scheme == "auto"
-    options = {"min_k": args.min_k} if args.min_k is not None and planned else None
+    # --min-k goes to the schemes that take it (the demo's dense comparison run does not)
+    info = ssfusion_hvd.SCHEMES.get(args.scheme)
+    takes = info is not None and "min_k" in info.load().options
+    options = {"min_k": args.min_k} if args.min_k is not None and takes else None
     opt = ssfusion_hvd.DistributedOptimizer(task.optimizer, named_parameters=model.named_parameters(),
                                             scheme=args.scheme, sparsifier=args.sparsifier,
                                             density=args.density, profile=args.profile,

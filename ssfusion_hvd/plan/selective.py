@@ -223,10 +223,10 @@ def keep_small_dense(plan: Plan, min_k: int) -> Plan:
     would send 2 elements per step).
 
     An accuracy rule, not a time one: Eq. 2 keeps small tensors dense only where that
-    pays in time. In
-    the one-process replica of the example jobs it helped (``scripts/recipe_ablation.py
-    --variants auto,auto_min_k``); in the live jobs, 8 seeds each, it changed nothing
-    measurable, so it is off by default (``docs/schemes.md``, "Small tensors").
+    pays in time. In the one-process replica of the example jobs it helped
+    (``scripts/recipe_ablation.py --variants auto,auto_min_k``); in the live jobs, 8 seeds
+    each, it changed nothing measurable, so it is off by default (``docs/schemes.md``,
+    "Small tensors").
 
     They are not charged to the density budget of :func:`compensate_density`: the other
     tensors keep their k. A tensor joins its group's allreduce part when the group has one

@@ -32,32 +32,29 @@ from .planned import PlannedScheme
 __all__ = ["SSFusionScheme", "SSFusionOScheme", "SSFusionIScheme", "SSFusionOIScheme", "AutoScheme"]
 
 
-#: the SSFusion schemes' ``scheme_options``
-SSFUSION_OPTIONS = {
-    "min_k": Option(DEFAULT_MIN_K, is_int(0), "an int >= 0 (0: every tensor may be sparsified)"),
-}
+class _SSFusionFamily(PlannedScheme):
+    """What the five share: their ``scheme_options``."""
+
+    options = {
+        "min_k": Option(DEFAULT_MIN_K, is_int(0), "an int >= 0 (0: every tensor may be sparsified)"),
+    }
 
 
-class SSFusionScheme(PlannedScheme):
+class SSFusionScheme(_SSFusionFamily):
     name = planner = "ssfusion"
-    options = SSFUSION_OPTIONS
 
 
-class SSFusionOScheme(PlannedScheme):
+class SSFusionOScheme(_SSFusionFamily):
     name = planner = "ssfusion_o"
-    options = SSFUSION_OPTIONS
 
 
-class SSFusionIScheme(PlannedScheme):
+class SSFusionIScheme(_SSFusionFamily):
     name = planner = "ssfusion_i"
-    options = SSFUSION_OPTIONS
 
 
-class SSFusionOIScheme(PlannedScheme):
+class SSFusionOIScheme(_SSFusionFamily):
     name = planner = "ssfusion_oi"
-    options = SSFUSION_OPTIONS
 
 
-class AutoScheme(PlannedScheme):
+class AutoScheme(_SSFusionFamily):
     name = planner = "auto"
-    options = SSFUSION_OPTIONS
