@@ -15,6 +15,8 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from toolchain import build_env  # noqa: E402  (a C++ compiler that links libstdc++ shared)
 
 
 class CMakeExtension(Extension):
@@ -40,6 +42,7 @@ class CMakeBuild(build_ext):
             # SSF_COMPILE_CUDA=0 skips csrc/cuda even when nvcc is found (CI never sets it)
             f"-DSSF_COMPILE_CUDA={'OFF' if os.environ.get('SSF_COMPILE_CUDA') == '0' else 'ON'}",
         ]
+        env = build_env()
         if torch.version.cuda:
             # the kernels' GPU architectures: TORCH_CUDA_ARCH_LIST's, else those of the GPUs
             # this machine has (CMakeLists.txt's default, 90, where it has none)
@@ -60,8 +63,8 @@ class CMakeBuild(build_ext):
             args += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
         cmake = shutil.which("cmake") or "cmake"
         jobs = os.environ.get("SSF_BUILD_JOBS", str(os.cpu_count() or 2))
-        subprocess.check_call([cmake, str(ROOT)] + args, cwd=build_dir)
-        subprocess.check_call([cmake, "--build", ".", "-j", jobs], cwd=build_dir)
+        subprocess.check_call([cmake, str(ROOT)] + args, cwd=build_dir, env=env)
+        subprocess.check_call([cmake, "--build", ".", "-j", jobs], cwd=build_dir, env=env)
 
 
 setup(
