@@ -84,7 +84,7 @@ def resnet50_sizes(width_div=1):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [0, 1, 2, 7, 100, 2047, 2048, 2049, 65539, 300_001])
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 100, 2047, 2048, 2049, 65536, 65539, 300_001])
 @pytest.mark.parametrize("kind", ["normal", "ties", "scaled", "special"])
 def test_topk_cuda_equals_cpu(n, dtype, kind):
     c, g = _both(_data(n, dtype, kind, seed=n + 3))

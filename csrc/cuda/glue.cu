@@ -69,11 +69,11 @@ std::tuple<at::Tensor, at::Tensor> topk_cuda(const at::Tensor& x_in, int64_t k) 
   dispatch_bits_index(x.element_size(), idt, [&](auto u, auto i) {
     using U = decltype(u);
     using I = decltype(i);
-    const size_t bytes = (k == 0 || k == n) ? 0 : cuda::topk_workspace_bytes<U>(n, k);
-    at::Tensor ws = workspace_for(x, bytes);
+    const size_t bytes = cuda::topk_workspace_bytes<U>(n, k);
+    at::Tensor ws = bytes ? workspace_for(x, bytes) : at::Tensor();  // none for small inputs
     cuda::topk<U, I>(static_cast<const U*>(x.const_data_ptr()), n, k,
-                     static_cast<U*>(values.data_ptr()), indices.data_ptr<I>(), ws.data_ptr(),
-                     size_t(ws.numel()), on.stream);
+                     static_cast<U*>(values.data_ptr()), indices.data_ptr<I>(),
+                     bytes ? ws.data_ptr() : nullptr, bytes, on.stream);
   });
   return {values, indices};
 }
@@ -233,13 +233,14 @@ std::tuple<at::Tensor, at::Tensor> ef_topk_cuda(const at::Tensor& grad_in, at::T
   const auto idt = index_dtype_for(n);
   at::Tensor values = at::empty({k}, residual.options());
   at::Tensor indices = at::empty({k}, residual.options().dtype(idt));
-  at::Tensor ws = workspace_for(residual, (k == 0 || k == n) ? 0 : cuda::topk_workspace_bytes<uint32_t>(n, k));
+  const size_t bytes = cuda::topk_workspace_bytes<uint32_t>(n, k);  // 0: none needed
+  at::Tensor ws = bytes ? workspace_for(residual, bytes) : at::Tensor();
   dispatch_index(idt, [&](auto i) {
     using I = decltype(i);
     cuda::ef_topk_f32<I>(grad.const_data_ptr(), kind_of(grad.scalar_type()),
                          residual.data_ptr<float>(), n, k, kind_of(wire_dtype),
                          static_cast<uint32_t*>(values.data_ptr()), indices.data_ptr<I>(),
-                         ws.data_ptr(), size_t(ws.numel()), on.stream);
+                         bytes ? ws.data_ptr() : nullptr, bytes, on.stream);
   });
   mask_velocity_of(velocity, mask_velocity, values, indices, on.stream);
   return {values, indices};

@@ -15,6 +15,8 @@
 //           T = #ties before it. An element is selected iff key > kth or (key == kth and
 //           T < need); it goes to position G + min(T, need). That is a stable compaction,
 //           so the output is in index order and the ties taken are the lowest indices.
+//   small inputs (n <= kSmallMax): the same passes and compaction in one block and one
+//           launch (topk_small_kernel), where the launches above are the whole cost.
 // Threshold select is the same compaction with one class: key >= key_min, where key_min
 // is the smallest key satisfying isnan(v) || (double)|v| >= thr (threshold_key).
 // Error feedback (ef_topk_f32) is top-k whose first radix pass forms residual + grad,
@@ -235,6 +237,99 @@ void topk_after_first_pass(const uint32_t* x, int64_t n, int64_t k,
   topk_compact<uint32_t, I>(x, n, L, out_v, out_i, s);
 }
 
+// ------------------------------------------------------------------ small inputs
+
+// Up to kSmallMax elements the multi-block top-k is all fixed cost: about 14 launches,
+// memsets and scans whose host-side enqueueing the GPU waits on (an H100 spent 26 us of
+// kernels but 72 us of host time per call at n = 1000). One block then does everything in
+// one launch: the same radix passes with the histogram in shared memory and the pivot
+// found in the block, then the same stable compaction in chunks of THREADS * kSmallItems
+// elements, the running counts of the chunks before carried along. Same result bit for bit.
+constexpr int64_t kSmallMax = int64_t(1) << 16;
+constexpr int kSmallItems = 8;
+
+// The block's threads: the pivot's scan needs the bins to split evenly over them (2048,
+// 2048, 512 bins for float32's digits; 256, 128 for 16-bit).
+template <typename U>
+constexpr int small_threads() { return sizeof(U) == 4 ? 512 : 128; }
+
+// One radix pass of the single block: histogram of the digit at `shift` (BITS wide) of the
+// keys whose higher bits equal prefix's, then the pivot; prefix and krem are updated.
+template <typename U, int BITS, int THREADS>
+__device__ __forceinline__ void small_pass(const U* __restrict__ x, int n, int shift,
+                                           unsigned int* hist, RadixState* st,
+                                           uint32_t& prefix, unsigned long long& krem) {
+  constexpr int kBins = 1 << BITS;
+  for (int b = threadIdx.x; b < kBins; b += THREADS) hist[b] = 0;
+  __syncthreads();
+  const int hi = shift + BITS;
+  const uint32_t want = prefix >> hi;
+  for (int base = threadIdx.x; base < n; base += THREADS * kSmallItems) {
+    uint32_t key[kSmallItems];
+#pragma unroll
+    for (int it = 0; it < kSmallItems; ++it) {  // loads first: kSmallItems in flight
+      const int i = base + it * THREADS;
+      key[it] = i < n ? (uint32_t(x[i]) & KeyOf<U>::kMask) : 0u;
+    }
+#pragma unroll
+    for (int it = 0; it < kSmallItems; ++it)
+      if (base + it * THREADS < n && (key[it] >> hi) == want)
+        atomicAdd(&hist[(key[it] >> shift) & (kBins - 1)], 1u);
+  }
+  __syncthreads();
+  radix_pivot<BITS, THREADS, /*CLEAR=*/false>(hist, shift, prefix, krem, st);
+  __syncthreads();
+  prefix = st->prefix;
+  krem = (unsigned long long)st->k_rem;
+}
+
+template <typename U, typename I, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+    topk_small_kernel(const U* __restrict__ x, int n, int k, U* __restrict__ out_v,
+                      I* __restrict__ out_i) {
+  __shared__ unsigned int hist[KeyOf<U>::kMaxBins];
+  __shared__ RadixState st;
+  __shared__ unsigned long long chunk_total;
+  uint32_t prefix = 0;
+  unsigned long long krem = (unsigned long long)k;
+  if constexpr (sizeof(U) == 4) {  // digits 30..20, 19..9, 8..0
+    small_pass<U, 11, THREADS>(x, n, 20, hist, &st, prefix, krem);
+    small_pass<U, 11, THREADS>(x, n, 9, hist, &st, prefix, krem);
+    small_pass<U, 9, THREADS>(x, n, 0, hist, &st, prefix, krem);
+  } else {  // digits 14..7, 6..0
+    small_pass<U, 8, THREADS>(x, n, 7, hist, &st, prefix, krem);
+    small_pass<U, 7, THREADS>(x, n, 0, hist, &st, prefix, krem);
+  }
+  const uint32_t kth = prefix;
+  const long long need = (long long)krem;
+  long long g = 0, t = 0;  // selected and ties in the chunks before this one
+  for (int base = 0; base < n; base += THREADS * kSmallItems) {
+    const int64_t first = int64_t(base) + int64_t(threadIdx.x) * kSmallItems;
+    U v[kSmallItems];
+    int cls[kSmallItems];
+    const unsigned long long pre = rank_items<THREADS, kSmallItems>(
+        x, first, n, [&](uint32_t key) { return topk_class(key, kth); }, v, cls);
+    place_items(v, cls, first, g + (long long)(pre & 0xffffffffull),
+                t + (long long)(pre >> 32), need, out_v, out_i);
+    if (threadIdx.x == THREADS - 1) {  // the last thread's prefix plus its own counts
+      unsigned long long own = 0;
+      for (int it = 0; it < kSmallItems; ++it) own += class_count(cls[it]);
+      chunk_total = pre + own;
+    }
+    __syncthreads();  // also: rank_items's scan storage is free again
+    g += (long long)(chunk_total & 0xffffffffull);
+    t += (long long)(chunk_total >> 32);
+    __syncthreads();
+  }
+}
+
+template <typename U, typename I>
+void topk_small(const U* x, int64_t n, int64_t k, U* out_v, I* out_i, cudaStream_t s) {
+  constexpr int kThreads = small_threads<U>();
+  topk_small_kernel<U, I, kThreads><<<1, kThreads, 0, s>>>(x, int(n), int(k), out_v, out_i);
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
 // ------------------------------------------------------------------ error feedback
 
 // residual[i] += grad[i] for a float32 residual (GK: the gradient's kind, 16-bit widened
@@ -313,7 +408,8 @@ void dispatch_kind(ValueKind kind, const F& fn) {
 // ------------------------------------------------------------------ public API
 
 template <typename U>
-size_t topk_workspace_bytes(int64_t n, int64_t /*k*/) {
+size_t topk_workspace_bytes(int64_t n, int64_t k) {
+  if (k == 0 || k == n || n <= kSmallMax) return 0;  // nothing, or topk_small
   Carver c(nullptr);
   carve_topk<U>(c, n);
   return c.off;
@@ -328,6 +424,10 @@ void topk(const U* x, int64_t n, int64_t k, U* out_v, I* out_i, void* workspace,
     SSF_CUDA_CHECK(cudaMemcpyAsync(out_v, x, size_t(n) * sizeof(U), cudaMemcpyDeviceToDevice, s));
     iota_kernel<I><<<grid_for(n, 256, 4096), 256, 0, s>>>(out_i, n);
     SSF_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  if (n <= kSmallMax) {
+    topk_small<U, I>(x, n, k, out_v, out_i, s);
     return;
   }
   Carver c(workspace);
@@ -370,8 +470,8 @@ void ef_topk_f32(const void* grad, ValueKind grad_kind, float* residual, int64_t
                  size_t workspace_bytes, cudaStream_t s) {
   if (k < 0 || k > n) throw std::runtime_error("ssfusion_hvd CUDA ef_topk: k out of range");
   auto* r = reinterpret_cast<uint32_t*>(residual);
-  if (k == 0 || k == n) {  // accumulate; topk takes nothing or everything
-    dispatch_kind(grad_kind, [&](auto gk) {
+  if (k == 0 || k == n || n <= kSmallMax) {  // accumulate, then take nothing, everything
+    dispatch_kind(grad_kind, [&](auto gk) {  // or run topk_small (no workspace)
       accumulate<decltype(gk)::value>(grad, residual, n, nullptr, s);
     });
     topk<uint32_t, I>(r, n, k, out_v, out_i, nullptr, 0, s);
