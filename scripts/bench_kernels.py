@@ -277,29 +277,32 @@ def bench_stage(model, density, reps, rule, mode="segmented"):
     return interleaved_medians([staged, in_place], reps)
 
 
-def bench_decode(model, shrink, density, nranks, reps):
-    """(elements, tensors, k total, full decode, decode, memcpy) for one sparse part holding
-    every tensor of ``model`` (sizes // shrink), float32, Average over ``nranks``."""
+def decode_cases(model, shrink, density, nranks, device="cpu"):
+    """One sparse part holding every tensor of ``model`` (sizes // shrink), float32,
+    Average over ``nranks``, its records gathered: ``(elements, tensors, k total, full,
+    new, memcpy)`` with the last three the callables to time (the full decode, the decode
+    as step() runs it, a memcpy of the group's bytes), on ``device``."""
     from ssfusion_hvd.core.buffers import SelectionResult, SparsePart, unpack
     from ssfusion_hvd.sparsify import make_sparsifier
 
+    device = torch.device(device)
     sizes = [max(1, n // shrink) for _, n in model_tensors(model)]
     shapes = [torch.Size([n]) for n in sizes]
     ks = [max(1, math.ceil(density * n)) for n in sizes]
 
     def new_part():
         return SparsePart("bench", range(len(sizes)), shapes, ks, "segmented",
-                          [make_sparsifier("topk") for _ in sizes], 0, torch.float32,
-                          torch.device("cpu"))
+                          [make_sparsifier("topk") for _ in sizes], 0, torch.float32, device)
 
     part, old = new_part(), new_part()  # the full decode leaves its output dirty: its own
     offsets = torch.tensor([0] + sizes).cumsum(0)
-    gathered = torch.empty(nranks * part.length)
+    gathered = torch.empty(nranks * part.length, device=device)
     g = torch.Generator().manual_seed(nranks)
     for r in range(nranks):  # each rank's own per-tensor top-k: records overlap partly
-        v, i = ops.segmented_topk(torch.randn(part.numel, generator=g), offsets, torch.tensor(ks))
+        x = torch.randn(part.numel, generator=g).to(device)
+        v, i = ops.segmented_topk(x, offsets, torch.tensor(ks))
         part.pack(SelectionResult(v, i), gathered[r * part.length:(r + 1) * part.length], 1.0)
-    grads = [torch.empty(s) for s in shapes]
+    grads = [torch.empty(s, device=device) for s in shapes]
     scale = 1.0 / nranks
 
     def full():  # the decode before deliver_chunks (zero the output, scatter, scale, copy)
@@ -311,9 +314,16 @@ def bench_decode(model, shrink, density, nranks, reps):
     def new():  # as step() runs it
         unpack(part, gathered, nranks, part.length, grads, scale)
 
-    src, dst = torch.randn(part.numel), torch.empty(part.numel)
-    t_full, t_new, t_copy = interleaved_medians([full, new, lambda: dst.copy_(src)], reps)
-    return part.numel, len(sizes), sum(ks), t_full, t_new, t_copy
+    src = torch.randn(part.numel, device=device)
+    dst = torch.empty_like(src)
+    return part.numel, len(sizes), sum(ks), full, new, lambda: dst.copy_(src)
+
+
+def bench_decode(model, shrink, density, nranks, reps):
+    """(elements, tensors, k total, full decode, decode, memcpy) on the CPU, interleaved."""
+    n, t, k, full, new, copy = decode_cases(model, shrink, density, nranks)
+    t_full, t_new, t_copy = interleaved_medians([full, new, copy], reps)
+    return n, t, k, t_full, t_new, t_copy
 
 
 def fmt_ms(s):

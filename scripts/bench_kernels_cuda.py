@@ -10,6 +10,15 @@ each call on the current stream, in microseconds. Rows:
                ops.segmented_topk with per-tensor k vs ops.topk over the concatenation with
                k = sum of the per-tensor ks (the cost to beat), and a python loop of per-tensor
                ops.topk calls (what one call replaces);
+  * feedback:  ops.ef_topk (error feedback fused with the selection, float32 residual) vs
+               top-k alone on such a sum (the ref column), with the unfused composition
+               (residual.add_, ops.topk, index_fill_) and the accumulation alone in the note;
+               and ops.segmented_ef_topk over ResNet-50's buffer vs ops.segmented_topk;
+  * decode:    a sparse part of GPT-2's 148 tensors at a fifth of their size, P = 2 and 4
+               ranks' records (scripts/bench_kernels.py's decode_cases): the direct decode
+               (records delivered straight into the gradients) vs the full decode (zero,
+               scatter-add, scale, copy; what a GPU decode runs unless
+               buffers.DIRECT_ON_CUDA) in the ref column;
   * sampled:   ops.sampled_threshold (DGC, 0.1% / 1% samples) for the largest n.
 Prints one table at the end.
 """
@@ -24,6 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ssfusion_hvd import ops  # noqa: E402
 from ssfusion_hvd.plan.models import model_tensors  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import decode_cases  # noqa: E402
 
 
 def timeit(fn, warmup, reps):
@@ -79,7 +91,7 @@ def main():
     n = sum(sizes)
     flat = torch.randn(n, device=dev, dtype=dtype)
     y = torch.empty_like(flat)
-    mem = t(lambda: y.copy_(flat))
+    mem_flat = mem = t(lambda: y.copy_(flat))
     offsets = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
     for density in (0.01, 0.001):
         ks = torch.tensor([max(1, math.ceil(density * m)) for m in sizes], dtype=torch.int64)
@@ -91,6 +103,54 @@ def main():
         rows.append((f"segmented d={density} ({len(sizes)} tensors)", n, ktot, seg, one, mem,
                      f"torch col = ops.topk over concat; per-tensor loop {loop:.1f} us"))
         print("progress:", rows[-1][:4], file=sys.stderr, flush=True)
+
+    for n in (100_000, 1_000_000, 10_000_000, 25_000_000):
+        grad = torch.randn(n, device=dev, dtype=dtype)
+        res = torch.zeros(n, device=dev)  # float32 residual whatever the gradient's dtype
+        k = math.ceil(0.01 * n)
+        fused = t(lambda: ops.ef_topk(grad, res, k, backend="native"))
+        total = res + grad  # top-k's input in error feedback: a gradient plus a residual
+        alone = t(lambda: ops.topk(total, k, backend="native"))
+
+        def unfused():
+            res.add_(grad)
+            _, i = ops.topk(res, k, backend="native")
+            res.index_fill_(0, i.long(), 0)
+
+        unf = t(unfused)
+        acc = t(lambda: res.add_(grad))
+        y = torch.empty_like(grad)
+        mem = t(lambda: y.copy_(grad))
+        rows.append(("ef_topk d=0.01 (ref: topk alone)", n, k, fused, alone, mem,
+                     f"fused/topk {fused / alone:.2f}x; unfused {unf:.1f} us; add_ {acc:.1f} us"))
+        print("progress:", rows[-1][:4], file=sys.stderr, flush=True)
+        del grad, res, total, y
+
+    res = torch.zeros(flat.numel(), device=dev)
+    for density in (0.01, 0.001):
+        ks = torch.tensor([max(1, math.ceil(density * m)) for m in sizes], dtype=torch.int64)
+        fused = t(lambda: ops.segmented_ef_topk(flat, res, offsets, ks, backend="native"))
+        seg = t(lambda: ops.segmented_topk(flat, offsets, ks, backend="native"))
+        rows.append((f"segmented_ef_topk d={density} (ref: segmented_topk)", sum(sizes),
+                     int(ks.sum()), fused, seg, mem_flat, f"fused/segmented {fused / seg:.2f}x"))
+        print("progress:", rows[-1][:4], file=sys.stderr, flush=True)
+    del res
+
+    if dtype == torch.float32:  # the decode sums in the gradient's dtype; float32 here
+        from ssfusion_hvd.core import buffers
+        for nranks in (2, 4):
+            n, ntensors, k, full, new, copy = decode_cases("gpt2", 5, 0.01, nranks, dev)
+            full_us, mem = t(full), t(copy)
+            on_cuda = buffers.DIRECT_ON_CUDA
+            buffers.DIRECT_ON_CUDA = True  # the direct path, which a GPU decode skips by default
+            try:
+                direct_us = t(new)
+            finally:
+                buffers.DIRECT_ON_CUDA = on_cuda
+            rows.append((f"direct decode P={nranks} gpt2/5 (ref: full)", n, k, direct_us,
+                         full_us, mem, f"{ntensors} tensors; full/direct "
+                         f"{full_us / direct_us:.2f}x; buffers.DIRECT_ON_CUDA={on_cuda}"))
+            print("progress:", rows[-1][:4], file=sys.stderr, flush=True)
 
     x = torch.randn(25_000_000, device=dev, dtype=dtype)
     y = torch.empty_like(x)
@@ -104,12 +164,12 @@ def main():
         print("progress:", rows[-1][:4], file=sys.stderr, flush=True)
 
     print()
-    head = f"{'case':<40} {'n':>10} {'k':>9} {'ours us':>10} {'torch us':>10} {'memcpy us':>10} {'ours/memcpy':>11}  note"
+    head = f"{'case':<50} {'n':>10} {'k':>9} {'ours us':>10} {'ref us':>10} {'memcpy us':>10} {'ours/memcpy':>11}  note"
     print(head)
     print("-" * len(head))
     for case, n, k, ours, ref, mem, note in rows:
         ref_s = f"{ref:10.1f}" if ref == ref else f"{'-':>10}"
-        print(f"{case:<40} {n:>10} {k:>9} {ours:10.1f} {ref_s} {mem:10.1f} {ours / mem:11.2f}  {note}")
+        print(f"{case:<50} {n:>10} {k:>9} {ours:10.1f} {ref_s} {mem:10.1f} {ours / mem:11.2f}  {note}")
 
 
 if __name__ == "__main__":

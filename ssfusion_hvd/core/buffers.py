@@ -111,6 +111,14 @@ def nonfinite_count(decoded: torch.Tensor) -> int:
 #: prefetched, P = 4 was 0.83-0.99x and the bound 3 %.)
 DIRECT_MAX_SHARE = 0.045
 
+#: Whether a GPU decode may take the direct path at all. It does less GPU work (GPT-2 / 5,
+#: density 0.01, P = 2 on an H100: 160 us of kernels against 234 us for the full path) but
+#: more host work per call (zeroing 148 gradients, the per-call tensor table of
+#: ``deliver_chunks``), and the host is what the GPU waits on there: 442-464 us a decode
+#: against 251-253 us for the full path at P = 2, 525-626 against 288-294 at P = 4
+#: (``scripts/bench_kernels_cuda.py``, CUDA events, medians of 30, three runs).
+DIRECT_ON_CUDA = False
+
 
 class DensePart:
     """Dense tensors carried by the allgather: values only, summed over ranks on decode
@@ -287,8 +295,10 @@ class SparsePart:
         """Whether the records are delivered straight into ``grads``: the part has indices,
         the gradients are contiguous, of the wire dtype, on out's device, and the records
         touch at most :data:`DIRECT_MAX_SHARE` of the output (past that, random accesses to
-        out and the gradients cost more than the streaming passes they replace)."""
+        out and the gradients cost more than the streaming passes they replace); on a GPU
+        only with :data:`DIRECT_ON_CUDA`."""
         return (not self.shared_indices
+                and (self.out.device.type == "cpu" or DIRECT_ON_CUDA)
                 and nranks * self.capacity <= DIRECT_MAX_SHARE * self.numel
                 and all(g.is_contiguous() and g.dtype == self.dtype
                         and g.device == self.out.device for g in grads))
