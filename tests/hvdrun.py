@@ -38,6 +38,18 @@ def mpi_built() -> bool:
     return bool(hvd.mpi_built())
 
 
+def gpu_built() -> bool:
+    """Whether GPU jobs can run here: a CUDA device and a Horovod built with GPU operations.
+    A Horovod without them stages GPU tensors through host memory for allreduce, allgather
+    and broadcast, but aborted a GPU job of ours ("Requested device context manager with GPU
+    device but not compiled with CUDA", the H100 machine, 2026-11-25)."""
+    if not torch.cuda.is_available():
+        return False
+    import horovod.torch as hvd
+
+    return bool(hvd.cuda_built())
+
+
 def launch(args, np: int, timeout: float, env=None, controller: str = "gloo", hosts: int = 1):
     """Runs ``horovodrun -np N --gloo|--mpi <args>``; returns (returncode, output).
 

@@ -54,13 +54,21 @@ def profile(sparsifier, element_size=4, gbit=10.0, latency=5e-5):
 
 def _residuals(opt):
     state = opt.state_dict()["ssfusion"]["state"]
-    return {k: v.clone() for k, v in state.get("residuals", {}).items()}
+    return {k: v.detach().cpu().clone() for k, v in state.get("residuals", {}).items()}
+
+
+def _cpu(tensors):
+    """A record's tensors on the host (a GPU run's records are checked anywhere)."""
+    return {n: None if t is None else t.detach().cpu().clone() for n, t in tensors.items()}
 
 
 def record(scheme, steps=4, passes=1, op="average", predivide=1.0, dtype="float32",
            sparsifier="topk", density=0.05, warmup=2, plan=None, gbit=10.0, latency=5e-5,
-           scheme_options=None):
-    model = _model(dtype)
+           scheme_options=None, device="cpu"):
+    """Runs ``steps`` steps of ``scheme`` and records what the reference needs (module
+    docstring); ``device="cuda"``: model and batches on this rank's GPU (the records are
+    returned on the host)."""
+    model = _model(dtype).to(device)
     opt = ssfusion_hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
         scheme=scheme, sparsifier=sparsifier, density=density, backward_passes_per_step=passes,
@@ -80,23 +88,23 @@ def record(scheme, steps=4, passes=1, op="average", predivide=1.0, dtype="float3
         params = list(model.parameters())
         local = dict.fromkeys(names)
         for micro in range(passes):
-            x, y = _batch(step, micro, dtype)
+            x, y = (t.to(device) for t in _batch(step, micro, dtype))
             grads = torch.autograd.grad(loss_fn(model(x).float(), y), params, allow_unused=True)
             for n, g in zip(names, grads):
                 if g is not None:
                     local[n] = g if local[n] is None else local[n] + g
         for micro in range(passes):
-            x, y = _batch(step, micro, dtype)
+            x, y = (t.to(device) for t in _batch(step, micro, dtype))
             loss_fn(model(x).float(), y).backward()
         opt.synchronize()
-        synced = {n: p.grad.detach().clone() for n, p in zip(names, model.parameters())
-                  if p.grad is not None}
+        synced = _cpu({n: p.grad for n, p in zip(names, model.parameters())
+                       if p.grad is not None})
         with opt.skip_synchronize():
             opt.step()
-        steps_out.append({"plan": plan_before, "residual": residual, "local": local,
+        steps_out.append({"plan": plan_before, "residual": residual, "local": _cpu(local),
                           "synced": synced, "stats": opt.stats()})
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"steps": steps_out, "params": params, "size": hvd.size()}
+    return {"steps": steps_out, "params": _cpu(dict(model.named_parameters())),
+            "size": hvd.size()}
 
 
 def mixed_plan(density=0.05):
