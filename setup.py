@@ -16,7 +16,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from toolchain import build_env  # noqa: E402  (a C++ compiler that links libstdc++ shared)
+from toolchain import build_env, clear_stale_cache  # noqa: E402  (libstdc++ linked shared)
 
 
 class CMakeExtension(Extension):
@@ -43,6 +43,7 @@ class CMakeBuild(build_ext):
             f"-DSSF_COMPILE_CUDA={'OFF' if os.environ.get('SSF_COMPILE_CUDA') == '0' else 'ON'}",
         ]
         env = build_env()
+        clear_stale_cache(build_dir, env)
         if torch.version.cuda:
             # the kernels' GPU architectures: TORCH_CUDA_ARCH_LIST's, else those of the GPUs
             # this machine has (CMakeLists.txt's default, 90, where it has none)

@@ -1,12 +1,12 @@
 """The C++ toolchain setup.py hands to CMake: one that links libstdc++ as a shared library.
 
-torch links the shared libstdc++. A g++ that links it statically (it finds no
-``libstdc++.so``, only ``libstdc++.a``; the CUDA image of the GPU machines ships one as
+torch links the shared libstdc++. A g++ that can only link it statically (it finds
+``libstdc++.a`` but no ``libstdc++.so``; the CUDA image of the GPU machines ships one as
 /opt/gcc/bin/g++ and names it in CXX, CC and CUDAHOSTCXX) puts a second copy of the library
 into ``_C``: two iostreams implementations then share streams and locales in one process,
 and the first error message that formats a number (``TORCH_CHECK(..., "k=", k)``) crashes
 with a segmentation fault instead of raising. CMakeLists.txt refuses such a compiler;
-:func:`build_env` picks another one before CMake runs.
+:func:`build_env` replaces it before CMake runs.
 """
 from __future__ import annotations
 
@@ -16,55 +16,83 @@ import subprocess
 import sys
 from typing import Dict, Optional
 
-__all__ = ["links_shared_libstdcxx", "build_env"]
+__all__ = ["static_libstdcxx_only", "build_env", "clear_stale_cache"]
+
+#: where a replacement is looked for, in order
+CANDIDATES = ("g++", "c++", "/usr/bin/g++", "/usr/bin/c++")
 
 
-def links_shared_libstdcxx(cxx: str) -> bool:
-    """Whether the C++ compiler driver ``cxx`` links libstdc++ as a shared library (it finds
-    ``libstdc++.so``; GCC prints the bare name when it has none). A driver that cannot
-    answer (not GCC-style, or missing) is left to CMake's own checks: True."""
+def _print_file_name(driver: str, name: str) -> str:
     try:
-        out = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True,
-                             text=True, timeout=60).stdout.strip()
+        return subprocess.run([driver, f"-print-file-name={name}"], capture_output=True,
+                              text=True, timeout=60).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return True
-    return os.path.isabs(out)
+        return ""
 
 
-def _same(a: str, b: str) -> bool:
-    return os.path.realpath(shutil.which(a) or a) == os.path.realpath(shutil.which(b) or b)
+def static_libstdcxx_only(driver: str) -> bool:
+    """Whether the compiler driver ``driver`` finds ``libstdc++.a`` but no ``libstdc++.so``
+    (a GCC-style driver prints the bare name of a library it does not find). Anything else,
+    a clang with libc++ or a driver that cannot answer, is not judged here: False."""
+    return (os.path.isabs(_print_file_name(driver, "libstdc++.a"))
+            and not os.path.isabs(_print_file_name(driver, "libstdc++.so")))
+
+
+def _path(driver: str) -> str:
+    return os.path.realpath(shutil.which(driver) or driver)
 
 
 def build_env(environ: Optional[Dict[str, str]] = None,
-              candidates=("g++", "c++", "/usr/bin/g++", "/usr/bin/c++")) -> Dict[str, str]:
-    """The environment for CMake: ``environ`` (default ``os.environ``) unchanged when its
-    C++ compiler (``CXX``, else ``c++``) links libstdc++ shared; else with ``CXX`` set to the
-    first of ``candidates`` that does, ``CC`` to the ``gcc`` (or ``cc``) beside it and
-    ``CUDAHOSTCXX`` to it unless that one links shared already. All three: CMake links
-    ``_C`` with every enabled language's implicit library directories, and a static-only
-    libstdc++ among them makes ``-lstdc++`` static again (setting only the C++ compiler
-    was seen to keep the crash). Raises when no candidate will do."""
+              candidates=CANDIDATES) -> Dict[str, str]:
+    """The environment for CMake: ``environ`` (default ``os.environ``) with each of ``CXX``
+    (else ``c++``), ``CUDAHOSTCXX`` (else nvcc's ``g++``) and ``CC`` (else ``cc``) that
+    links libstdc++ only statically replaced: the C++ compiler and nvcc's host compiler by
+    the first of ``candidates`` that does not, the C compiler by the ``gcc`` (or ``cc``)
+    beside it. All three: CMake links ``_C`` with every enabled language's implicit library
+    directories, and a static-only libstdc++ among them makes ``-lstdc++`` static again
+    (replacing the C++ compiler alone was seen to keep the crash). Raises when one needs a
+    replacement and no candidate will do."""
     env = dict(os.environ if environ is None else environ)
-    chosen = env.get("CXX") or shutil.which("c++") or "c++"
-    if links_shared_libstdcxx(chosen):
+    bad = {var: env.get(var) or default for var, default in
+           (("CXX", "c++"), ("CUDAHOSTCXX", "g++"), ("CC", "cc"))}
+    bad = {var: d for var, d in bad.items()
+           if (shutil.which(d) or os.path.isabs(d)) and static_libstdcxx_only(d)}
+    if not bad:
         return env
-    for cand in candidates:
-        path = shutil.which(cand) or cand
-        if os.access(path, os.X_OK) and not _same(path, chosen) and links_shared_libstdcxx(path):
-            break
-    else:
-        raise RuntimeError(f"{chosen} links libstdc++ statically (it finds no libstdc++.so) and "
-                           "no other g++ was found: set CXX to a compiler that links it as a "
-                           "shared library")
-    print(f"[ssfusion_hvd] {chosen} links libstdc++ statically, which breaks _C beside torch's "
-          f"shared libstdc++; building with {path} instead", file=sys.stderr)
-    env["CXX"] = path
-    host = env.get("CUDAHOSTCXX")
-    if not host or not links_shared_libstdcxx(host):
-        env["CUDAHOSTCXX"] = path
-    for name in ("gcc", "cc"):
-        cc = os.path.join(os.path.dirname(path), name)
-        if os.access(cc, os.X_OK):
-            env["CC"] = cc
-            break
+    good = next((shutil.which(c) or c for c in candidates
+                 if os.access(shutil.which(c) or c, os.X_OK)
+                 and all(_path(c) != _path(d) for d in bad.values())
+                 and not static_libstdcxx_only(c)), None)
+    if good is None:
+        raise RuntimeError(f"{', '.join(f'{v}={d}' for v, d in bad.items())}: links libstdc++ "
+                           "only statically, and no other g++ was found; set CXX, CC and "
+                           "CUDAHOSTCXX to compilers that link it as a shared library")
+    for var, driver in bad.items():
+        if var == "CC":
+            sibling = next((os.path.join(os.path.dirname(good), n) for n in ("gcc", "cc")
+                            if os.access(os.path.join(os.path.dirname(good), n), os.X_OK)), None)
+            if sibling is None:
+                continue
+            env[var] = sibling
+        else:
+            env[var] = good
+        print(f"[ssfusion_hvd] {var}: {driver} links libstdc++ only statically, which breaks "
+              f"_C beside torch's shared libstdc++; using {env[var]}", file=sys.stderr)
     return env
+
+
+def clear_stale_cache(build_dir, env: Dict[str, str]) -> bool:
+    """Deletes ``build_dir``'s CMakeCache.txt when it holds another C++ compiler than
+    ``env["CXX"]``: CMake reads CXX only on a first configure, so a tree configured with a
+    static-only g++ would keep it (and fail CMakeLists.txt's check) whatever the
+    environment says now. Returns whether it did."""
+    cache = os.path.join(str(build_dir), "CMakeCache.txt")
+    if "CXX" not in env or not os.path.exists(cache):
+        return False
+    with open(cache) as f:
+        cached = next((line.split("=", 1)[1].strip() for line in f
+                       if line.startswith("CMAKE_CXX_COMPILER:")), None)
+    if cached is None or _path(cached) == _path(env["CXX"]):
+        return False
+    os.remove(cache)
+    return True

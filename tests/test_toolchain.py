@@ -1,5 +1,5 @@
 """The build's toolchain guard (scripts/toolchain.py, CMakeLists.txt): a g++ that links
-libstdc++ statically is never used for _C. Such a build crashed on the GPU image (its
+libstdc++ only statically is never used for _C. Such a build crashed on the GPU image (its
 /opt/gcc g++ has only libstdc++.a) at the first error message that formats a number."""
 import os
 import shutil
@@ -11,40 +11,56 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from toolchain import build_env, links_shared_libstdcxx  # noqa: E402
+from toolchain import (CANDIDATES, build_env, clear_stale_cache,  # noqa: E402
+                       static_libstdcxx_only)
 
-GXX = shutil.which("g++")
-pytestmark = pytest.mark.skipif(GXX is None or not links_shared_libstdcxx(GXX),
-                                reason="needs a g++ that links libstdc++ shared")
+#: a g++ that links libstdc++ shared, as build_env would pick one
+GXX = next((shutil.which(c) for c in CANDIDATES
+            if shutil.which(c) and not static_libstdcxx_only(shutil.which(c))), None)
+pytestmark = pytest.mark.skipif(GXX is None, reason="needs a g++ that links libstdc++ shared")
 
 
 @pytest.fixture
 def static_gxx(tmp_path):
-    """A g++ driver as the GPU image's: it finds no libstdc++.so (prints the bare name)."""
+    """A driver as the GPU image's g++: it finds libstdc++.a but no libstdc++.so (GCC then
+    prints the bare name); everything else goes to the real g++. A gcc beside it."""
     path = tmp_path / "bin" / "g++"
     path.parent.mkdir()
-    path.write_text("#!/bin/sh\ncase \"$1\" in -print-file-name=*) echo \"${1#-print-file-name=}\";;"
-                    f" *) exec {GXX} \"$@\";; esac\n")
+    path.write_text("#!/bin/sh\nif [ \"$1\" = -print-file-name=libstdc++.so ]; then "
+                    f"echo libstdc++.so; else exec {GXX} \"$@\"; fi\n")
     path.chmod(0o755)
     (path.parent / "gcc").symlink_to(path)
     return str(path)
 
 
-def test_links_shared_libstdcxx_tells_the_two_drivers_apart(static_gxx, tmp_path):
-    assert links_shared_libstdcxx(GXX)
-    assert not links_shared_libstdcxx(static_gxx)
-    assert links_shared_libstdcxx(str(tmp_path / "missing"))  # left to CMake
+def test_static_libstdcxx_only_tells_the_drivers_apart(static_gxx, tmp_path):
+    assert static_libstdcxx_only(static_gxx)
+    assert not static_libstdcxx_only(GXX)
+    assert not static_libstdcxx_only(str(tmp_path / "missing"))  # cannot answer: left alone
 
 
-def test_build_env_keeps_a_good_compiler_and_replaces_a_static_one(static_gxx):
-    good = {"CXX": GXX, "PATH": os.environ["PATH"]}
+def test_build_env_replaces_each_static_driver(static_gxx):
+    path = os.environ["PATH"]
+    good = {"CXX": GXX, "PATH": path}
     assert build_env(good) == good
-    env = build_env({"CXX": static_gxx, "CC": static_gxx, "CUDAHOSTCXX": static_gxx,
-                     "PATH": os.environ["PATH"]})
-    assert env["CXX"] == GXX and env["CUDAHOSTCXX"] == GXX  # nvcc's host compiler as well
-    assert Path(env["CC"]).parent == Path(GXX).parent  # and the C compiler beside it
-    with pytest.raises(RuntimeError, match="links libstdc\\+\\+ statically"):
-        build_env({"CXX": static_gxx}, candidates=(static_gxx,))
+    env = build_env({"CXX": static_gxx, "CC": str(Path(static_gxx).with_name("gcc")),
+                     "CUDAHOSTCXX": static_gxx, "PATH": path})
+    assert env["CXX"] == GXX and env["CUDAHOSTCXX"] == GXX
+    assert Path(env["CC"]).parent == Path(GXX).parent and Path(env["CC"]).name in ("gcc", "cc")
+    # a good C++ compiler does not hide a static nvcc host compiler
+    env = build_env({"CXX": GXX, "CUDAHOSTCXX": static_gxx, "PATH": path})
+    assert env["CXX"] == GXX and env["CUDAHOSTCXX"] == GXX
+    with pytest.raises(RuntimeError, match="links libstdc\\+\\+ only statically"):
+        build_env({"CXX": static_gxx, "PATH": path}, candidates=(static_gxx,))
+
+
+def test_a_build_tree_configured_with_another_compiler_is_reconfigured(tmp_path):
+    cache = tmp_path / "CMakeCache.txt"
+    cache.write_text("CMAKE_CXX_COMPILER:FILEPATH=/opt/gcc/bin/g++\n")
+    assert not clear_stale_cache(tmp_path, {})  # no CXX named: nothing to compare
+    assert clear_stale_cache(tmp_path, {"CXX": GXX}) and not cache.exists()
+    cache.write_text(f"CMAKE_CXX_COMPILER:FILEPATH={GXX}\n")
+    assert not clear_stale_cache(tmp_path, {"CXX": GXX}) and cache.exists()
 
 
 def test_cmake_refuses_a_static_libstdcxx_compiler(static_gxx, tmp_path):
@@ -54,4 +70,15 @@ def test_cmake_refuses_a_static_libstdcxx_compiler(static_gxx, tmp_path):
                            f"-DCMAKE_CXX_COMPILER={static_gxx}"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "links libstdc++ statically" in " ".join((proc.stdout + proc.stderr).split())
+    assert "links libstdc++ only statically" in " ".join((proc.stdout + proc.stderr).split())
+
+
+def test_the_extension_links_libstdcxx_shared():
+    """The guard's point, on the built module itself."""
+    from ssfusion_hvd import ops
+
+    if not ops.have_extension() or shutil.which("readelf") is None:
+        pytest.skip("needs the extension and readelf")
+    out = subprocess.run(["readelf", "-d", ops._C.__file__], capture_output=True, text=True,
+                         check=True).stdout
+    assert "libstdc++.so" in out, out
