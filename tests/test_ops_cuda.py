@@ -84,7 +84,7 @@ def resnet50_sizes(width_div=1):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [0, 1, 2, 7, 100, 2047, 2048, 2049, 65536, 65539, 300_001])
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 100, 2047, 2048, 2049, 16384, 16385, 65539, 300_001])
 @pytest.mark.parametrize("kind", ["normal", "ties", "scaled", "special"])
 def test_topk_cuda_equals_cpu(n, dtype, kind):
     c, g = _both(_data(n, dtype, kind, seed=n + 3))
@@ -465,8 +465,9 @@ def test_int64_indices_beyond_2_31():
 def test_ef_topk_cuda_equals_cpu(gdt, rdt, wdt, kind):
     """ef_topk and segmented_ef_topk: selections and updated residuals (NaN payloads aside,
     as for scatter-add: the sum is arithmetic). A float32 residual runs the fused kernel
-    (the sum formed in the first radix pass), k = 0 and k = n its accumulate-only paths."""
-    for n, k in [(0, 0), (100, 0), (100, 100), (1000, 10), (300_001, 3_000),
+    (the sum formed in the first radix pass), k = 0 and k = n its accumulate-only paths,
+    n <= 2^14 the accumulate then the one-block top-k (16,384: four of its chunks)."""
+    for n, k in [(0, 0), (100, 0), (100, 100), (1000, 10), (16_384, 164), (300_001, 3_000),
                  (2_000_003, 20_001)]:
         grad = _data(n, gdt, kind, seed=n)
         res = (torch.randn(n, generator=torch.Generator().manual_seed(k)) * 0.3).to(rdt)

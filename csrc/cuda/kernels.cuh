@@ -50,7 +50,9 @@ inline void check(cudaError_t err, const char* what, const char* file, int line)
 // ----------------------------------------------------------------------------- selection
 
 // Exact magnitude top-k of x[0, n): out_v/out_i receive k values (bits) and indices in
-// ascending index order. 0 <= k <= n. No host synchronization.
+// ascending index order. 0 <= k <= n. No host synchronization. Workspace:
+// topk_workspace_bytes(n, k), which is 0 (workspace may then be null) for k = 0, k = n and
+// inputs small enough for the one-block path.
 template <typename U>
 size_t topk_workspace_bytes(int64_t n, int64_t k);
 template <typename U, typename I>
@@ -115,7 +117,8 @@ double sampled_threshold(const U* x, int64_t n, int64_t k, int64_t samples, uint
 // residual replaced by their wire error (apply_wire_error). The sums are formed in the
 // first radix pass, which writes them back and histograms them from registers: gradient
 // and residual are read once and the residual written once before the other passes read it
-// as topk reads its input. Workspace: topk_workspace_bytes<uint32_t>(n, k). No host sync.
+// as topk reads its input (small inputs: one accumulate launch, then topk's one-block path).
+// Workspace: topk_workspace_bytes<uint32_t>(n, k), possibly 0 and null. No host sync.
 template <typename I>
 void ef_topk_f32(const void* grad, ValueKind grad_kind, float* residual, int64_t n, int64_t k,
                  ValueKind wire_kind, uint32_t* out_v, I* out_i, void* workspace,
