@@ -280,8 +280,9 @@ def bench_stage(model, density, reps, rule, mode="segmented"):
 def decode_cases(model, shrink, density, nranks, device="cpu"):
     """One sparse part holding every tensor of ``model`` (sizes // shrink), float32,
     Average over ``nranks``, its records gathered: ``(elements, tensors, k total, full,
-    new, memcpy)`` with the last three the callables to time (the full decode, the decode
-    as step() runs it, a memcpy of the group's bytes), on ``device``."""
+    new, memcpy, direct)`` with full, new and memcpy the callables to time (the full decode,
+    the decode as step() runs it, a memcpy of the group's bytes), on ``device``, and
+    ``direct()`` whether ``new`` takes the direct path."""
     from ssfusion_hvd.core.buffers import SelectionResult, SparsePart, unpack
     from ssfusion_hvd.sparsify import make_sparsifier
 
@@ -316,12 +317,13 @@ def decode_cases(model, shrink, density, nranks, device="cpu"):
 
     src = torch.randn(part.numel, device=device)
     dst = torch.empty_like(src)
-    return part.numel, len(sizes), sum(ks), full, new, lambda: dst.copy_(src)
+    return (part.numel, len(sizes), sum(ks), full, new, lambda: dst.copy_(src),
+            lambda: part._direct(grads, nranks))
 
 
 def bench_decode(model, shrink, density, nranks, reps):
     """(elements, tensors, k total, full decode, decode, memcpy) on the CPU, interleaved."""
-    n, t, k, full, new, copy = decode_cases(model, shrink, density, nranks)
+    n, t, k, full, new, copy, _ = decode_cases(model, shrink, density, nranks)
     t_full, t_new, t_copy = interleaved_medians([full, new, copy], reps)
     return n, t, k, t_full, t_new, t_copy
 

@@ -139,11 +139,13 @@ def main():
     if dtype == torch.float32:  # the decode sums in the gradient's dtype; float32 here
         from ssfusion_hvd.core import buffers
         for nranks in (2, 4):
-            n, ntensors, k, full, new, copy = decode_cases("gpt2", 5, 0.01, nranks, dev)
+            n, ntensors, k, full, new, copy, direct = decode_cases("gpt2", 5, 0.01, nranks, dev)
             full_us, mem = t(full), t(copy)
             on_cuda = buffers.DIRECT_ON_CUDA
             buffers.DIRECT_ON_CUDA = True  # the direct path, which a GPU decode skips by default
             try:
+                if not direct():  # e.g. the records touch more than DIRECT_MAX_SHARE
+                    sys.exit(f"decode P={nranks}: the direct path does not apply")
                 direct_us = t(new)
             finally:
                 buffers.DIRECT_ON_CUDA = on_cuda

@@ -38,16 +38,22 @@ def mpi_built() -> bool:
     return bool(hvd.mpi_built())
 
 
-def gpu_built() -> bool:
-    """Whether GPU jobs can run here: a CUDA device and a Horovod built with GPU operations.
-    A Horovod without them stages GPU tensors through host memory for allreduce, allgather
-    and broadcast, but aborted a GPU job of ours ("Requested device context manager with GPU
-    device but not compiled with CUDA", the H100 machine, 2026-11-25)."""
+def gpu_built(ranks: int = 2) -> bool:
+    """Whether a GPU job of ``ranks`` ranks can run here: a CUDA device, a Horovod built
+    with GPU operations, and a GPU per rank where those are NCCL's (it refuses two ranks on
+    one GPU). A Horovod without GPU operations stages GPU tensors through host memory for
+    allreduce, allgather and broadcast, but aborted a GPU job of ours ("Requested device
+    context manager with GPU device but not compiled with CUDA", the H100 machine,
+    2026-11-25)."""
     if not torch.cuda.is_available():
         return False
-    import horovod.torch as hvd
-
-    return bool(hvd.cuda_built())
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return False
+    if not hvd.cuda_built():
+        return False
+    return torch.cuda.device_count() >= ranks or not hvd.nccl_built()
 
 
 def launch(args, np: int, timeout: float, env=None, controller: str = "gloo", hosts: int = 1):

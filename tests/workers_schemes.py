@@ -66,8 +66,11 @@ def record(scheme, steps=4, passes=1, op="average", predivide=1.0, dtype="float3
            sparsifier="topk", density=0.05, warmup=2, plan=None, gbit=10.0, latency=5e-5,
            scheme_options=None, device="cpu"):
     """Runs ``steps`` steps of ``scheme`` and records what the reference needs (module
-    docstring); ``device="cuda"``: model and batches on this rank's GPU (the records are
-    returned on the host)."""
+    docstring); ``device="cuda"``: model and batches on this rank's GPU (local rank modulo
+    the GPUs there; the records are returned on the host)."""
+    if device == "cuda":
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
     model = _model(dtype).to(device)
     opt = ssfusion_hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
