@@ -41,10 +41,9 @@ def mpi_built() -> bool:
 def gpu_built(ranks: int = 2) -> bool:
     """Whether a GPU job of ``ranks`` ranks can run here: a CUDA device, a Horovod built
     with GPU operations, and a GPU per rank where those are NCCL's (it refuses two ranks on
-    one GPU). A Horovod without GPU operations stages GPU tensors through host memory for
-    allreduce, allgather and broadcast, but aborted a GPU job of ours ("Requested device
-    context manager with GPU device but not compiled with CUDA", the H100 machine,
-    2026-11-25)."""
+    one GPU). A Horovod with CUDA but without GPU operations stages GPU tensors through
+    host memory; one built without CUDA at all aborts a GPU job in those collectives'
+    callbacks (the H100 machine, 2026-11-25; docs/kernels.md, "GPU")."""
     if not torch.cuda.is_available():
         return False
     try:
