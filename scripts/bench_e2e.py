@@ -73,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--sparsifier", default="topk")
+    p.add_argument("--min-k", type=int, default=None,
+                   help="scheme_options['min_k'] for the schemes that take it (SSFusion, auto)")
     p.add_argument("--iters", type=int, default=0, help="timed iterations (0: per-model default)")
     p.add_argument("--warmup", type=int, default=0, help="untimed iterations (0: per-model default)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per run")
@@ -180,6 +182,7 @@ def run_one(topo, args, model: str, workers: int, scheme: str, logs: Path) -> di
     warmup, iters = args.warmup or warmup, args.iters or iters
     where = setting(args)
     stem = "-".join([model, str(workers), scheme]
+                    + ([f"mink{args.min_k}"] if args.min_k is not None else [])
                     + ([f"{args.hosts}x{args.slots}"] if args.hosts > 1 else [])
                     + ([args.controller] if args.controller != "gloo" else [])
                     + (["hier"] if args.hierarchical else []))
@@ -193,6 +196,7 @@ def run_one(topo, args, model: str, workers: int, scheme: str, logs: Path) -> di
                         "--scheme", scheme, "--density", str(args.density), "--sparsifier",
                         args.sparsifier, "--warmup", str(warmup), "--iters", str(iters),
                         "--json", str(tmp)]
+                       + (["--min-k", str(args.min_k)] if args.min_k is not None else [])
                        + (["--interfaces", "lo,eth0"] if args.hosts > 1 else []),
                        np=workers, controller=args.controller, env=env)
     log = logs / f"{stem}.log"
@@ -438,7 +442,7 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGINT, _on_sigterm)
     doc = {"command": "sudo .venv/bin/python scripts/bench_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "rate": args.rate, "delay": args.delay, "density": args.density,
-           "sparsifier": args.sparsifier, "environment": environment(), "networks": {}, "runs": []}
+           "sparsifier": args.sparsifier, "min_k": args.min_k, "environment": environment(), "networks": {}, "runs": []}
     previous = out / f"{args.name}.json"
     if args.merge and previous.exists():
         old = json.loads(previous.read_text())

@@ -25,6 +25,14 @@ class SchemeInfo:
         """The scheme class (imports Horovod)."""
         return getattr(importlib.import_module(f"ssfusion_hvd.schemes.{self.module}"), self.cls)
 
+    def options_taken(self, **given):
+        """The entries of ``given`` that are set (not None) and that this scheme's
+        ``scheme_options`` accept, or None when there are none: what a script passes to
+        whichever scheme it runs (the examples' ``--min-k``, say)."""
+        accepted = self.load().options
+        taken = {k: v for k, v in given.items() if v is not None and k in accepted}
+        return taken or None
+
 
 SCHEMES = {s.name: s for s in (
     SchemeInfo("dense", "dense", "DenseScheme", True, "Horovod's allreduce, unchanged"),

@@ -63,3 +63,15 @@ def test_compare_line(tmp_path):
     assert held["held_out"] == 360 and ours["held_out"] == 0
     # ... only when both runs scored the same set
     assert compare.line(dict(ours, held_out=300), dict(base, held_out=360)) == compare.line(ours, base)
+
+
+def test_scripts_pass_an_option_only_to_the_schemes_that_take_it():
+    """train.py, bench.py and bench_e2e.py pass --min-k through SchemeInfo.options_taken:
+    the SSFusion schemes and auto get it, the others (the demo's dense run) do not."""
+    from ssfusion_hvd import SCHEMES
+
+    for name in ("ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi", "auto"):
+        assert SCHEMES[name].options_taken(min_k=32) == {"min_k": 32}, name
+        assert SCHEMES[name].options_taken(min_k=None) is None, name
+    for name in ("dense", "per_tensor", "multi_tensor", "zen", "spardl", "exdyna"):
+        assert SCHEMES[name].options_taken(min_k=32) is None, name

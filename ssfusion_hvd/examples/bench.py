@@ -42,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=5,
                    help="the sparse schemes' dense profiling iterations (part of --warmup)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations")
+    p.add_argument("--min-k", type=int, default=None,
+                   help="SSFusion schemes and auto: scheme_options['min_k'] (docs/schemes.md, "
+                        "'Small tensors'); other schemes ignore it")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the result here (rank 0)")
@@ -84,7 +87,9 @@ def main(argv=None) -> dict:
         opt, named_parameters=model.named_parameters(), scheme=args.scheme,
         sparsifier=args.sparsifier, density=args.density, warmup_steps=args.warmup_steps,
         log_plan=False, density_warmup_steps=args.density_warmup_steps,
-        momentum_correction={"auto": "auto", "on": True, "off": False}[args.momentum_correction])
+        momentum_correction={"auto": "auto", "on": True, "off": False}[args.momentum_correction],
+        scheme_options=(ssfusion_hvd.SCHEMES[args.scheme].options_taken(min_k=args.min_k)
+                        if args.scheme in ssfusion_hvd.SCHEMES else None))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
 

@@ -151,8 +151,7 @@ def main(argv=None):
         recipe["density_warmup_steps"] = args.density_warmup_steps
     # --min-k goes to the schemes that take it (the demo's dense comparison run does not)
     info = ssfusion_hvd.SCHEMES.get(args.scheme)
-    takes = info is not None and "min_k" in info.load().options
-    options = {"min_k": args.min_k} if args.min_k is not None and takes else None
+    options = info.options_taken(min_k=args.min_k) if info is not None else None
     opt = ssfusion_hvd.DistributedOptimizer(task.optimizer, named_parameters=model.named_parameters(),
                                             scheme=args.scheme, sparsifier=args.sparsifier,
                                             density=args.density, profile=args.profile,
