@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a GPU machine is for here (docs/kernels.md, "GPU"), in one command: build the
 # extension against that machine's torch, list its cubins, run the CUDA tests (and the
-# schemes' GPU test where Horovod has GPU operations), then the CUDA kernel benchmark in
+# schemes' GPU test where Horovod is built with CUDA), then the CUDA kernel benchmark in
 # float32 and float16. Logs and tables go to OUTDIR.
 #
 #   bash scripts/gpu_check.sh [OUTDIR]        (default build/gpu-check; PYTHON: the python
@@ -32,7 +32,7 @@ if "$PY" -c 'import sys, horovod.torch as h; sys.exit(0 if h.cuda_built() else 1
         > "$OUT/tests_schemes_gpu.log" 2>&1 || rc=1
     tail -n 3 "$OUT/tests_schemes_gpu.log"
 else
-    echo "no Horovod with GPU operations here: the schemes' GPU test does not run"
+    echo "no Horovod built with CUDA here: the schemes' GPU test does not run"
 fi
 for dtype in float32 float16; do
     "$PY" scripts/bench_kernels_cuda.py --reps 30 --dtype "$dtype" > "$OUT/bench_$dtype.txt" \

@@ -187,7 +187,7 @@ def test_variants_match_reference(variant):
 
 
 @pytest.mark.skipif(not gpu_built(2), reason="needs a CUDA device and a Horovod built with "
-                    "GPU operations (NCCL's: a GPU per rank)")
+                    "CUDA (with NCCL operations: a GPU per rank)")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_every_scheme_matches_reference_on_a_gpu(dtype):
     """The same reference on a GPU job (two ranks sharing one GPU): gradients, selection
