@@ -168,12 +168,13 @@ def _on_sigterm(signum, frame):
 def setting(args) -> dict:
     """What distinguishes this call's runs besides (model, workers, scheme)."""
     return {"hosts": args.hosts, "slots": args.slots if args.hosts > 1 else None,
-            "controller": args.controller, "hierarchical": args.hierarchical}
+            "controller": args.controller, "hierarchical": args.hierarchical,
+            "min_k": args.min_k}
 
 
 def run_key(r: dict) -> tuple:
     return (r["model"], r["workers"], r.get("hosts", 1), r["scheme"], r.get("controller", "gloo"),
-            r.get("hierarchical", False))
+            r.get("hierarchical", False), r.get("min_k"))
 
 
 def run_one(topo, args, model: str, workers: int, scheme: str, logs: Path) -> dict:
@@ -250,7 +251,8 @@ def variant(r: dict) -> tuple:
 
 def label(r: dict) -> str:
     ctrl, hier = variant(r)
-    extra = ([ctrl] if ctrl != "gloo" else []) + (["hierarchical"] if hier else [])
+    extra = ([ctrl] if ctrl != "gloo" else []) + (["hierarchical"] if hier else []) \
+        + ([f"min_k {r['min_k']}"] if r.get("min_k") is not None else [])
     return r["scheme"] + (f" [{', '.join(extra)}]" if extra else "")
 
 
@@ -442,7 +444,7 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGINT, _on_sigterm)
     doc = {"command": "sudo .venv/bin/python scripts/bench_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "rate": args.rate, "delay": args.delay, "density": args.density,
-           "sparsifier": args.sparsifier, "min_k": args.min_k, "environment": environment(), "networks": {}, "runs": []}
+           "sparsifier": args.sparsifier, "environment": environment(), "networks": {}, "runs": []}
     previous = out / f"{args.name}.json"
     if args.merge and previous.exists():
         old = json.loads(previous.read_text())

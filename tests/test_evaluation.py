@@ -80,6 +80,9 @@ def test_e2e_topologies_and_controllers_get_their_own_dense_baseline():
     # a cluster table shows what each worker sends (host counters see only their own links)
     assert "sent MB/iter/worker" in table and "| 1.0 | 0.0100 |" in table
     assert bench_e2e.run_key(rows[3]) != bench_e2e.run_key(rows[1])
+    # a --min-k run keeps its own record under --merge, and says so in the tables
+    assert bench_e2e.run_key(dict(rows[1], min_k=32)) != bench_e2e.run_key(rows[1])
+    assert bench_e2e.label(dict(rows[1], min_k=32)) == "ssfusion_oi [min_k 32]"
     cm = {"allreduce": [1e-3, 1e-8], "allgather": [2e-3, 2e-8]}
     costs = bench_e2e.cost_table([dict(rows[3], cost_model=cm)], "m")
     # 16 MiB allreduce: 1 ms + 16777216 B x 10 ns = 168.8 ms; 1 MiB allgather: 2 + 21.0 ms
