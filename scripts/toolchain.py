@@ -11,6 +11,7 @@ with a segmentation fault instead of raising. CMakeLists.txt refuses such a comp
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,8 +39,16 @@ def static_libstdcxx_only(driver: str) -> bool:
             and not os.path.isabs(_print_file_name(driver, "libstdc++.so")))
 
 
-def _path(driver: str) -> str:
-    return os.path.realpath(shutil.which(driver) or driver)
+def _driver(value: str) -> str:
+    """The compiler program of a CXX-style value ("ccache g++" runs g++ through ccache:
+    the program judged is the last word)."""
+    words = shlex.split(value) or [value]
+    return words[-1]
+
+
+def _path(driver: str, path: Optional[str] = None) -> str:
+    d = _driver(driver)
+    return os.path.realpath(shutil.which(d, path=path) or d)
 
 
 def build_env(environ: Optional[Dict[str, str]] = None,
@@ -48,21 +57,23 @@ def build_env(environ: Optional[Dict[str, str]] = None,
     (else ``c++``), ``CUDAHOSTCXX`` (else nvcc's ``g++``) and ``CC`` (else ``cc``) that
     links libstdc++ only statically replaced: the C++ compiler and nvcc's host compiler by
     the first of ``candidates`` that does not, the C compiler by the ``gcc`` (or ``cc``)
-    beside it. All three: CMake links ``_C`` with every enabled language's implicit library
-    directories, and a static-only libstdc++ among them makes ``-lstdc++`` static again
-    (replacing the C++ compiler alone was seen to keep the crash). Raises when one needs a
-    replacement and no candidate will do."""
+    beside it. On the GPU image, replacing the C++ compiler alone (by -D) kept the crash and
+    replacing all three in the environment ended it; which of the other two mattered was
+    not isolated (the link searches the CUDA toolchain's implicit library directories; C is
+    not among the project's languages). Raises when one needs a replacement and no
+    candidate will do."""
     env = dict(os.environ if environ is None else environ)
-    bad = {var: env.get(var) or default for var, default in
-           (("CXX", "c++"), ("CUDAHOSTCXX", "g++"), ("CC", "cc"))}
-    bad = {var: d for var, d in bad.items()
-           if (shutil.which(d) or os.path.isabs(d)) and static_libstdcxx_only(d)}
+    search = env.get("PATH")
+    bad = {}
+    for var, default in (("CXX", "c++"), ("CUDAHOSTCXX", "g++"), ("CC", "cc")):
+        found = shutil.which(_driver(env.get(var) or default), path=search)
+        if found and static_libstdcxx_only(found):
+            bad[var] = found
     if not bad:
         return env
-    good = next((shutil.which(c) or c for c in candidates
-                 if os.access(shutil.which(c) or c, os.X_OK)
-                 and all(_path(c) != _path(d) for d in bad.values())
-                 and not static_libstdcxx_only(c)), None)
+    good = next((shutil.which(c, path=search) or c for c in candidates
+                 if os.access(shutil.which(c, path=search) or c, os.X_OK)
+                 and not static_libstdcxx_only(shutil.which(c, path=search) or c)), None)
     if good is None:
         raise RuntimeError(f"{', '.join(f'{v}={d}' for v, d in bad.items())}: links libstdc++ "
                            "only statically, and no other g++ was found; set CXX, CC and "
@@ -82,17 +93,25 @@ def build_env(environ: Optional[Dict[str, str]] = None,
 
 
 def clear_stale_cache(build_dir, env: Dict[str, str]) -> bool:
-    """Deletes ``build_dir``'s CMakeCache.txt when it holds another C++ compiler than
-    ``env["CXX"]``: CMake reads CXX only on a first configure, so a tree configured with a
-    static-only g++ would keep it (and fail CMakeLists.txt's check) whatever the
-    environment says now. Returns whether it did."""
+    """Deletes ``build_dir``'s CMakeCache.txt when its C++ compiler or nvcc host compiler
+    links libstdc++ only statically, or is another than ``env`` names in CXX / CUDAHOSTCXX:
+    CMake reads those only on a first configure, so a tree configured with a static-only
+    g++ would keep it (and fail CMakeLists.txt's check) whatever the environment says now.
+    Returns whether it did."""
     cache = os.path.join(str(build_dir), "CMakeCache.txt")
-    if "CXX" not in env or not os.path.exists(cache):
+    if not os.path.exists(cache):
         return False
     with open(cache) as f:
-        cached = next((line.split("=", 1)[1].strip() for line in f
-                       if line.startswith("CMAKE_CXX_COMPILER:")), None)
-    if cached is None or _path(cached) == _path(env["CXX"]):
-        return False
-    os.remove(cache)
-    return True
+        entries = dict(line.rstrip("\n").split("=", 1) for line in f
+                       if "=" in line and not line.startswith(("#", "//")))
+    stale = False
+    for entry, var in (("CMAKE_CXX_COMPILER", "CXX"), ("CMAKE_CUDA_HOST_COMPILER", "CUDAHOSTCXX")):
+        cached = next((v for k, v in entries.items() if k.split(":")[0] == entry and v), None)
+        if cached is None:
+            continue
+        if static_libstdcxx_only(cached) or (
+                env.get(var) and _path(cached, env.get("PATH")) != _path(env[var], env.get("PATH"))):
+            stale = True
+    if stale:
+        os.remove(cache)
+    return stale

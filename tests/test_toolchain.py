@@ -41,26 +41,36 @@ def test_static_libstdcxx_only_tells_the_drivers_apart(static_gxx, tmp_path):
 
 def test_build_env_replaces_each_static_driver(static_gxx):
     path = os.environ["PATH"]
-    good = {"CXX": GXX, "PATH": path}
+    gcc = next(str(Path(GXX).with_name(n)) for n in ("gcc", "cc") if Path(GXX).with_name(n).exists())
+    good = {"CXX": GXX, "CUDAHOSTCXX": GXX, "CC": gcc, "PATH": path}  # whatever PATH holds
     assert build_env(good) == good
+    assert build_env({"CXX": f"ccache {GXX}", "CUDAHOSTCXX": GXX, "CC": gcc, "PATH": path})["CXX"] \
+        == f"ccache {GXX}"  # a launcher before the compiler: the compiler is judged
     env = build_env({"CXX": static_gxx, "CC": str(Path(static_gxx).with_name("gcc")),
                      "CUDAHOSTCXX": static_gxx, "PATH": path})
     assert env["CXX"] == GXX and env["CUDAHOSTCXX"] == GXX
     assert Path(env["CC"]).parent == Path(GXX).parent and Path(env["CC"]).name in ("gcc", "cc")
     # a good C++ compiler does not hide a static nvcc host compiler
-    env = build_env({"CXX": GXX, "CUDAHOSTCXX": static_gxx, "PATH": path})
+    env = build_env({"CXX": GXX, "CUDAHOSTCXX": static_gxx, "CC": gcc, "PATH": path})
     assert env["CXX"] == GXX and env["CUDAHOSTCXX"] == GXX
     with pytest.raises(RuntimeError, match="links libstdc\\+\\+ only statically"):
         build_env({"CXX": static_gxx, "PATH": path}, candidates=(static_gxx,))
 
 
-def test_a_build_tree_configured_with_another_compiler_is_reconfigured(tmp_path):
+def test_a_build_tree_configured_with_another_compiler_is_reconfigured(tmp_path, static_gxx):
     cache = tmp_path / "CMakeCache.txt"
     cache.write_text("CMAKE_CXX_COMPILER:FILEPATH=/opt/gcc/bin/g++\n")
-    assert not clear_stale_cache(tmp_path, {})  # no CXX named: nothing to compare
+    assert not clear_stale_cache(tmp_path, {})  # nothing named, nothing known to be wrong
     assert clear_stale_cache(tmp_path, {"CXX": GXX}) and not cache.exists()
     cache.write_text(f"CMAKE_CXX_COMPILER:FILEPATH={GXX}\n")
     assert not clear_stale_cache(tmp_path, {"CXX": GXX}) and cache.exists()
+    # a static-only compiler in the cache goes, named in the environment or not
+    cache.write_text(f"CMAKE_CXX_COMPILER:FILEPATH={static_gxx}\n")
+    assert clear_stale_cache(tmp_path, {}) and not cache.exists()
+    # and so does an nvcc host compiler other than CUDAHOSTCXX names
+    cache.write_text(f"CMAKE_CXX_COMPILER:FILEPATH={GXX}\n"
+                     f"CMAKE_CUDA_HOST_COMPILER:UNINITIALIZED={static_gxx}\n")
+    assert clear_stale_cache(tmp_path, {"CXX": GXX, "CUDAHOSTCXX": GXX})
 
 
 def test_cmake_refuses_a_static_libstdcxx_compiler(static_gxx, tmp_path):
