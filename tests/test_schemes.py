@@ -190,11 +190,12 @@ def test_variants_match_reference(variant):
                     "CUDA (with NCCL operations: a GPU per rank)")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_every_scheme_matches_reference_on_a_gpu(dtype):
-    """The same reference on a GPU job (two ranks sharing one GPU): gradients, selection
-    kernels, packing and decode on the device; the offloaded selections (ssfusion_o,
-    ssfusion_oi and the forced plan) staged into pinned host memory by a copy on the
-    worker's side stream, selected on the CPU and sent back. CI has no GPU; it has not
-    run yet (docs/kernels.md, "GPU": the lent machine had no GPU Horovod)."""
+    """The same reference on a GPU job (two ranks: on one GPU through Horovod's host
+    staging, or one GPU each under NCCL): gradients, selection kernels, packing and decode
+    on the device; the offloaded selections (ssfusion_o, ssfusion_oi and the forced plan)
+    staged into pinned host memory by a copy on the worker's side stream, selected on the
+    CPU and sent back. CI has no GPU; it has not run yet (docs/kernels.md, "GPU": the lent
+    machine had no Horovod built with CUDA)."""
     results = run_workers("workers_schemes:record_all", np=2, timeout=300, schemes=SCHEMES,
                           steps=5, warmup=2, device="cuda", dtype=dtype)
     tol = dict(rtol=2e-3, atol=2e-3) if dtype == "float16" else {}
