@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["SchemeInfo", "SCHEMES", "PLANNERS"]
+__all__ = ["SchemeInfo", "SCHEMES", "PLANNERS", "options_for"]
 
 
 @dataclass(frozen=True)
@@ -59,3 +59,10 @@ SCHEMES = {s.name: s for s in (
 
 #: the schemes whose plans ``ssfusion_hvd.plan.build_plan`` builds
 PLANNERS = tuple(name for name, s in SCHEMES.items() if s.planned)
+
+
+def options_for(scheme: str, **given):
+    """:meth:`SchemeInfo.options_taken` of ``scheme``, None for a name not registered
+    (the optimizer then raises its own error for it)."""
+    info = SCHEMES.get(scheme)
+    return None if info is None else info.options_taken(**given)

@@ -41,9 +41,10 @@ def mpi_built() -> bool:
 def gpu_built(ranks: int = 2) -> bool:
     """Whether a GPU job of ``ranks`` ranks can run here: a CUDA device, a Horovod built
     with CUDA (``hvd.cuda_built()``), and a GPU per rank where its GPU operations are
-    NCCL's (NCCL refuses two ranks on one GPU). A Horovod with CUDA but without GPU operations stages GPU tensors through
-    host memory; one built without CUDA at all aborts a GPU job in those collectives'
-    callbacks (the H100 machine, 2026-11-25; docs/kernels.md, "GPU")."""
+    NCCL's (NCCL refuses two ranks on one GPU). A Horovod with CUDA but without GPU
+    operations stages GPU tensors through host memory; one built without CUDA at all
+    aborts a GPU job in those collectives' callbacks (the H100 machine, 2026-11-25;
+    docs/kernels.md, "GPU")."""
     if not torch.cuda.is_available():
         return False
     try:

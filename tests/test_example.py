@@ -75,3 +75,7 @@ def test_scripts_pass_an_option_only_to_the_schemes_that_take_it():
         assert SCHEMES[name].options_taken(min_k=None) is None, name
     for name in ("dense", "per_tensor", "multi_tensor", "zen", "spardl", "exdyna"):
         assert SCHEMES[name].options_taken(min_k=32) is None, name
+    from ssfusion_hvd.registry import options_for
+
+    assert options_for("ssfusion_oi", min_k=32) == {"min_k": 32}
+    assert options_for("no_such_scheme", min_k=32) is None  # the optimizer names the error

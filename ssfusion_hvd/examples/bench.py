@@ -23,6 +23,7 @@ import horovod.torch as hvd
 import torch
 
 import ssfusion_hvd
+from ssfusion_hvd.registry import options_for
 from ssfusion_hvd.examples.models import MODELS, build
 
 
@@ -88,8 +89,7 @@ def main(argv=None) -> dict:
         sparsifier=args.sparsifier, density=args.density, warmup_steps=args.warmup_steps,
         log_plan=False, density_warmup_steps=args.density_warmup_steps,
         momentum_correction={"auto": "auto", "on": True, "off": False}[args.momentum_correction],
-        scheme_options=(ssfusion_hvd.SCHEMES[args.scheme].options_taken(min_k=args.min_k)
-                        if args.scheme in ssfusion_hvd.SCHEMES else None))
+        scheme_options=options_for(args.scheme, min_k=args.min_k))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import ssfusion_hvd
+from ssfusion_hvd.registry import options_for
 from ssfusion_hvd.examples.data import DigitsNet, load_digits_split, shard
 
 TASKS = ("digits", "lm", "code")
@@ -150,8 +151,7 @@ def main(argv=None):
     if args.density_warmup_steps is not None:
         recipe["density_warmup_steps"] = args.density_warmup_steps
     # --min-k goes to the schemes that take it (the demo's dense comparison run does not)
-    info = ssfusion_hvd.SCHEMES.get(args.scheme)
-    options = info.options_taken(min_k=args.min_k) if info is not None else None
+    options = options_for(args.scheme, min_k=args.min_k)
     opt = ssfusion_hvd.DistributedOptimizer(task.optimizer, named_parameters=model.named_parameters(),
                                             scheme=args.scheme, sparsifier=args.sparsifier,
                                             density=args.density, profile=args.profile,
