@@ -81,7 +81,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._requires_update = [p for p in config.order if p.requires_grad]
-        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        # which param group holds p, by position: torch's load_state_dict and
+        # hvd.broadcast_optimizer_state replace the group dicts (new hyper-parameters), never
+        # which group a parameter is in; the group itself is read where it is used
+        self._group_index = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         config.recipe.bind(self, config.names)
         # the optimizer's own collectives (agreement check, broadcast adoption); optimizers
         # are created in the same order on every rank
@@ -165,7 +168,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         recipe = self._config.recipe
         if recipe.corrects() and self._scheme.sparsifies(p):
             # the local rule accumulates g + wd·w, where SGD/Adam would have added the decay
-            wd = recipe.coupled_decay(self._group_of[p])
+            wd = recipe.coupled_decay(self.param_groups[self._group_index[p]])
             if wd:
                 if p.grad.is_sparse:
                     p.grad = p.grad.to_dense()

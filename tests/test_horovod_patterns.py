@@ -141,7 +141,7 @@ def behaviours():
             for scheme in ("dense", "ssfusion_oi", "per_tensor", "zen", "exdyna", "spardl")}
 
 
-BEHAVIOURS = ["clip", "no_skip", "different_outputs", "gan", "unnamed",
+BEHAVIOURS = ["clip", "no_skip", "different_outputs", "gan", "unnamed", "fresh_groups",
               "sparse_embedding_sparse", "sparse_embedding_as_dense"]
 
 
@@ -150,7 +150,9 @@ def test_horovod_optimizer_behaviours(behaviours, scheme):
     """What Horovod's own DistributedOptimizer tests exercise, with our optimizer: every
     behaviour runs to the end on both ranks (no hang) with bit-identical parameters;
     synchronize() + clipping + skip_synchronize() warns nothing, step() after
-    synchronize() warns as Horovod does; bad names raise ValueError on every rank."""
+    synchronize() warns as Horovod does; bad names raise ValueError on every rank; a
+    weight decay changed by load_state_dict and hvd.broadcast_optimizer_state is the one
+    applied."""
     r0, r1 = behaviours[scheme]
     for b in BEHAVIOURS:
         _equal_dicts(r0[b]["params"], r1[b]["params"])
@@ -159,6 +161,9 @@ def test_horovod_optimizer_behaviours(behaviours, scheme):
         assert len(r["no_skip"]["warnings"]) == 7
         assert "must be unique" in r["names"]["duplicate"]
         assert "were not named" in r["names"]["missing"]
+        # the weight decay rank 0 loaded and broadcast is the one applied: none
+        assert r["fresh_groups"]["weight_decay"] == [0.0]
+        assert r["fresh_groups"]["moved"] == 0.0, scheme
 
 
 @pytest.mark.parametrize("scheme", ["ssfusion_oi", "zen"])

@@ -275,6 +275,30 @@ def behaviours(scheme, steps=7):
             errors[case] = str(exc)
     out["names"] = errors
 
+    # hyper-parameters replaced after construction: rank 0 loads a state dict whose weight
+    # decay is 0 and broadcasts it (torch's load_state_dict and the broadcast replace the
+    # param-group dicts); steps on zero gradients must then leave the weights where they
+    # are on every rank (a stale group would fold the old decay into the sparse updates)
+    torch.manual_seed(6)
+    model = Net()
+    opt = _opt(model, scheme, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9,
+                                              weight_decay=0.1))
+    if hvd.rank() == 0:
+        state = opt.state_dict()
+        for g in state["param_groups"]:
+            g["weight_decay"] = 0.0
+        opt.load_state_dict(state)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    before = _params(model)
+    for s in range(steps):
+        opt.zero_grad()
+        x, y = batch(s)
+        (0.0 * loss_fn(model(x), y)).backward()
+        opt.step()
+    out["fresh_groups"] = {"params": _params(model), "moved": max(
+        float((p - before[n]).abs().max()) for n, p in _params(model).items()),
+        "weight_decay": [g["weight_decay"] for g in opt.param_groups]}
+
     # sparse embeddings, with and without sparse_as_dense
     for sad in (False, True):
         torch.manual_seed(5)
