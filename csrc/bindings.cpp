@@ -49,6 +49,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("residual"), py::arg("offsets"), py::arg("ks"), py::arg("wire_dtype"),
         py::arg("velocity") = py::none(), py::arg("momentum") = 0.0,
         py::arg("mask_velocity") = false, nogil);
+  m.def("group_ef_topk_cpu", &ssf::group_ef_topk_cpu, py::arg("grad"), py::arg("residual"),
+        py::arg("offsets"), py::arg("floors"), py::arg("k"), py::arg("wire_dtype"),
+        py::arg("velocity") = py::none(), py::arg("momentum") = 0.0,
+        py::arg("mask_velocity") = false, nogil);
+  m.def("group_ef_topk_tensors_cpu", &ssf::group_ef_topk_tensors_cpu, py::arg("grads"),
+        py::arg("residual"), py::arg("offsets"), py::arg("floors"), py::arg("k"),
+        py::arg("wire_dtype"), py::arg("velocity") = py::none(), py::arg("momentum") = 0.0,
+        py::arg("mask_velocity") = false, nogil);
 #ifdef SSF_WITH_CUDA
   SSF_BIND_DEVICE_OPS(cuda)
 #endif

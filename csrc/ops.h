@@ -63,6 +63,12 @@ namespace ssf {
 //     back (grads[s]'s elements at [n_0 + ... + n_{s-1}, ... + n_s) of the residual,
 //     which they tile): equal to ef_topk on their concatenation, one k over all of them,
 //     without writing that concatenation first.
+//   group_ef_topk(grad, residual, offsets, floors, k, wire_dtype) (CPU; and
+//   group_ef_topk_tensors with the gradient as segments): one budget of k over the
+//     segments, shared by magnitude: segmented_ef_topk with the floors as ks, then the
+//     k - sum(floors) largest of the segments' other elements (ties to the lower index),
+//     their residual entries replaced by their wire error too; values and indices of both
+//     in index order. sum(floors) <= k <= the segments' elements, checked first.
 //   All take an optional DGC velocity (momentum correction; velocity, gradient and
 //   residual of one dtype): first velocity = momentum * velocity + grad (a product and a
 //   sum, each rounded, as velocity.mul_(momentum).add_(grad)), then the above with the
@@ -170,6 +176,14 @@ std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_tensors_cpu(
     const std::vector<at::Tensor>& grads, at::Tensor& residual, const at::Tensor& offsets,
     const at::Tensor& ks, at::ScalarType wire_dtype, const std::optional<at::Tensor>& velocity,
     double momentum, bool mask_velocity);
+std::tuple<at::Tensor, at::Tensor> group_ef_topk_cpu(
+    const at::Tensor& grad, at::Tensor& residual, const at::Tensor& offsets,
+    const at::Tensor& floors, int64_t k, at::ScalarType wire_dtype,
+    const std::optional<at::Tensor>& velocity, double momentum, bool mask_velocity);
+std::tuple<at::Tensor, at::Tensor> group_ef_topk_tensors_cpu(
+    const std::vector<at::Tensor>& grads, at::Tensor& residual, const at::Tensor& offsets,
+    const at::Tensor& floors, int64_t k, at::ScalarType wire_dtype,
+    const std::optional<at::Tensor>& velocity, double momentum, bool mask_velocity);
 #ifdef SSF_WITH_CUDA
 SSF_DEVICE_OPS(cuda)
 #endif

@@ -16,9 +16,11 @@ this one process:
 3. segmented top-k over a real model's gradient list (GPT-2 small and ResNet-50) vs one
    top-k call per tensor vs one call over the concatenation, and the fused segmented op,
    also with DGC's momentum correction (the velocity step in the op's pass vs torch's
-   ``mul_``/``add_`` and ``index_fill_`` around it);
-4. one step of a model's gradients as one segmented sparse part, staged into the part's
-   buffer then selected, against selected where they lie (``SparsePart.select_grads``);
+   ``mul_``/``add_`` and ``index_fill_`` around it), and the group budget (``ops.
+   group_ef_topk``: the same total k shared by magnitude, one element's floor per tensor);
+4. one step of a model's gradients as one sparse part (per-tensor k, the group budget, one
+   k over all), staged into the part's buffer then selected, against selected where they
+   lie (``SparsePart.select_grads``);
 5. a sparse part's decode (``core/buffers.unpack``) of GPT-2's 148 tensors at a fifth of
    their size (~25M elements), density 0.01, P = 2 and 4 ranks' records: the decode as it
    runs vs the full decode (zero the output, scatter-add, scale it, copy it into the
@@ -232,14 +234,19 @@ def bench_segmented(model, density, reps):
     composed = median_time(dgc_composed, reps)
     dgc = median_time(lambda i: ops.segmented_ef_topk(flat(i), residual, offsets, ks, velocity=velocity,
                                                       momentum=0.9, mask_velocity=True), reps)
+    # SSFusion's default selection: the same budget shared by magnitude, one floor each
+    group_residual, floors = torch.zeros_like(flats[0]), torch.ones_like(ks)
+    group = median_time(lambda i: ops.group_ef_topk(flat(i), group_residual, offsets, floors,
+                                                    total_k), reps)
     return (model, len(sizes), flats[0].numel(), total_k, seg, loop, single, torch_loop, fused,
-            composed, dgc)
+            composed, dgc, group)
 
 
 def bench_stage(model, density, reps, rule, mode="segmented"):
     """(staged, in place) seconds of one step of a model's gradients as one sparse part,
-    ``mode`` "segmented" (a top-k per tensor, SSFusion's) or "buffer" (one top-k over all,
-    multi_tensor's): ``stage_grads`` + ``select`` (the copy into the part's buffer, then
+    ``mode`` "segmented" (a top-k per tensor), "group" (their sum shared by magnitude,
+    floors of one: SSFusion's default) or "buffer" (one top-k over all, multi_tensor's):
+    ``stage_grads`` + ``select`` (the copy into the part's buffer, then
     the fused op) against ``select_grads`` (the fused op reading the gradients where they
     lie), the residual and the rule's state carried over, interleaved."""
     from ssfusion_hvd.core.buffers import SparsePart
@@ -257,7 +264,7 @@ def bench_stage(model, density, reps, rule, mode="segmented"):
     for _ in range(2):
         part = SparsePart("p", range(len(shapes)), shapes, ks, mode,
                           [make_sparsifier("topk") for _ in ks], 0, torch.float32,
-                          torch.device("cpu"))
+                          torch.device("cpu"), floors=[1] * len(ks) if mode == "group" else None)
         runs.append((part, ResidualMemory(make_rule()), [0]))
 
     def staged():
@@ -370,20 +377,22 @@ def main():
         print()
         print("| model | tensors | elements | k total | segmented | loop (ours) | one call on concat "
               "| loop (torch.topk) | segmented/concat | fused segmented ef "
-              "| DGC composed (mul_, add_, ef, index_fill_) | DGC fused |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| DGC composed (mul_, add_, ef, index_fill_) | DGC fused | group ef (floors 1) "
+              "| group/fused segmented |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for model in ("resnet50", "gpt2"):
-            m, t, n, k, seg, loop, single, tl, fused, comp, dgc = bench_segmented(
+            m, t, n, k, seg, loop, single, tl, fused, comp, dgc, group = bench_segmented(
                 model, 0.01, 3 if args.quick else 5)
             print(f"| {m} | {t} | {n:,} | {k:,} | {seg.ms()} | {fmt_ms(loop)} | {single.ms()} "
                   f"| {fmt_ms(tl)} | {seg / single:5.2f}x | {fmt_ms(fused)} | {fmt_ms(comp)} "
-                  f"| {dgc.ms()} |")
+                  f"| {dgc.ms()} | {group.ms()} | {group / fused:5.2f}x |")
     if run["stage"]:
         print()
         print("| model | top-k | rule | staged (stage_grads + select) | in place (select_grads) "
               "| staged/in place |")
         print("|---|---|---|---:|---:|---:|")
-        for mode, what in (("segmented", "per tensor"), ("buffer", "one k")):
+        for mode, what in (("segmented", "per tensor"), ("group", "group budget"),
+                           ("buffer", "one k")):
             for model in ("resnet50", "gpt2"):
                 for rule in ("gradient", "momentum"):
                     staged, direct = bench_stage(model, 0.01, 3 if args.quick else 7, rule, mode)

@@ -393,6 +393,107 @@ def segmented_ef_topk(grad: torch.Tensor, residual: torch.Tensor, offsets, ks, w
     return values, indices
 
 
+def group_ef_topk(grad, residual: torch.Tensor, offsets, floors, k: int, wire_dtype=None,
+                  *, velocity: Optional[torch.Tensor] = None, momentum: float = 0.0,
+                  mask_velocity: bool = False, backend: Optional[str] = None):
+    """One budget of ``k`` elements over a group of segments, shared by magnitude, with a
+    floor per segment: error feedback as :func:`segmented_ef_topk` (``residual += grad``,
+    DGC's velocity step and masking), then segment ``s`` gives its top ``floors[s]`` and
+    the ``k - sum(floors)`` largest magnitudes among all the segments' other elements
+    complete the selection (ties to the lower index, as everywhere). The selected entries
+    of the residual become their wire error. Returns ``(values, indices)`` in index order.
+
+    Floors of zero and ``k`` at the segments' total give one top-k over the group
+    (:func:`ef_topk`); floors equal to per-segment counts summing to ``k`` give
+    :func:`segmented_ef_topk`. In between, a fusion buffer's budget goes where the
+    accumulated magnitudes are (as one top-k over the buffer does) while no segment with
+    a floor of at least one can go missing.
+
+    Two passes over the group, whatever the backend: the segmented op takes the floors
+    (and does the accumulation), then one top-``k`` over the segments' residual, which
+    now holds every unselected element unchanged, yields the rest: its ``k`` largest
+    contain at least ``k - sum(floors)`` that the floors did not take, and the largest of
+    those are the rest's top (the floors' entries may hold wire errors of any size; they
+    are only excluded). The CPU kernel (``csrc/cpu/feedback.cpp``) does the exclusion and
+    the merge natively in O(k log floors); elsewhere they are a few device ops on the
+    ``k`` candidates, without a host sync. ``grad`` may be one tensor per segment, as for
+    :func:`segmented_ef_topk`."""
+    op = "group_ef_topk"
+    offsets, floors = _segments(offsets, floors, op)
+    k = int(k)
+    lo, hi = (int(offsets[0]), int(offsets[-1])) if floors.numel() else (0, 0)
+    base = int(floors.sum())
+    if not base <= k <= hi - lo:
+        raise ValueError(f"{op}: k={k} outside [{base}, {hi - lo}] (the floors' sum, the "
+                         "segments' elements)")
+    wire = residual.dtype if wire_dtype is None else wire_dtype
+    # the CPU kernel does all of it; elsewhere the segmented op and the top-k below run
+    # natively (backend="native" requires those) and the merge is a few device ops
+    listed = isinstance(grad, (list, tuple))
+    fn = _native(residual, "group_ef_topk_tensors" if listed else "group_ef_topk",
+                 "torch" if backend == "torch" else None)
+    if fn is not None:
+        if listed:  # checked natively (csrc/checks.h: check_feedback_segments)
+            grad = [g.contiguous() for g in grad]
+        else:
+            _feedback_input(grad, residual, wire, op)
+            _velocity_input(velocity, grad, residual, op)
+            grad = grad if grad.is_contiguous() else grad.contiguous()
+        return fn(grad, residual, offsets, floors, k, wire, velocity, float(momentum),
+                  bool(mask_velocity))
+    fv, fi = segmented_ef_topk(grad, residual, offsets, floors, wire, velocity=velocity,
+                               momentum=momentum, mask_velocity=mask_velocity, backend=backend)
+    rest = k - base
+    if rest == 0:
+        return fv, fi
+    cv, ci = topk(residual.view(-1)[lo:hi], k, backend=backend)
+    ci = ci.to(fi.dtype).add_(lo)
+    mv, mi = _largest_not_in(cv, ci, fi, rest, wide=hi > 2**32)
+    _wire_error(residual.view(-1), mv, mi, wire)
+    if velocity is not None and mask_velocity:
+        velocity.view(-1).index_fill_(0, mi.long(), 0)
+    return _merge_disjoint(fv, fi, mv, mi)
+
+
+def _largest_not_in(values: torch.Tensor, indices: torch.Tensor, taken: torch.Tensor, count: int,
+                    wide: bool = False):
+    """The ``count`` largest magnitudes of candidates ``(values, indices)`` (index order)
+    whose index is not in ``taken`` (ascending, at most ``len(values) - count`` of them
+    among the candidates), ties to the lower index; index order. No host sync. ``wide``:
+    indices may reach 2^32."""
+    idx = indices.long()
+    order = magnitude_key(values).long()
+    if not wide:  # one int64 order key: magnitude, then the lower index
+        order = (order << 32) | (2**32 - 1 - idx)
+    else:  # (a part of 2^32 elements or more) the rank instead: best first, ties in index order
+        best = torch.sort(order, descending=True, stable=True).indices
+        order = torch.empty_like(order).index_copy_(
+            0, best, torch.arange(order.numel() - 1, -1, -1, device=order.device))
+    if taken.numel():
+        t = taken.long()
+        at = torch.searchsorted(t, idx).clamp_(max=t.numel() - 1)
+        order.masked_fill_(t[at] == idx, -1)
+    if values.is_cuda:  # on the device, without a host sync: a top-count, back to index order
+        keep = torch.topk(order, count, sorted=False).indices.sort().values
+    else:  # the few left out (at most len(taken)) found by a small top-k, the rest kept
+        keep = torch.ones(order.numel(), dtype=torch.bool)
+        keep[torch.topk(order, order.numel() - count, largest=False, sorted=False).indices] = False
+        keep = keep.nonzero().flatten()
+    return values[keep], indices[keep]
+
+
+def _merge_disjoint(av: torch.Tensor, ai: torch.Tensor, bv: torch.Tensor, bi: torch.Tensor):
+    """Two selections with disjoint ascending indices merged into one in index order."""
+    a, b = ai.long(), bi.long()
+    pa = torch.arange(a.numel(), device=a.device) + torch.searchsorted(b, a)
+    pb = torch.arange(b.numel(), device=b.device) + torch.searchsorted(a, b)
+    values = torch.empty(a.numel() + b.numel(), dtype=av.dtype, device=av.device)
+    indices = torch.empty(values.numel(), dtype=ai.dtype, device=ai.device)
+    values.index_copy_(0, pa, av).index_copy_(0, pb, bv)
+    indices.index_copy_(0, pa, ai).index_copy_(0, pb, bi.to(ai.dtype))
+    return values, indices
+
+
 def _segmented_ef_topk_tensors(grads, residual, offsets, ks, wire_dtype, velocity, momentum,
                                mask_velocity, backend):
     """segmented_ef_topk with the gradient as one tensor per segment (see there)."""

@@ -175,7 +175,8 @@ def probe_collectives(process_set=None, device="cpu", dtype=torch.float32,
 
 # -- sparsification -----------------------------------------------------------------------
 def time_sparsifier(sparsifier: str, device="cpu", density=0.01, sizes_bytes=SPARSIFY_SIZES,
-                    repeats=3, dtype=torch.float32, rule=None, stage_device=None) -> tuple[float, float]:
+                    repeats=3, dtype=torch.float32, rule=None, stage_device=None,
+                    grouped: bool = False) -> tuple[float, float]:
     """``h(x)`` of ``sparsifier`` on ``device`` as the engine runs it (Cupcake §4.1,
     SSFusion §IV-A), ``x`` the dense bytes.
 
@@ -187,7 +188,10 @@ def time_sparsifier(sparsifier: str, device="cpu", density=0.01, sizes_bytes=SPA
     encode makes several passes over the gradient, and on a large tensor each pass
     runs at memory speed, not cache speed. ``stage_device``: where the part is staged
     and selected (the SSFusion-O offload path: ``"cpu"`` for a GPU job, so each call
-    includes the device-to-host copy); default ``device``. One untimed call first (the
+    includes the device-to-host copy); default ``device``. ``grouped``: the part holds
+    two tensors of half the size each under the group budget (``SparsePart`` mode
+    ``"group"``, floors of one element; an exact top-k sparsifier only), the selection
+    the SSFusion schemes run by default: its second pass is in the fit. One untimed call first (the
     residual and rule state exist from then on, as in steady state), then the median of
     ``repeats``; CUDA is synchronized around every timed call. Fitted with relative
     residuals (:func:`fit_affine`). Local: no collective.
@@ -203,13 +207,17 @@ def time_sparsifier(sparsifier: str, device="cpu", density=0.01, sizes_bytes=SPA
     dev = _torch_device(device)
     stage = dev if stage_device is None else _torch_device(stage_device)
     mode = "segmented" if sparsifier in SEGMENTED_SPARSIFIERS else "per_tensor"
+    grouped = grouped and mode == "segmented"
     gen = torch.Generator().manual_seed(0)
     xs, ts = [], []
     for nbytes in sizes_bytes:
         n = _numel(nbytes, dtype)
-        k = int(nominal_k(n, float(density)))
-        part = SparsePart("profile", [0], [torch.Size([n])], [k], mode,
-                          [make_sparsifier(sparsifier)], 0, dtype, dev, stage_device=stage)
+        halves = [n // 2, n - n // 2] if grouped and n >= 2 else [n]
+        ks = [int(nominal_k(h, float(density))) for h in halves]
+        part = SparsePart("profile", list(range(len(halves))), [torch.Size([h]) for h in halves],
+                          ks, "group" if len(halves) > 1 else mode,
+                          [make_sparsifier(sparsifier) for _ in halves], 0, dtype, dev,
+                          stage_device=stage, floors=[1] * len(halves) if len(halves) > 1 else None)
         send = torch.empty(part.length, dtype=dtype, device=dev)
         memory = ResidualMemory(rule() if rule is not None else None)
         memory.rule.density = float(density)
@@ -220,7 +228,7 @@ def time_sparsifier(sparsifier: str, device="cpu", density=0.01, sizes_bytes=SPA
                 part.stage.copy_(grad)
                 result = part.select(memory)
             else:
-                result = part.select_grads(memory, [grad])
+                result = part.select_grads(memory, list(grad.split(halves)))
             part.pack(result, send, 1.0)
 
         ts.append(_median_seconds(run, dev, max(1, int(repeats))))
@@ -436,7 +444,7 @@ def broadcast_from_root(obj, process_set=None, name="ssf.profile"):
 
 def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
                        element_size=4, density=0.01, profile=None, rule=None,
-                       forward_s=0.0) -> CostModel:
+                       forward_s=0.0, grouped: bool = False) -> CostModel:
     """The :class:`CostModel` every rank plans with (Cupcake §4.1, SSFusion §IV-A).
 
     With ``profile`` (a :class:`CostModel` or the path of its JSON) its fits are used
@@ -452,6 +460,7 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
     includes the device-to-host copy; on a CPU-only job it is the same CPU timing,
     measured once), times the decode, and broadcasts rank 0's model as JSON text so all
     ranks hold identical numbers.
+    ``grouped``: the encode is timed under the group budget (see :func:`time_sparsifier`).
     ``sparsifier=None`` skips the sparsifier timing (dense schemes). The probe sizes are
     the module's ``COLLECTIVE_SIZES``, ``SPARSIFY_SIZES`` and ``DECODE_SIZES``, read at
     call time.
@@ -480,8 +489,8 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
     sparsify = {}
     if sparsifier is not None:
         fit = time_sparsifier(sparsifier, device=dev, density=density,
-                              sizes_bytes=SPARSIFY_SIZES, rule=rule)
-        cpu_fit = fit if dev.type == "cpu" else time_sparsifier(
+                              sizes_bytes=SPARSIFY_SIZES, rule=rule, grouped=grouped)
+        cpu_fit = fit if dev.type == "cpu" else time_sparsifier(  # one tensor per offloaded part
             sparsifier, device=dev, density=density, sizes_bytes=SPARSIFY_SIZES, rule=rule,
             stage_device="cpu")
         sparsify[sparsifier] = {"gpu": fit, "cpu": cpu_fit}
@@ -506,6 +515,7 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
             "sparsify_sizes": ",".join(str(s) for s in SPARSIFY_SIZES),
             "decode_sizes": ",".join(str(s) for s in DECODE_SIZES),
             "density": repr(float(density)),
+            "encode": "group" if grouped else "per tensor",
         },
     )
     text = broadcast_from_root(model.to_json(), process_set=ps, name="ssf.profile")

@@ -22,10 +22,29 @@ pytestmark = pytest.mark.multiworker
 SCHEMES = ["per_tensor", "multi_tensor", "ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"]
 
 
+def group_select(acc, sizes, k, floors):
+    """The group budget by brute force: tensor i (``sizes[i]`` elements of ``acc``, back to
+    back) keeps its ``floors[i]`` largest magnitudes, then the ``k - sum(floors)`` largest of
+    all other elements join them; ties to the lower index. (index order)"""
+    n = acc.numel()
+    order = ops.magnitude_key(acc).long() * 2**32 + (2**32 - 1 - torch.arange(n))
+    chosen = torch.zeros(n, dtype=torch.bool)
+    lo = 0
+    for size, f in zip(sizes, floors):
+        chosen[lo + torch.topk(order[lo:lo + size], f).indices] = True
+        lo += size
+    chosen[torch.topk(order.masked_fill(chosen, -1), k - sum(floors)).indices] = True
+    idx = chosen.nonzero().flatten()
+    return acc[idx], idx.to(torch.int32)
+
+
 def _select(sparsifier, acc, k, key, call):
-    """The reference selection: torch top-k, or random-k as the scheme seeds it (by the
-    tensor's name or the fusion buffer's part key, identical on every rank) at its
-    ``call``-th planned step."""
+    """The reference selection: torch top-k, the group budget (``k``: (budget, floors,
+    sizes)), or random-k as the scheme seeds it (by the tensor's name or the fusion buffer's
+    part key, identical on every rank) at its ``call``-th planned step."""
+    if isinstance(k, tuple):
+        budget, floors, sizes = k
+        return group_select(acc, sizes, budget, floors)
     if sparsifier == "topk":
         return ops.topk(acc, k, backend="torch")
     s = make_sparsifier(sparsifier, seed=zlib.crc32(key.encode()))
@@ -54,6 +73,14 @@ def reference_step(plan: Plan, ranks, op="average", predivide=1.0, sent_out=None
         else:
             units = [([plan.names[i]], plan.k[i], plan.names[i]) for i in g.indices()
                      if plan.sparse[i]]
+            inline = [i for i in g.indices() if plan.sparse[i] and not plan.offload[i]]
+            if plan.group_floor is not None and sparsifier == "topk" and len(inline) > 1:
+                # the group budget: the inline tensors share their k by magnitude
+                budget = (sum(plan.k[i] for i in inline), plan.floors(inline),
+                          [plan.sizes[i] for i in inline])
+                units = [([plan.names[i] for i in inline], budget, f"g{gi}.s")] + [
+                    u for u, i in zip(units, [i for i in g.indices() if plan.sparse[i]])
+                    if plan.offload[i]]
             for i in g.indices():
                 if not plan.sparse[i]:
                     for r in range(nranks):
@@ -152,9 +179,13 @@ def test_every_scheme_matches_reference(np_):
     small = [i for i, n in enumerate(plan.sizes) if nominal_k(n, 0.05) < 32]
     assert small and len(small) < len(plan.sizes)
     assert all(not plan.sparse[i] for i in small)
-    for scheme in SCHEMES + ["forced", "min_k"]:
+    for scheme in SCHEMES + ["forced", "forced_segmented", "min_k", "floor_none"]:
         runs = [r[scheme] for r in results]
-        assert check_run(runs) == (5 if scheme == "forced" else 3), scheme
+        assert check_run(runs) == (5 if scheme.startswith("forced") else 3), scheme
+        # the SSFusion schemes plan the group budget by default; floor None: per-tensor k
+        if scheme.startswith("ssfusion") or scheme in ("min_k", "floor_none"):
+            floor = Plan.from_json(runs[0]["steps"][-1]["plan"]).group_floor
+            assert floor == (None if scheme == "floor_none" else 0.0), (scheme, floor)
         st = runs[0]["steps"][-1]["stats"]
         assert st["phase"] == "planned" and st["nonfinite"] == 0
         assert st["allreduce_bytes"] + st["allgather_bytes"] > 0
@@ -179,11 +210,11 @@ def test_variants_match_reference(variant):
     results = run_workers("workers_schemes:record_all", np=2, timeout=300, schemes=schemes,
                           steps=4, warmup=1, **variant)
     tol = dict(rtol=2e-3, atol=2e-3) if variant.get("dtype") == "float16" else {}
-    for scheme in schemes + ["forced"]:
+    for scheme in schemes + ["forced", "forced_segmented"]:
         runs = [r[scheme] for r in results]
         assert check_run(runs, op=variant.get("op", "average"),
                          predivide=variant.get("predivide", 1.0), **tol) == \
-            (4 if scheme == "forced" else 3), scheme
+            (4 if scheme.startswith("forced") else 3), scheme
 
 
 @pytest.mark.skipif(not gpu_built(2), reason="needs a CUDA device and a Horovod built with "
@@ -199,9 +230,9 @@ def test_every_scheme_matches_reference_on_a_gpu(dtype):
     results = run_workers("workers_schemes:record_all", np=2, timeout=300, schemes=SCHEMES,
                           steps=5, warmup=2, device="cuda", dtype=dtype)
     tol = dict(rtol=2e-3, atol=2e-3) if dtype == "float16" else {}
-    for scheme in SCHEMES + ["forced"]:
+    for scheme in SCHEMES + ["forced", "forced_segmented"]:
         runs = [r[scheme] for r in results]
-        assert check_run(runs, **tol) == (5 if scheme == "forced" else 3), scheme
+        assert check_run(runs, **tol) == (5 if scheme.startswith("forced") else 3), scheme
         st = runs[0]["steps"][-1]["stats"]
         assert st["phase"] == "planned" and st["nonfinite"] == 0, scheme
         if scheme == "forced" or (scheme in ("ssfusion_o", "ssfusion_oi") and any(

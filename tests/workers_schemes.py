@@ -110,33 +110,39 @@ def record(scheme, steps=4, passes=1, op="average", predivide=1.0, dtype="float3
             "size": hvd.size()}
 
 
-def mixed_plan(density=0.05):
-    """A plan using every part kind: allreduce part, dense allgather part, inline segmented
-    selection, offloaded selection, and a multi-tensor fusion buffer."""
+def mixed_plan(density=0.05, group_floor=0.25):
+    """A plan using every part kind: allreduce part, dense allgather part, inline selection
+    of two tensors (under the group budget with floors of ``group_floor``, or segmented
+    with None), offloaded selection, and a multi-tensor fusion buffer."""
     from ssfusion_hvd.plan import Group, Plan
     from ssfusion_hvd.plan.cost import nominal_k
     names = ["c.bias", "c.weight", "b.bias", "b.weight", "a.bias", "a.weight",
              "unused.bias", "unused.weight"]
     sizes = [3, 96, 32, 2048, 64, 768, 5, 25]
     groups = [Group(0, 4), Group(4, 6, buffer_k=nominal_k(832, density)), Group(6, 8)]
-    sparse = [False, False, True, True, True, True, False, True]
-    k = [3, 96, nominal_k(32, density), nominal_k(2048, density), None, None, 5, 2]
+    sparse = [False, True, True, True, True, True, False, True]
+    k = [3, nominal_k(96, density), nominal_k(32, density), nominal_k(2048, density), None, None,
+         5, 2]
     coll = ["allreduce", "allgather", "allgather", "allgather", "allgather", "allgather",
-            "allreduce", "allgather"]
+            "allgather", "allgather"]
     offload = [False, False, False, True, False, False, False, True]
-    return Plan("ssfusion_oi", names, sizes, groups, sparse, k, coll, offload, density, "topk")
+    return Plan("ssfusion_oi", names, sizes, groups, sparse, k, coll, offload, density, "topk",
+                group_floor=group_floor)
 
 
 def record_all(schemes, forced=True, min_k=False, **kwargs):
     """One launch, many schemes: each gets its own model and optimizer; ``forced`` adds a
-    run of ssfusion_oi on :func:`mixed_plan` (every part kind, from the first step),
-    ``min_k`` one of ssfusion_oi planned with the small-tensor rule (``min_k`` 32)."""
+    run of ssfusion_oi on :func:`mixed_plan` (every part kind, from the first step) and one
+    on it with per-tensor k (``forced_segmented``), ``min_k`` one of ssfusion_oi planned
+    with the small-tensor rule (``min_k`` 32) and one with per-tensor k (``floor`` None)."""
     out = {s: record(s, **kwargs) for s in schemes}
+    density = kwargs.get("density", 0.05)
     if forced:
-        out["forced"] = record("ssfusion_oi", plan=mixed_plan(kwargs.get("density", 0.05)),
-                               **kwargs)
+        out["forced"] = record("ssfusion_oi", plan=mixed_plan(density), **kwargs)
+        out["forced_segmented"] = record("ssfusion_oi", plan=mixed_plan(density, None), **kwargs)
     if min_k:
         out["min_k"] = record("ssfusion_oi", scheme_options={"min_k": 32}, **kwargs)
+        out["floor_none"] = record("ssfusion_oi", scheme_options={"floor": None}, **kwargs)
     return out
 
 

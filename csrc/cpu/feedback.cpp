@@ -1,4 +1,5 @@
-// Fused error-feedback selection on the CPU (ef_topk, segmented_ef_topk; ops.h).
+// Fused error-feedback selection on the CPU (ef_topk, segmented_ef_topk, group_ef_topk;
+// ops.h).
 //
 // Error feedback around a top-k is, written as separate passes: acc = residual + grad
 // (read 2, write 1), select from acc (read 1-2), zero the selected entries (k writes).
@@ -471,6 +472,147 @@ std::tuple<at::Tensor, at::Tensor> segmented_ef_topk_tensors_cpu(
   for (size_t s = 0; s < seg.size(); ++s) seg[s] = grads[s].const_data_ptr();
   return segmented_feedback(grads[0].scalar_type(), residual, offsets, ks, out_off, wire_dtype,
                             velocity, momentum, mask_velocity, nullptr, seg);
+}
+
+namespace {
+
+// The rest of a group budget (ops.h: group_ef_topk) once the floors are taken (their nf
+// values fv and indices fi, index order, already replaced in the residual): the k - nf
+// largest of residual[lo, hi) outside the floors, their residual entries replaced by their
+// wire error (with mask, their velocity entries cleared), merged with the floors into
+// out (k entries, index order). The residual's k largest over the span contain at least
+// k - nf non-floor elements, and the largest of those are the rest's top: one filtered
+// top-k pass, then O(k log nf) work on its candidates.
+template <typename A, typename W, typename I>
+void group_rest(A* r, A* v, bool mask, int64_t lo, int64_t hi, int64_t k, int64_t nf,
+                const BitsOf<A>* fv, const I* fi, BitsOf<A>* out_v, I* out_i) {
+  using U = BitsOf<A>;
+  const int64_t rest = k - nf;
+  std::vector<U> cv(k);
+  std::vector<I> ci(k);
+  cpu::topk_filtered<U, I>(cpu::Plain<U>{reinterpret_cast<const U*>(r) + lo, hi - lo}, hi - lo,
+                           k, cv.data(), ci.data(), lo);
+  // Candidates the floors already took are skipped; of the others, the k - nf largest are
+  // kept: all but the nf - c least (c: candidates that are floors), found by a bounded heap
+  // of the nf least so far, "least" by key, then by the higher index (ties go to the lower).
+  std::vector<uint8_t> skip(k, 0);
+  auto less = [&](int64_t a, int64_t b) {  // candidate a ranks below b
+    const U ka = cpu::Key<U>::of(cv[a]), kb = cpu::Key<U>::of(cv[b]);
+    return ka < kb || (ka == kb && a > b);
+  };
+  std::vector<int64_t> least;  // max-heap under `less`: its top is the best of the least
+  least.reserve(nf + 1);
+  int64_t c = 0;
+  for (int64_t j = 0, f = 0; j < k; ++j) {
+    while (f < nf && fi[f] < ci[j]) ++f;
+    if (f < nf && fi[f] == ci[j]) {
+      skip[j] = 1;
+      ++c;
+    } else if (nf > 0 && (int64_t(least.size()) < nf || less(j, least.front()))) {
+      least.push_back(j);
+      std::push_heap(least.begin(), least.end(), less);
+      if (int64_t(least.size()) > nf) {
+        std::pop_heap(least.begin(), least.end(), less);
+        least.pop_back();
+      }
+    }
+  }
+  std::sort(least.begin(), least.end(), less);  // the least first
+  for (int64_t d = 0; d < nf - c; ++d) skip[least[d]] = 1;
+  std::vector<int64_t> taken;  // output slots of the rest
+  taken.reserve(rest);
+  int64_t o = 0, f = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    if (skip[j]) continue;
+    for (; f < nf && fi[f] < ci[j]; ++f, ++o) {
+      out_v[o] = fv[f];
+      out_i[o] = fi[f];
+    }
+    out_v[o] = cv[j];
+    out_i[o] = ci[j];
+    taken.push_back(o++);
+  }
+  for (; f < nf; ++f, ++o) {
+    out_v[o] = fv[f];
+    out_i[o] = fi[f];
+  }
+  // the residual (and velocity) updates: random writes, each a likely cache miss, spread
+  // over the threads as ef_segment's are
+  at::parallel_for(0, rest, int64_t(1) << 12, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t at = taken[t], i = int64_t(out_i[at]);
+      A a;
+      std::memcpy(&a, out_v + at, sizeof(U));
+      r[i] = wire_error<A, W>(a);
+      if (mask) v[i] = A(0);
+    }
+  });
+}
+
+// group_ef_topk given the floors' selection (fv, fi): checked k, the rest and the merge.
+std::tuple<at::Tensor, at::Tensor> group_finish(at::ScalarType grad_dtype, at::Tensor& residual,
+                                                const at::Tensor& offsets, int64_t k,
+                                                at::ScalarType wire_dtype,
+                                                const std::optional<at::Tensor>& velocity,
+                                                bool mask_velocity, const at::Tensor& fv,
+                                                const at::Tensor& fi) {
+  const int64_t nf = fv.numel();
+  if (k == nf) return {fv, fi};
+  const int64_t nseg = offsets.numel() - 1;
+  const int64_t lo = offsets.const_data_ptr<int64_t>()[0];
+  const int64_t hi = offsets.const_data_ptr<int64_t>()[nseg];
+  at::Tensor values = at::empty({k}, residual.options());
+  at::Tensor indices = at::empty({k}, fi.options());
+  dispatch_feedback(grad_dtype, residual, wire_dtype, fi.scalar_type(),
+                    [&](auto a, auto, auto w, auto i) {
+    using A = decltype(a);
+    using I = decltype(i);
+    group_rest<A, decltype(w), I>(
+        static_cast<A*>(residual.data_ptr()), velocity ? static_cast<A*>(velocity->data_ptr()) : nullptr,
+        mask_velocity && velocity.has_value(), lo, hi, k, nf,
+        static_cast<const BitsOf<A>*>(fv.const_data_ptr()), fi.const_data_ptr<I>(),
+        static_cast<BitsOf<A>*>(values.data_ptr()), indices.data_ptr<I>());
+  });
+  return {values, indices};
+}
+
+// The budget k against the floors and the segments (before anything changes).
+void check_group(const at::Tensor& offsets_in, const at::Tensor& floors_in, int64_t k) {
+  const at::Tensor offsets = offsets_in.to(at::kLong).contiguous();
+  const at::Tensor floors = floors_in.to(at::kLong).contiguous();
+  const int64_t nseg = floors.numel();
+  TORCH_CHECK(offsets.numel() == nseg + 1, "group_ef_topk: ", offsets.numel(),
+                    " offsets for ", nseg, " segments (need len(floors) + 1)");
+  const int64_t base = floors.sum().item<int64_t>();
+  const int64_t span = nseg ? offsets[nseg].item<int64_t>() - offsets[0].item<int64_t>() : 0;
+  TORCH_CHECK(base <= k && k <= span, "group_ef_topk: k=", k, " outside [", base, ", ",
+                    span, "] (the floors' sum, the segments' elements)");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> group_ef_topk_cpu(const at::Tensor& grad, at::Tensor& residual,
+                                                     const at::Tensor& offsets,
+                                                     const at::Tensor& floors, int64_t k,
+                                                     at::ScalarType wire_dtype,
+                                                     const std::optional<at::Tensor>& velocity,
+                                                     double momentum, bool mask_velocity) {
+  check_group(offsets, floors, k);
+  auto [fv, fi] = segmented_ef_topk_cpu(grad, residual, offsets, floors, wire_dtype, velocity,
+                                        momentum, mask_velocity);
+  return group_finish(grad.scalar_type(), residual, offsets.to(at::kLong).contiguous(), k,
+                      wire_dtype, velocity, mask_velocity, fv, fi);
+}
+
+std::tuple<at::Tensor, at::Tensor> group_ef_topk_tensors_cpu(
+    const std::vector<at::Tensor>& grads, at::Tensor& residual, const at::Tensor& offsets,
+    const at::Tensor& floors, int64_t k, at::ScalarType wire_dtype,
+    const std::optional<at::Tensor>& velocity, double momentum, bool mask_velocity) {
+  check_group(offsets, floors, k);
+  auto [fv, fi] = segmented_ef_topk_tensors_cpu(grads, residual, offsets, floors, wire_dtype,
+                                                velocity, momentum, mask_velocity);
+  return group_finish(grads[0].scalar_type(), residual, offsets.to(at::kLong).contiguous(), k,
+                      wire_dtype, velocity, mask_velocity, fv, fi);
 }
 
 }  // namespace ssf

@@ -16,6 +16,9 @@ indices are positions in that flat buffer. ``mode`` says how it selects:
 
 * ``"segmented"``: per-tensor top-k of every tensor in ONE kernel call, fused with the error
   feedback (``ops.segmented_ef_topk``);
+* ``"group"``: the part's budget (the sum of its tensors' k) shared by magnitude, each
+  tensor keeping at least its floor (``ops.group_ef_topk``; SSFusion's default,
+  ``docs/schemes.md``, "Group budget");
 * ``"per_tensor"``: per-tensor selection by any sparsifier (one call per tensor: the loop runs
   over the sparsified tensors of one group only);
 * ``"buffer"``: one selection over the whole fusion buffer (multi-tensor, Cupcake; tensors can
@@ -159,8 +162,8 @@ class SparsePart:
     def __init__(self, key: str, tensors: Sequence[int], shapes: Sequence[torch.Size],
                  ks: Sequence[int], mode: str, sparsifiers: Sequence[Sparsifier], offset: int,
                  dtype: torch.dtype, device: torch.device, stage_device: torch.device | None = None,
-                 acc_dtype: torch.dtype | None = None):
-        if mode not in ("segmented", "per_tensor", "buffer"):
+                 acc_dtype: torch.dtype | None = None, floors: Sequence[int] | None = None):
+        if mode not in ("segmented", "group", "per_tensor", "buffer"):
             raise ValueError(f"unknown sparse part mode {mode!r}")
         self.key = key
         self.tensors = list(tensors)
@@ -176,6 +179,12 @@ class SparsePart:
         if len(self.ks) != expect or len(self.sparsifiers) != expect:
             raise ValueError(f"part {key}: mode {mode!r} needs {expect} k and sparsifier(s), "
                              f"got {len(self.ks)} and {len(self.sparsifiers)}")
+        if (mode == "group") != (floors is not None) or (
+                floors is not None and (len(floors) != len(self.ks)
+                                        or any(not 0 <= f <= k for f, k in zip(floors, self.ks)))):
+            raise ValueError(f"part {key}: mode {mode!r} with floors {floors} for ks {self.ks} "
+                             "(mode 'group' needs one floor per tensor, at most its k)")
+        self.floors = None if floors is None else [int(f) for f in floors]
         if mode == "buffer":
             self.capacity = self.sparsifiers[0].capacity(self.ks[0])
         else:
@@ -199,7 +208,7 @@ class SparsePart:
         self.out_views = views(self.out, shapes)
         self._out_zero = True  # out is all zero: the next decode needs no zeroing pass
         self._offsets = torch.tensor(self.bounds, dtype=torch.int64)
-        self._ks = torch.tensor(self.ks, dtype=torch.int64)
+        self._ks = torch.tensor(self.ks if floors is None else self.floors, dtype=torch.int64)
         self._sink = torch.arange(self.numel, self.numel + self.capacity,
                                   dtype=self.idx_dtype, device=stage_device)
 
@@ -216,25 +225,36 @@ class SparsePart:
         Same result."""
         if self.stage.device == grads[0].device:
             got = None
-            if self.mode == "segmented":
-                got = memory.select_topk_tensors(self.key, grads, offsets=self._offsets,
-                                                 ks=self._ks, wire_dtype=self.dtype)
+            if self.mode in ("segmented", "group"):
+                got = memory.select_topk_tensors(self.key, grads, self._group_k(),
+                                                 offsets=self._offsets, ks=self._ks,
+                                                 wire_dtype=self.dtype)
             elif self.mode == "buffer" and self.sparsifiers[0].exact_topk:
                 got = memory.select_topk_tensors(self.key, grads, self.ks[0], wire_dtype=self.dtype)
             if got is not None:
-                per_tensor = list(self.ks) if self.mode == "segmented" else None
-                return SelectionResult(got[0], got[1], per_tensor)
+                return SelectionResult(got[0], got[1], self._counts())
         self.stage_grads(grads)
         return self.select(memory)
+
+    def _group_k(self) -> Optional[int]:
+        """The budget of a group part (its tensors' k summed; ``_ks`` holds the floors),
+        None for a segmented one."""
+        return self.capacity if self.mode == "group" else None
+
+    def _counts(self) -> Optional[List[int]]:
+        """Elements selected per tensor where the host knows them without a sync: a
+        segmented part's ks (a group part's split follows the magnitudes)."""
+        return list(self.ks) if self.mode == "segmented" else None
 
     def select(self, memory: ResidualMemory) -> SelectionResult:
         """Error feedback around the selection: acc = grad + residual; what is not sent
         becomes the new residual (``ResidualMemory``: bit-exact bookkeeping). Exact top-k
         (segmented, or over the buffer) runs fused with the error feedback, one kernel."""
-        if self.mode == "segmented":
-            values, indices = memory.select_topk(self.key, self.stage, offsets=self._offsets,
-                                                 ks=self._ks, wire_dtype=self.dtype)
-            return SelectionResult(values, indices, list(self.ks))
+        if self.mode in ("segmented", "group"):
+            values, indices = memory.select_topk(self.key, self.stage, self._group_k(),
+                                                 offsets=self._offsets, ks=self._ks,
+                                                 wire_dtype=self.dtype)
+            return SelectionResult(values, indices, self._counts())
         if self.mode == "buffer" and self.sparsifiers[0].exact_topk:
             values, indices = memory.select_topk(self.key, self.stage, self.ks[0],
                                                  wire_dtype=self.dtype)
@@ -336,6 +356,8 @@ class SparsePart:
         0-d device tensor: no host sync in the backward path)."""
         if result.per_tensor is not None:
             return sum(1 for c in result.per_tensor if c == 0)
+        if self.floors is not None and min(self.floors) >= 1:
+            return 0  # every tensor sends at least its floor
         if len(self.tensors) == 1:
             return int(result.values.numel() == 0)
         owner = torch.bucketize(result.indices.long(), self._offsets[1:-1].to(result.indices.device),
@@ -404,8 +426,12 @@ def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload
         key = f"{key_prefix}{index}.{'s' if on is None else f'o{tensors[0]}'}"
         sps = [new_sparsifier(key, i) for i in tensors]
         mode = "segmented" if all(s.exact_topk for s in sps) else "per_tensor"
+        floors = None
+        if mode == "segmented" and plan.group_floor is not None and len(tensors) > 1:
+            mode, floors = "group", plan.floors(tensors)  # (one tensor: its own k either way)
         part = SparsePart(key, tensors, [shapes[i] for i in tensors], [plan.k[i] for i in tensors],
-                          mode, sps, offset, dtype, device, stage_device=on, acc_dtype=acc_dtype)
+                          mode, sps, offset, dtype, device, stage_device=on, acc_dtype=acc_dtype,
+                          floors=floors)
         parts.append(part)
         if on is not None:
             offloaded.append(part)

@@ -7,7 +7,9 @@ packed into one fusion buffer; per tensor the plan says whether it is sent dense
 sparsified, its top-k ``k``, whether it rides the group's allreduce part or its
 allgather part (SSFusion-I, §IV-D) and whether its sparsification is offloaded to the
 CPU worker (SSFusion-O, §IV-C). A group with ``buffer_k`` is sparsified as a whole,
-multi-tensor style (Cupcake; SSFusion §III-A): one top-k over the fusion buffer.
+multi-tensor style (Cupcake; SSFusion §III-A): one top-k over the fusion buffer. With
+``group_floor`` set, a group's inline sparsified tensors share the sum of their ``k`` by
+magnitude, each keeping a floor (:meth:`Plan.floors`; ``docs/schemes.md``, "Group budget").
 """
 from __future__ import annotations
 
@@ -68,6 +70,11 @@ class Plan(JsonFile):
     density: float
     sparsifier: str = "dgc"
     notes: dict[str, str] = field(default_factory=dict)
+    #: None: every sparsified tensor sends its own ``k`` (the paper's per-tensor density).
+    #: A share ``f >= 0``: the tensors a group selects inline share the sum of their
+    #: ``k`` by magnitude, tensor ``i`` keeping at least ``max(1, ceil(f · k[i]))``
+    #: (exact top-k only; other sparsifiers keep their own ``k``).
+    group_floor: float | None = None
 
     def __post_init__(self) -> None:
         self.sizes = [int(n) for n in self.sizes]
@@ -85,6 +92,8 @@ class Plan(JsonFile):
                 self._check_tensor(i, buffered=g.buffer_k is not None)
         if cursor != n:
             raise ValueError(f"groups cover [0, {cursor}) but the plan has {n} tensors")
+        if self.group_floor is not None and not 0.0 <= float(self.group_floor) <= 1.0:
+            raise ValueError(f"group_floor must be None or in [0, 1], got {self.group_floor!r}")
 
     def _check_tensor(self, i: int, buffered: bool) -> None:
         n, k, coll = self.sizes[i], self.k[i], self.collective[i]
@@ -114,6 +123,12 @@ class Plan(JsonFile):
                 out[i] = gi
         return out
 
+    def floors(self, indices) -> list[int]:
+        """The floors of sparsified tensors ``indices`` under the group budget
+        (``group_floor``): ``max(1, ceil(f · k))``, at most ``k``."""
+        f = float(self.group_floor or 0.0)
+        return [min(self.k[i], max(1, math.ceil(f * self.k[i] - 1e-9))) for i in indices]
+
     def at_density(self, density: float) -> "Plan":
         """The same plan sending ``density / self.density`` times as many elements from
         every sparsified tensor and multi-tensor buffer (at least as many, at most all):
@@ -133,7 +148,7 @@ class Plan(JsonFile):
                   for g in self.groups]
         return Plan(self.scheme, list(self.names), list(self.sizes), groups, list(self.sparse),
                     k, list(self.collective), list(self.offload), float(density),
-                    self.sparsifier, dict(self.notes))
+                    self.sparsifier, dict(self.notes), self.group_floor)
 
     def sent_elements(self) -> int:
         """Elements (values) one worker sends per iteration, dense tensors included."""
@@ -161,6 +176,8 @@ class Plan(JsonFile):
             f"sparsifier={self.sparsifier} density={self.density:g} "
             f"tensors={len(self)} groups={len(self.groups)} "
             f"sent={self.sent_elements()}/{sum(self.sizes)} elements"
+            + ("" if self.group_floor is None else
+               f" group budget (floor {self.group_floor:g}: a group's inline k shared by magnitude)")
         ]
         header = f"{'grp':>4} {'idx':>5}  {'tensor':<{max_name}} {'numel':>11} {'mode':<6} {'k':>9} {'density':>8} {'coll':<4} {'select':<6}"
         lines += [header, "-" * len(header)]

@@ -81,20 +81,25 @@ def build_plan(
     sparsifier: str = "dgc",
     fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD,
     min_k: int = 0,
+    group_floor: float | None = None,
 ) -> Plan:
     """The plan of ``scheme`` for gradient tensors ``sizes`` (element counts, backward order).
 
     ``min_k`` (SSFusion schemes only; the live schemes pass ``scheme_options["min_k"]``,
     default 0): tensors whose top-k at ``density`` would be below it are sent dense
-    (:func:`keep_small_dense`). The paper's baselines (per_tensor, multi_tensor) sparsify
-    every tensor, as published."""
+    (:func:`keep_small_dense`). ``group_floor`` (SSFusion schemes only; the live schemes
+    pass ``scheme_options["floor"]``): None, each sparsified tensor sends its own ``k``
+    (the paper); a share, each group's inline sparsified tensors share their budget by
+    magnitude above that floor (:attr:`Plan.group_floor`). The paper's baselines
+    (per_tensor, multi_tensor) sparsify every tensor, as published."""
     if scheme not in PLANNERS:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {PLANNERS}")
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
     if scheme == "auto":
         return choose_plan(sizes, cost, density=density, names=names, sparsifier=sparsifier,
-                           fusion_threshold_bytes=fusion_threshold_bytes, min_k=min_k)
+                           fusion_threshold_bytes=fusion_threshold_bytes, min_k=min_k,
+                           group_floor=group_floor)
     n = len(sizes)
     if scheme == "dense":  # what hvd.DistributedOptimizer sends
         bounds = horovod_groups(sizes, cost, fusion_threshold_bytes)
@@ -116,6 +121,7 @@ def build_plan(
         plan.notes = dict(plan.notes, min_k=str(int(min_k)))
     if scheme in ("ssfusion_o", "ssfusion_oi"):
         plan = choose_offload(plan, cost, scheme=scheme)
+    plan.group_floor = None if group_floor is None else float(group_floor)
     # SSFusion's premise is to sparsify only where it pays: a plan predicted slower than
     # Horovod's own dense allreduce is not run; those buffers are (every rank decides
     # alike: the cost model is rank 0's)

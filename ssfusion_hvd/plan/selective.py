@@ -14,6 +14,7 @@ from .plan import ALLGATHER, ALLREDUCE, Plan
 from .timeline import _run
 
 __all__ = [
+    "DEFAULT_GROUP_FLOOR",
     "DEFAULT_MIN_K",
     "MIN_DENSITY",
     "choose_offload",
@@ -34,6 +35,10 @@ FLOOR_FRACTION = 0.5
 #: 0, the paper's planner. The rule is opt-in because the live jobs measured no gain from
 #: it (``docs/schemes.md``, "Small tensors").
 DEFAULT_MIN_K = 0
+#: The SSFusion schemes' default ``scheme_options["floor"]`` (:attr:`Plan.group_floor`):
+#: a fusion buffer's budget is shared by magnitude, each tensor keeping at least one
+#: element (``docs/schemes.md``, "Group budget").
+DEFAULT_GROUP_FLOOR = 0.0
 
 
 def floor_density(density: float) -> float:

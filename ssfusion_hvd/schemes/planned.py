@@ -106,7 +106,8 @@ class PlannedScheme(Scheme):
         if self.transport.rank == 0:
             text = build_plan(self.planner, [p.numel() for p in order], self.cost, cfg.density,
                               names=[cfg.names[p] for p in order], sparsifier=cfg.sparsifier,
-                              min_k=self.opts.get("min_k", 0)).to_json()
+                              min_k=self.opts.get("min_k", 0),
+                              group_floor=self.opts.get("floor")).to_json()
         self._adopt(Plan.from_json(self.transport.broadcast_object(text, "plan")))
 
     # ------------------------------------------------------------------ step

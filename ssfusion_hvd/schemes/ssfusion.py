@@ -20,16 +20,28 @@
   Horovod's dense buckets on the measured cost model and runs the one the simulator
   predicts fastest (``plan.choose_plan``); ``opt.plan.scheme`` and ``stats()`` say which.
 
-Option (``scheme_options=``), all five: ``min_k`` (default 0, the paper's planner): a
-tensor whose top-k at the target density would keep fewer elements is sent dense
-(``plan.keep_small_dense``: norms and biases with e.g. 32). Opt-in: the live example jobs
-measured no accuracy gain from it (``docs/schemes.md``, "Small tensors").
+Options (``scheme_options=``), all five:
+
+* ``floor`` (default ``plan.selective.DEFAULT_GROUP_FLOOR``): the group budget. The
+  tensors a fusion buffer selects inline share the sum of their top-k counts by the
+  magnitude of what they accumulated (one selection over the buffer, as multi-tensor
+  does), each keeping at least ``max(1, ceil(floor · k))`` of its own, so none is ever
+  missing (``ops.group_ef_topk``). ``None``: every tensor sends exactly its own k (the
+  paper's per-tensor density). ``docs/schemes.md``, "Group budget", has the measurements.
+* ``min_k`` (default 0, the paper's planner): a tensor whose top-k at the target density
+  would keep fewer elements is sent dense (``plan.keep_small_dense``: norms and biases with
+  e.g. 32). Opt-in: the live example jobs measured no accuracy gain from it
+  (``docs/schemes.md``, "Small tensors").
 """
-from ..plan.selective import DEFAULT_MIN_K
-from .base import Option, is_int
+from ..plan.selective import DEFAULT_GROUP_FLOOR, DEFAULT_MIN_K
+from .base import Option, is_int, is_real
 from .planned import PlannedScheme
 
 __all__ = ["SSFusionScheme", "SSFusionOScheme", "SSFusionIScheme", "SSFusionOIScheme", "AutoScheme"]
+
+
+def _is_floor(v) -> bool:
+    return v is None or is_real(0.0, 1.0)(v)
 
 
 class _SSFusionFamily(PlannedScheme):
@@ -37,6 +49,8 @@ class _SSFusionFamily(PlannedScheme):
 
     options = {
         "min_k": Option(DEFAULT_MIN_K, is_int(0), "an int >= 0 (0: every tensor may be sparsified)"),
+        "floor": Option(DEFAULT_GROUP_FLOOR, _is_floor,
+                        "None (each tensor its own k) or a share in [0, 1] (the group budget)"),
     }
 
 

@@ -75,7 +75,8 @@ class WarmupPhase:
         cost = _profile.measure_cost_model(
             backward_s, cfg.sparsifier, cfg.process_set, device=self.device.type,
             element_size=es, density=cfg.density, profile=cfg.profile,
-            rule=cfg.recipe.make_rule, forward_s=forward_s)
+            rule=cfg.recipe.make_rule, forward_s=forward_s,
+            grouped=cfg.options.get("floor") is not None)
         if ready is not None:  # the same gathered array on every rank
             cost.notes[READY_NOTE] = _profile.ready_note(ready)
         return order, cost

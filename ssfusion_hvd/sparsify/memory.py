@@ -207,6 +207,17 @@ class AdamRule(LocalRule):
 RULES = {cls.name: cls for cls in (GradientRule, MomentumRule, AdamRule)}
 
 
+def _fused_select(grad, residual, k, offsets, ks, wire, velocity: dict):
+    """The fused error-feedback selection :meth:`ResidualMemory.select_topk` asks for: one
+    ``k`` (``ops.ef_topk``), ``ks`` per segment (``ops.segmented_ef_topk``), or ``k`` over
+    the segments with ``ks`` as floors (``ops.group_ef_topk``)."""
+    if offsets is None:
+        return ops.ef_topk(grad, residual, k, wire, **velocity)
+    if k is None:
+        return ops.segmented_ef_topk(grad, residual, offsets, ks, wire, **velocity)
+    return ops.group_ef_topk(grad, residual, offsets, ks, k, wire, **velocity)
+
+
 class ResidualMemory:
     """Residuals plus the local rule's state, keyed by name (see the module docstring).
 
@@ -283,9 +294,10 @@ class ResidualMemory:
     def select_topk(self, key: str, grad: torch.Tensor, k: Optional[int] = None, *,
                     offsets=None, ks=None, wire_dtype: Optional[torch.dtype] = None):
         """:meth:`compensate`, an exact top-k and :meth:`update` as one fused kernel
-        (``ops.ef_topk``; with ``offsets``/``ks``, ``ops.segmented_ef_topk``): the residual
-        plus the rule's update of ``grad`` is selected from and becomes the new residual in
-        one pass. Same values, indices and state as the three calls. Returns
+        (``ops.ef_topk``; with ``offsets``/``ks``, ``ops.segmented_ef_topk``; with both and
+        ``k``, ``ops.group_ef_topk``: ``k`` over the segments, ``ks`` their floors): the
+        residual plus the rule's update of ``grad`` is selected from and becomes the new
+        residual. Same values, indices and state as the three calls. Returns
         ``(values, indices)`` (values in the accumulation dtype)."""
         flat = grad.reshape(-1)
         want = self.acc_dtype(flat.dtype)
@@ -307,10 +319,7 @@ class ResidualMemory:
             r = self.residuals[key] = torch.full((flat.numel(),), -0.0, dtype=want,
                                                  device=flat.device)
         wire = want if wire_dtype is None else wire_dtype
-        if offsets is None:
-            values, indices = ops.ef_topk(flat, r, k, wire, **velocity)
-        else:
-            values, indices = ops.segmented_ef_topk(flat, r, offsets, ks, wire, **velocity)
+        values, indices = _fused_select(flat, r, k, offsets, ks, wire, velocity)
         if velocity:  # the kernel took the step: counted now that it has (a bad argument
             self.rule.steps[key] = self.rule.steps.get(key, 0) + 1  # left u as it was)
         elif self.rule.buffers:  # only rules with state look at what was sent
@@ -335,7 +344,8 @@ class ResidualMemory:
                             *, offsets=None, ks=None, wire_dtype: Optional[torch.dtype] = None):
         """:meth:`select_topk` for the concatenation of ``grads`` (a fusion buffer's
         gradients, back to back; with ``offsets``/``ks`` one tensor per segment), reading them
-        where they lie (``ops.ef_topk`` / ``ops.segmented_ef_topk`` with a list) instead of
+        where they lie (``ops.ef_topk`` / ``ops.segmented_ef_topk`` / ``ops.group_ef_topk``
+        with a list) instead of
         from a staged copy. Returns ``(values, indices)``, or None, having changed nothing,
         where that does not apply: no residual yet (the first step creates it), no native
         kernel for their device (the CPU has one), gradients of different dtypes or devices,
@@ -360,10 +370,7 @@ class ResidualMemory:
         if velocity is None:
             return None
         wire = want if wire_dtype is None else wire_dtype
-        if offsets is None:
-            values, indices = ops.ef_topk(list(grads), r, k, wire, **velocity)
-        else:
-            values, indices = ops.segmented_ef_topk(list(grads), r, offsets, ks, wire, **velocity)
+        values, indices = _fused_select(list(grads), r, k, offsets, ks, wire, velocity)
         if velocity:  # the kernel took the step: counted now that it has
             self.rule.steps[key] = self.rule.steps.get(key, 0) + 1
         return values, indices
