@@ -91,6 +91,25 @@ def record(model_kind="synthetic", steps=5, density=0.05, op="average", predivid
             "size": hvd.size(), "rank": hvd.rank()}
 
 
+def density_run(steps=120, density=0.05, momentum=0.9):
+    """The stationary stream under the default recipe (momentum correction with SGD's
+    momentum, the density warm-up): per step the phase, the density in force and the
+    elements sent."""
+    model = Synthetic()
+    opt = ssfusion_hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=momentum),
+        named_parameters=model.named_parameters(), scheme="exdyna", density=density)
+    out = []
+    for step in range(steps):
+        opt.zero_grad()
+        model.loss(model.stream(step)).backward()
+        opt.step()
+        st = opt.stats()
+        out.append({k: st[k] for k in ("phase", "density_target", "elements_sent", "elements",
+                                        "demand")})
+    return {"steps": out, "recipe": opt.recipe.kind}
+
+
 def _eval_loss(model, batches=4):
     """Mean loss over the training batches of every rank (the global objective)."""
     loss_fn = nn.CrossEntropyLoss()
@@ -179,6 +198,7 @@ def all_cases(long_steps=50):
     """Everything test_exdyna.py checks, in one launch."""
     return {
         "stream": record("synthetic", steps=long_steps, density=0.05),
+        "density_momentum": density_run(),
         "stream_predivide": record("synthetic", steps=4, density=0.02, predivide=2.0),
         "stream_sum": record("synthetic", steps=4, density=0.05, op="sum"),
         "net": record("net", steps=5, density=0.05),

@@ -13,11 +13,14 @@ canonical, name-sorted order). Per iteration t, on every rank i:
    into P contiguous partitions; rank i owns partition ``(t % P + i) % P`` (cyclic, Alg. 3
    line 29), so every partition is searched by exactly one rank;
 3. rank i selects, inside its partition only, every ``|acc_i| >= delta_t`` (Alg. 4): the
-   selected index sets of the ranks are disjoint (no gradient build-up);
+   selected index sets of the ranks are disjoint (no gradient build-up); a selection over
+   the rank's capacity (``cap`` times its partition's share of k) is trimmed to its largest
+   (ours, not the paper's: :meth:`ExDynaState.capacity`);
 4. **allgather of the indices** (Horovod allgather with per-rank sizes: its negotiation
-   already exchanges the first-dimension sizes, so nothing is padded to ``max k_i`` and no
-   extra count exchange is needed) gives every rank the union ``idx_t`` (k' indices) and,
-   by bucketing them into the partitions, the per-partition counts ``k_t``;
+   already exchanges the first-dimension sizes, so nothing is padded to ``max k_i``), each
+   rank's followed by one entry ``-1 - demand`` (how many passed the threshold before the
+   trim), gives every rank the union ``idx_t`` (k' indices), the per-partition counts
+   ``k_t`` sent and the demands;
 5. **allreduce of ``acc_i[idx_t]``** (k' values, same length on every rank): the summed
    values land at ``idx_t`` of the synchronized gradient (scatter into zeros), scaled by
    ``op`` exactly as Horovod does (``prescale = 1/gradient_predivide_factor``, postscale
@@ -25,9 +28,10 @@ canonical, name-sorted order). Per iteration t, on every rank i:
 6. ``residual_i = acc_i`` with ``idx_t`` zeroed: each rank sent its own accumulated value
    at every selected coordinate (also those selected by other ranks), everything else
    stays in its residual, so ``dense(sent) + residual == acc`` bit for bit;
-7. from ``k' = sum(k_t)`` (identical on every rank) the threshold is rescaled
-   (Algorithm 5, :meth:`ssfusion_hvd.sparsify.Threshold.scale_factor`, beta = 1.2,
-   gamma = 0.05) and the partition boundaries are adjusted (Algorithm 3): between adjacent
+7. from the summed demand (identical on every rank; ``k'`` when nothing was trimmed) the
+   threshold is rescaled (Algorithm 5, :meth:`ssfusion_hvd.sparsify.Threshold.scale_factor`,
+   beta = 1.2, gamma = 0.05) and the partition boundaries are adjusted from the demands
+   per partition (Algorithm 3): between adjacent
    partitions where one selected more than ``alpha`` times the mean ``k'/P`` and the other
    fewer than mean/alpha, ``move_blocks`` blocks move from the heavy to the light one
    (never below ``min_blocks``). Everything that shapes a collective is a function of
@@ -66,14 +70,15 @@ Choices where the paper is silent or differs from a sketch of it:
 * ``sparsifier=`` is ignored: ExDyna's selector is its own threshold. ``plan=``,
   ``profile=`` and ``warmup_steps`` are ignored too: nothing is planned or profiled.
 
-Known limits: the achieved density follows the target only as fast as Algorithm 5 moves
-(+-5 % per iteration far from it, +-1.25 % near it), and no cap trims a selection (as in
-the paper). Error feedback makes the steady-state threshold several times the calibrated
-one (residuals grow for about 1/density iterations), so the first tens of iterations
-send more: on tests/test_exdyna.py's stationary stream (density 0.05) about 4x the target
-over iterations 1-10, and 1.09-1.12x (mean of iterations 40-49; single iterations
-0.65-1.5x) after that. The per-iteration density oscillates and its mean sits a few
-percent above the target (the count reacts convexly to the threshold). Moving one block
+The cap (``scheme_options={"cap": c}``, default 1.2) is ours. Without it the achieved
+density follows the target only as fast as Algorithm 5 moves (+-5 % per iteration far from
+it, +-1.25 % near it), while error feedback makes the steady-state threshold several times
+the calibrated one (residuals grow for about 1/density iterations; under momentum
+correction a velocity is ~1/(1-m) times a gradient) and the density warm-up recalibrates
+at every stage: 3-5x the target under the default recipe, and up to 10.7x in single steps
+(issue 31's measurements). With it no step sends more than ``cap · k`` (plus one element
+per partition whose share of k rounds to zero) and the threshold still tracks the
+untrimmed demand; below the target nothing changes. Moving one block
 per adjacent pair per iteration balances slowly on strongly skewed gradients. A NaN/Inf
 outside a rank's own partition waits in its residual until that rank owns the partition
 (at most P - 1 iterations). All trainable gradients must share one dtype (float32,
@@ -89,6 +94,7 @@ import torch
 
 from .. import ops
 from ..plan.cost import nominal_k
+from ..sparsify.base import trim
 from ..sparsify.threshold import Threshold
 from .base import Option, SyncConfig, WholeGradientScheme, is_int, is_real
 
@@ -116,7 +122,7 @@ class ExDynaState:
 
     def __init__(self, numel: int, nranks: int, density: float, *, blocks_per_worker: int = 128,
                  move_blocks: int = 1, min_blocks: int = 1, alpha: float = 1.1,
-                 beta: float = 1.2, gamma: float = 0.05):
+                 beta: float = 1.2, gamma: float = 0.05, cap: float = 1.2):
         if nranks < 1 or numel < 0:
             raise ValueError(f"need nranks >= 1 and numel >= 0, got {nranks}, {numel}")
         self.numel, self.nranks, self.density = int(numel), int(nranks), float(density)
@@ -124,6 +130,7 @@ class ExDynaState:
         self.blocks_per_worker = int(blocks_per_worker)
         self.move_blocks, self.min_blocks = int(move_blocks), int(min_blocks)
         self.alpha = float(alpha)
+        self.cap = float(cap)
         self._scaler = Threshold(beta=beta, gamma=gamma)  # Algorithm 5's scale factor
         self.threshold: Optional[float] = None
         self.iteration = 0
@@ -176,6 +183,13 @@ class ExDynaState:
         """Exact top-k count of ``rank``'s partition in a calibration iteration."""
         lo, hi = self.partition(rank)
         return min(hi - lo, math.ceil(self.k * (hi - lo) / max(self.numel, 1) - 1e-9))
+
+    def capacity(self, rank: int) -> int:
+        """The most elements ``rank`` sends this iteration: ``cap`` times its partition's
+        share of k, rounded down (at least one), so the ranks together send at most
+        ``cap · k`` (plus one per partition whose share rounds to zero)."""
+        lo, hi = self.partition(rank)
+        return max(1, int(self.cap * self.k * (hi - lo) / max(self.numel, 1) + 1e-9))
 
     # ------------------------------------------------------------------ after the exchange
     def observe(self, counts: Sequence[int], kth: Optional[Sequence[float]] = None) -> None:
@@ -258,6 +272,7 @@ class ExDynaScheme(WholeGradientScheme):
         "alpha": Option(1.1, is_real(1.0, open_low=True), "a number > 1"),
         "beta": Option(1.2, is_real(1.0, open_low=True), "a number > 1"),
         "gamma": Option(0.05, is_real(0.0, 1.0, open_low=True), "a number in (0, 1]"),
+        "cap": Option(1.2, is_real(1.0), "a number >= 1"),
     }
 
     def __init__(self, config: SyncConfig):
@@ -290,10 +305,17 @@ class ExDynaScheme(WholeGradientScheme):
             self._kth = self.transport.allgather(torch.tensor([kth], dtype=torch.float64), "kth")
         else:
             values, idx = ops.threshold_select(part, st.threshold)
+        # the threshold lags the residuals' growth (they accumulate for ~1/density steps, and
+        # a velocity is ~1/(1-m) times a gradient): the largest up to this rank's capacity are
+        # sent, the count above the threshold is what Algorithm 5 and 3 see
+        demand = values.numel()
+        values, idx = trim(values, idx, st.capacity(self._rank))
         idx = idx.to(self._idx_dtype).add_(lo)
         self._acc, self.selected = acc, idx
         self._sparsify_s = time.perf_counter() - t0
-        self._ag = self.transport.allgather(idx, "idx")
+        # the demand rides the index allgather as one negative entry after the indices
+        tail = torch.tensor([-1 - demand], dtype=self._idx_dtype, device=idx.device)
+        self._ag = self.transport.allgather(torch.cat([idx, tail]), "idx")
 
     # ------------------------------------------------------------------ finish
     def finish(self) -> None:
@@ -304,11 +326,17 @@ class ExDynaScheme(WholeGradientScheme):
         cfg, tr = self.config, self.transport
         t_wait = time.perf_counter()
         st = self.state
-        gathered = tr.wait(self._ag)  # idx_t: rank-major, disjoint
+        gathered = tr.wait(self._ag)  # per rank (in rank order): its indices, then -1 - demand
+        tails = gathered < 0
+        demand = (-1 - gathered[tails].long()).tolist()
+        gathered = gathered[~tails]  # idx_t: rank-major, disjoint
         bounds = st.bounds()
         counts = torch.bincount(
             torch.bucketize(gathered.long(), torch.tensor(bounds[1:-1], device=gathered.device),
                             right=True), minlength=self._nranks).tolist()
+        wanted = [0] * self._nranks  # the demand per partition (rank r searched allocation(r))
+        for r, d in enumerate(demand):
+            wanted[st.allocation(r)] = d
         kth = tr.wait(self._kth).tolist() if self._calibrating else None
         values = self._acc.index_select(0, gathered.long()).to(self._dtype)  # the wire dtype
         compressed, ctx = cfg.compression.compress(values)
@@ -332,9 +360,9 @@ class ExDynaScheme(WholeGradientScheme):
             # ExDyna's own: the threshold used, this rank's partition and count, the
             # per-partition counts and f(t) = P * max k_i / k' (Eq. 5; 1 is perfect balance)
             extra={"threshold": st.threshold, "partition": st.partition(self._rank),
-                   "selected": own, "counts": counts,
+                   "selected": own, "counts": counts, "demand": wanted,
                    "imbalance": self._nranks * max(counts) / total if total else 1.0})
-        st.observe(counts, kth)
+        st.observe(wanted, kth)
         self.reset()
 
     def pending(self) -> bool:
