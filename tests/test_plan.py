@@ -624,3 +624,68 @@ def test_auto_breaks_near_ties_by_preference_never_for_multi_tensor():
     assert auto.scheme == tied[0] != "multi_tensor"
     assert AUTO_PREFERENCE.index(auto.scheme) < AUTO_PREFERENCE.index("multi_tensor")
     assert set(AUTO_PREFERENCE) == set(PLANNERS) - {"auto"}
+
+
+# -- the group budget's planner rule ------------------------------------------------------
+
+def _parts(p):
+    """Sparse parts build_group makes: per group one for the inline tensors, one per
+    offloaded tensor."""
+    return sum(any(p.sparse[i] and not p.offload[i] for i in g.indices())
+               + sum(p.offload[i] for i in g.indices()) for g in p.groups)
+
+
+@pytest.mark.parametrize("model", ["resnet50", "gpt2", "bert-base"])
+@pytest.mark.parametrize("scheme", ["ssfusion", "ssfusion_oi"])
+def test_group_budget_plans_the_fewest_parts_within_the_slack(model, scheme):
+    """Under the group budget the planner takes, among its candidates (the fastest plan;
+    its groups without offloading; Cupcake's groups; one group), the one with the fewest
+    sparse parts predicted within 1 + slack of the fastest candidate. Never slower than
+    that bound, never more parts than the fastest plan; slack 0 with ties aside is the
+    fastest candidate; floor None is the paper's planner."""
+    tensors = model_tensors(model)
+    names, sizes = [n for n, _ in tensors], [n for _, n in tensors]
+    c = CostModel.from_network(1e9, 25e-6, 4, default_backward_times(sizes))
+    paper = build_plan(scheme, sizes, c, 0.01, names, "dgc")
+    assert paper.group_floor is None and "budget" not in paper.notes
+    assert build_plan(scheme, sizes, c, 0.01, names, "dgc", group_floor=None,
+                      accuracy_slack=0.2).to_json() == paper.to_json()
+    t_paper = simulate(paper, c).iteration_s
+    for slack in (0.0, 0.2, 10.0):
+        p = build_plan(scheme, sizes, c, 0.01, names, "dgc", group_floor=0.0,
+                       accuracy_slack=slack)
+        assert p.group_floor == 0.0 and p.scheme == scheme
+        t = simulate(p, c).iteration_s
+        cands = json.loads(p.notes["budget_candidates"])
+        assert set(cands) == {"fastest", "fastest, no offload", "Cupcake's groups", "one group"}
+        assert cands["fastest"]["predicted_s"] == t_paper  # the paper's plan is a candidate
+        best = min(v["predicted_s"] for v in cands.values())
+        ok = {k: v for k, v in cands.items() if v["predicted_s"] <= best * (1 + slack)}
+        assert cands[p.notes["budget"]]["predicted_s"] == t <= best * (1 + slack)
+        assert _parts(p) == cands[p.notes["budget"]]["sparse_parts"] == min(
+            v["sparse_parts"] for v in ok.values())
+        assert _parts(p) <= _parts(paper)
+        if slack == 10.0:  # anything goes: one group, one part
+            assert len(p.groups) == 1 and _parts(p) == 1 and not any(p.offload)
+    # on these models at 1 Gbit/s Cupcake's groups beat the per-tensor fusion: fewer parts
+    # and faster
+    p = build_plan(scheme, sizes, c, 0.01, names, "dgc", group_floor=0.0, accuracy_slack=0.2)
+    assert _parts(p) < _parts(paper) and simulate(p, c).iteration_s < t_paper
+
+
+def test_group_budget_takes_one_group_for_a_small_model():
+    """A model whose one-group plan is predicted within the slack of the fastest plan runs
+    as one group with nothing offloaded: every sparsified tensor shares one budget."""
+    sizes = [10, 2560, 256, 65536, 256, 16384]  # an MLP's gradients, backward order
+    names = [f"t{i}" for i in range(len(sizes))]
+    c = CostModel.from_network(1e9, 25e-6, 2, [1e-4] * len(sizes),
+                               sparsify={"topk": {"gpu": (2e-5, 2e-10), "cpu": (2e-5, 2e-10)}})
+    fastest = build_plan("ssfusion_oi", sizes, c, 0.01, names, "topk", group_floor=0.0,
+                         accuracy_slack=0.0)
+    one = build_plan("ssfusion_oi", sizes, c, 0.01, names, "topk", group_floor=0.0,
+                     accuracy_slack=10.0)
+    assert len(one.groups) == 1 and not any(one.offload) and one.notes["budget"] == "one group"
+    ratio = simulate(one, c).iteration_s / simulate(fastest, c).iteration_s
+    within = build_plan("ssfusion_oi", sizes, c, 0.01, names, "topk", group_floor=0.0,
+                        accuracy_slack=ratio - 1 + 1e-9)
+    assert within.to_json() == one.to_json()

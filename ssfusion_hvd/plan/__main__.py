@@ -20,7 +20,7 @@ from .cost import (
 from .models import MODELS, model_tensors
 from .schemes import DEFAULT_FUSION_THRESHOLD, PLANNERS, build_plan, choose_plan
 from .formulas import FORMULA_SCHEMES, iteration_s
-from .selective import DEFAULT_MIN_K
+from .selective import DEFAULT_ACCURACY_SLACK, DEFAULT_GROUP_FLOOR, DEFAULT_MIN_K
 from .timeline import simulate
 
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -49,6 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-k", type=int, default=DEFAULT_MIN_K,
                    help="SSFusion schemes: send dense a tensor whose top-k would keep fewer "
                         "elements (as scheme_options['min_k']; default 0: off)")
+    p.add_argument("--floor", default=str(DEFAULT_GROUP_FLOOR),
+                   help="SSFusion schemes: the group budget's floor share, or 'none' for every "
+                        "tensor its own k (as scheme_options['floor']; default %(default)s)")
+    p.add_argument("--slack", type=float, default=DEFAULT_ACCURACY_SLACK,
+                   help="SSFusion schemes under the group budget: larger shared budgets taken "
+                        "within this share of the fastest plan (as scheme_options['slack']; "
+                        "default %(default)s)")
     p.add_argument("--save-plan", help="write the printed plan as JSON")
     return p
 
@@ -57,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.min_k < 0:
         raise SystemExit(f"--min-k must be >= 0, got {args.min_k}")
+    if args.slack < 0:
+        raise SystemExit(f"--slack must be >= 0, got {args.slack}")
+    if args.floor != "none" and not 0.0 <= float(args.floor) <= 1.0:
+        raise SystemExit(f"--floor must be 'none' or in [0, 1], got {args.floor}")
     tensors = model_tensors(args.model)
     names = [name for name, _ in tensors]
     sizes = [n for _, n in tensors]
@@ -80,12 +91,14 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if args.profile else "  [assumption: fitted to SSFusion Table III]"))
     print(f"model: {args.model}, {len(sizes)} gradient tensors, {sum(sizes):,} elements\n")
 
+    group = dict(min_k=args.min_k, group_floor=None if args.floor == "none" else float(args.floor),
+                 accuracy_slack=args.slack)
     plans = {s: build_plan(s, sizes, cost, args.density, names, args.sparsifier, args.fusion_threshold,
-                           min_k=args.min_k)
+                           **group)
              for s in PLANNERS if s != "auto"}
     plans["auto"] = choose_plan(sizes, cost, density=args.density, names=names,
                                 sparsifier=args.sparsifier, fusion_threshold_bytes=args.fusion_threshold,
-                                min_k=args.min_k)
+                                **group)
     timelines = {s: simulate(p, cost) for s, p in plans.items()}
     print(plans[args.scheme].table(timelines[args.scheme]))
     if args.save_plan:

@@ -82,6 +82,7 @@ def build_plan(
     fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD,
     min_k: int = 0,
     group_floor: float | None = None,
+    accuracy_slack: float = 0.0,
 ) -> Plan:
     """The plan of ``scheme`` for gradient tensors ``sizes`` (element counts, backward order).
 
@@ -90,8 +91,10 @@ def build_plan(
     (:func:`keep_small_dense`). ``group_floor`` (SSFusion schemes only; the live schemes
     pass ``scheme_options["floor"]``): None, each sparsified tensor sends its own ``k``
     (the paper); a share, each group's inline sparsified tensors share their budget by
-    magnitude above that floor (:attr:`Plan.group_floor`). The paper's baselines
-    (per_tensor, multi_tensor) sparsify every tensor, as published."""
+    magnitude above that floor (:attr:`Plan.group_floor`). ``accuracy_slack`` (SSFusion
+    schemes under the group budget; ``scheme_options["slack"]``): the plan with the largest
+    shared budgets predicted within that share of the fastest (:func:`_larger_budgets`).
+    The paper's baselines (per_tensor, multi_tensor) sparsify every tensor, as published."""
     if scheme not in PLANNERS:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {PLANNERS}")
     if not 0.0 < density <= 1.0:
@@ -99,7 +102,7 @@ def build_plan(
     if scheme == "auto":
         return choose_plan(sizes, cost, density=density, names=names, sparsifier=sparsifier,
                            fusion_threshold_bytes=fusion_threshold_bytes, min_k=min_k,
-                           group_floor=group_floor)
+                           group_floor=group_floor, accuracy_slack=accuracy_slack)
     n = len(sizes)
     if scheme == "dense":  # what hvd.DistributedOptimizer sends
         bounds = horovod_groups(sizes, cost, fusion_threshold_bytes)
@@ -111,6 +114,24 @@ def build_plan(
     # SSFusion §IV-B Step-1: the fusion buffers of Cupcake's optimal fusion, optimized for
     # what runs in them: every tensor sparsified on its own (per-tensor mode).
     fused = optimal_fusion(sizes, cost, "per_tensor", density, scheme, names, sparsifier)
+    plan = _ssfusion_steps(scheme, fused, cost, min_k, offload=True)
+    if group_floor is not None:
+        plan = _larger_budgets(scheme, plan, sizes, cost, density, names, sparsifier, min_k,
+                               accuracy_slack)
+    plan.group_floor = None if group_floor is None else float(group_floor)
+    # SSFusion's premise is to sparsify only where it pays: a plan predicted slower than
+    # Horovod's own dense allreduce is not run; those buffers are (every rank decides
+    # alike: the cost model is rank 0's)
+    dense = build_plan("dense", sizes, cost, density, names, sparsifier, fusion_threshold_bytes)
+    if simulate(dense, cost).iteration_s < simulate(plan, cost).iteration_s:
+        return dataclasses.replace(dense, scheme=scheme)
+    return plan
+
+
+def _ssfusion_steps(scheme: str, fused: Plan, cost: CostModel, min_k: int, offload: bool) -> Plan:
+    """SSFusion's per-tensor decisions on fixed groups: selective sparsification (§IV-B),
+    the -I split (§IV-D), the small-tensor rule and, for the -O schemes when ``offload``,
+    offloading (§IV-C)."""
     plan = select_sparsified(fused, cost, scheme="ssfusion")
     if scheme in ("ssfusion_i", "ssfusion_oi"):  # §IV-D builds on §IV-B's selection
         plan = split_interleaved(plan, cost, scheme="ssfusion_i")
@@ -119,15 +140,51 @@ def build_plan(
     if min_k > 0:  # recorded, so a saved plan says how it was made
         plan = keep_small_dense(plan, min_k)
         plan.notes = dict(plan.notes, min_k=str(int(min_k)))
-    if scheme in ("ssfusion_o", "ssfusion_oi"):
+    if offload and scheme in ("ssfusion_o", "ssfusion_oi"):
         plan = choose_offload(plan, cost, scheme=scheme)
-    plan.group_floor = None if group_floor is None else float(group_floor)
-    # SSFusion's premise is to sparsify only where it pays: a plan predicted slower than
-    # Horovod's own dense allreduce is not run; those buffers are (every rank decides
-    # alike: the cost model is rank 0's)
-    dense = build_plan("dense", sizes, cost, density, names, sparsifier, fusion_threshold_bytes)
-    if simulate(dense, cost).iteration_s < simulate(plan, cost).iteration_s:
-        return dataclasses.replace(dense, scheme=scheme)
+    return dataclasses.replace(plan, scheme=scheme)
+
+
+def _sparse_parts(plan: Plan) -> int:
+    """How many sparse parts ``build_group`` makes of ``plan``: per group one for the
+    tensors selected inline, one per offloaded tensor."""
+    return sum(any(plan.sparse[i] and not plan.offload[i] for i in g.indices())
+               + sum(plan.offload[i] for i in g.indices()) for g in plan.groups)
+
+
+def _larger_budgets(scheme: str, fastest: Plan, sizes, cost: CostModel, density: float, names,
+                    sparsifier: str, min_k: int, slack: float) -> Plan:
+    """The accuracy rule of the group budget: of the candidate plans the simulator predicts
+    within ``1 + slack`` of the fastest of them, the one with the fewest sparse parts
+    (each part's tensors share one budget; fewer parts, larger shared budgets), the faster
+    one on a tie.
+
+    Under the group budget a sparse part's k goes where the magnitudes are, but only
+    inside the part; a time-optimal plan may cut a model into single-tensor parts (many
+    groups, each offloaded tensor a part of its own), and then every tensor sends exactly
+    its own k. The candidates, all with SSFusion's per-tensor steps: ``fastest`` (the
+    fusion optimal for per-tensor selection, offloading where it pays); the same groups
+    with nothing offloaded; Cupcake's fusion optimal for one selection per buffer (what a
+    group budget selects like) with nothing offloaded; every tensor in one group."""
+    n = len(sizes)
+
+    def steps(bounds):
+        return _ssfusion_steps(scheme, fused_plan(sizes, bounds, "per_tensor", density, scheme,
+                                                  names, sparsifier), cost, min_k, offload=False)
+
+    cupcake = optimal_fusion(sizes, cost, "multi_tensor", density, scheme, names, sparsifier)
+    candidates = {"fastest": fastest,
+                  "fastest, no offload": steps([(g.start, g.end) for g in fastest.groups]),
+                  "Cupcake's groups": steps([(g.start, g.end) for g in cupcake.groups]),
+                  "one group": steps([(0, n)])}
+    times = {label: simulate(p, cost).iteration_s for label, p in candidates.items()}
+    best = min(times.values())
+    ok = [label for label in candidates if times[label] <= best * (1 + slack)]
+    label = min(ok, key=lambda c: (_sparse_parts(candidates[c]), times[c]))
+    plan = candidates[label]
+    plan.notes = dict(plan.notes, budget=label, budget_candidates=json.dumps(
+        {c: {"predicted_s": times[c], "sparse_parts": _sparse_parts(p)}
+         for c, p in candidates.items()}))
     return plan
 
 

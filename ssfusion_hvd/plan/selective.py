@@ -14,6 +14,7 @@ from .plan import ALLGATHER, ALLREDUCE, Plan
 from .timeline import _run
 
 __all__ = [
+    "DEFAULT_ACCURACY_SLACK",
     "DEFAULT_GROUP_FLOOR",
     "DEFAULT_MIN_K",
     "MIN_DENSITY",
@@ -39,6 +40,10 @@ DEFAULT_MIN_K = 0
 #: a fusion buffer's budget is shared by magnitude, each tensor keeping at least one
 #: element (``docs/schemes.md``, "Group budget").
 DEFAULT_GROUP_FLOOR = 0.0
+#: The SSFusion schemes' default ``scheme_options["slack"]``: a plan whose sparse parts
+#: share larger budgets is taken when predicted within 20 % of the fastest
+#: (``plan/schemes.py: _larger_budgets``; ``docs/schemes.md``, "Group budget").
+DEFAULT_ACCURACY_SLACK = 0.2
 
 
 def floor_density(density: float) -> float:

@@ -107,7 +107,8 @@ class PlannedScheme(Scheme):
             text = build_plan(self.planner, [p.numel() for p in order], self.cost, cfg.density,
                               names=[cfg.names[p] for p in order], sparsifier=cfg.sparsifier,
                               min_k=self.opts.get("min_k", 0),
-                              group_floor=self.opts.get("floor")).to_json()
+                              group_floor=self.opts.get("floor"),
+                              accuracy_slack=self.opts.get("slack", 0.0)).to_json()
         self._adopt(Plan.from_json(self.transport.broadcast_object(text, "plan")))
 
     # ------------------------------------------------------------------ step

@@ -28,12 +28,16 @@ Options (``scheme_options=``), all five:
   does), each keeping at least ``max(1, ceil(floor · k))`` of its own, so none is ever
   missing (``ops.group_ef_topk``). ``None``: every tensor sends exactly its own k (the
   paper's per-tensor density). ``docs/schemes.md``, "Group budget", has the measurements.
+* ``slack`` (default ``plan.selective.DEFAULT_ACCURACY_SLACK``): under the group budget,
+  the planner takes the plan with the largest shared budgets (one group, or the fastest
+  plan's groups without offloading) that the simulator predicts within this share of the
+  fastest candidate (``plan/schemes.py: _larger_budgets``). 0: the fastest candidate.
 * ``min_k`` (default 0, the paper's planner): a tensor whose top-k at the target density
   would keep fewer elements is sent dense (``plan.keep_small_dense``: norms and biases with
   e.g. 32). Opt-in: the live example jobs measured no accuracy gain from it
   (``docs/schemes.md``, "Small tensors").
 """
-from ..plan.selective import DEFAULT_GROUP_FLOOR, DEFAULT_MIN_K
+from ..plan.selective import DEFAULT_ACCURACY_SLACK, DEFAULT_GROUP_FLOOR, DEFAULT_MIN_K
 from .base import Option, is_int, is_real
 from .planned import PlannedScheme
 
@@ -51,6 +55,8 @@ class _SSFusionFamily(PlannedScheme):
         "min_k": Option(DEFAULT_MIN_K, is_int(0), "an int >= 0 (0: every tensor may be sparsified)"),
         "floor": Option(DEFAULT_GROUP_FLOOR, _is_floor,
                         "None (each tensor its own k) or a share in [0, 1] (the group budget)"),
+        "slack": Option(DEFAULT_ACCURACY_SLACK, is_real(0.0),
+                        "a number >= 0 (0: the fastest candidate plan, whatever its budgets)"),
     }
 
 
