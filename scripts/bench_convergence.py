@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_e2e import SCHEMES, choices, environment  # noqa: E402
 
-#: task -> epochs
-EPOCHS = {"digits": 10, "lm": 3, "code": 3}
+#: task -> epochs (the image tasks of the accuracy suite as digits)
+EPOCHS = {"digits": 10, "mlp": 10, "mlp_wide": 10, "mlp_deep": 10, "gru": 10, "lm": 3, "code": 3}
 
 
 def parse_args(argv=None):
@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--sparsifier", default="topk")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"),
+                   help="the image tasks' optimizer (train.py --optimizer; text tasks: Adam)")
     p.add_argument("--momentum-correction", default="auto", choices=("auto", "on", "off"),
                    help="the recipe's local rule (train.py --momentum-correction)")
     p.add_argument("--density-warmup-steps", type=int, default=None,
@@ -76,7 +78,8 @@ def run_one(args, task: str, scheme: str, seed: int, logs: Path) -> dict:
     cmd = [horovodrun, "-np", str(args.workers), "-H", f"localhost:{args.workers}", "--gloo",
            sys.executable, "-m", "ssfusion_hvd.examples.train", "--task", task, "--scheme", scheme,
            "--sparsifier", args.sparsifier, "--density", str(args.density), "--seed", str(seed),
-           "--epochs", str(args.epochs or EPOCHS[task]), "--no-progress", "--json", str(out)]
+           "--epochs", str(args.epochs or EPOCHS[task]), "--no-progress", "--json", str(out),
+           "--optimizer", getattr(args, "optimizer", "sgd")]
     if args.plan:
         cmd += ["--plan", args.plan]
     elif args.profile:
@@ -86,6 +89,7 @@ def run_one(args, task: str, scheme: str, seed: int, logs: Path) -> dict:
         cmd += ["--density-warmup-steps", str(args.density_warmup_steps)]
     if args.min_k is not None:  # train.py passes it to the schemes that take it
         cmd += ["--min-k", str(args.min_k)]
+    cmd += list(getattr(args, "extra", ()))  # the accuracy suite's scheme variants
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.workers)),
                HOROVOD_CYCLE_TIME="1", PYTHONPATH=str(REPO))
     t0 = time.time()

@@ -55,3 +55,43 @@ class DigitsNet(nn.Module):
         x = F.relu(self.conv1(x))
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+class DigitsMLP(nn.Module):
+    """A plain MLP on the flattened 8x8 image: ``widths`` hidden layers with ReLU, then the
+    10 classes (the accuracy suite's MLPs, ``examples/train.py --task mlp|mlp_wide|mlp_deep``)."""
+
+    def __init__(self, widths=(256, 256), classes: int = 10):
+        super().__init__()
+        dims = [64, *widths]
+        layers = []
+        for a, b in zip(dims, dims[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(dims[-1], classes))
+
+    def forward(self, x):
+        return self.net(x.flatten(1))
+
+
+class DigitsGRU(nn.Module):
+    """A GRU reading the image row by row (8 steps of 8 pixels), the last hidden state
+    classified: the accuracy suite's recurrent model (``--task gru``)."""
+
+    def __init__(self, hidden: int = 128, classes: int = 10):
+        super().__init__()
+        self.rnn = nn.GRU(8, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        out, _ = self.rnn(x.reshape(x.shape[0], 8, 8))
+        return self.head(out[:, -1])
+
+
+#: the image models of ``examples/train.py``: task -> constructor
+DIGITS_MODELS = {
+    "digits": DigitsNet,
+    "mlp": lambda: DigitsMLP((256, 256)),
+    "mlp_wide": lambda: DigitsMLP((1024,)),
+    "mlp_deep": lambda: DigitsMLP((128, 128, 128, 128)),
+    "gru": DigitsGRU,
+}

@@ -6,7 +6,11 @@
 Tasks: ``digits`` (the default: a small CNN on scikit-learn's handwritten digits, momentum
 SGD, test accuracy; ``bash scripts/demo.sh`` runs it), ``lm`` (a small GPT-2 on the
 standard library's docstrings, byte level, Adam, validation perplexity) and ``code`` (the
-harder one: a deeper GPT-2 on the standard library's source; see ``examples/text.py``). Rank 0 prints one line per epoch: mean training loss over all
+harder one: a deeper GPT-2 on the standard library's source; see ``examples/text.py``);
+for the accuracy suite (``scripts/accuracy_suite.py``) the same digits with other models:
+``mlp`` (64-256-256-10), ``mlp_wide`` (64-1024-10), ``mlp_deep`` (four hidden layers of
+128) and ``gru`` (the rows read by a GRU of 128), with ``--optimizer sgd`` (momentum, the
+default) or ``adam``. Rank 0 prints one line per epoch: mean training loss over all
 ranks, the task's metric, and samples/s (all ranks' samples over the epoch's wall time),
 then what the scheme sent in its last iteration (``opt.stats()``). With ``--json`` every
 step's ``opt.stats()`` is read (which resolves device counters: a measuring run) so that
@@ -27,11 +31,15 @@ import torch.nn.functional as F
 
 import ssfusion_hvd
 from ssfusion_hvd.registry import options_for
-from ssfusion_hvd.examples.data import DigitsNet, load_digits_split, shard
+from ssfusion_hvd.examples.data import DIGITS_MODELS, load_digits_split, shard
 
-TASKS = ("digits", "lm", "code")
-#: per task: (batch size per worker, learning rate, steps per epoch or 0 for one pass)
-DEFAULTS = {"digits": (32, 0.05, 0), "lm": (16, 2e-3, 100), "code": (16, 1e-3, 100)}
+TASKS = (*DIGITS_MODELS, "lm", "code")
+#: per task: (batch size per worker, learning rate, steps per epoch or 0 for one pass); the
+#: image tasks' SGD rate is per worker (scaled by the workers), Adam's is ADAM_LR
+DEFAULTS = {**{t: (32, 0.05, 0) for t in DIGITS_MODELS}, "lm": (16, 2e-3, 100),
+            "code": (16, 1e-3, 100)}
+#: the image tasks' learning rate with --optimizer adam (not scaled by the workers)
+ADAM_LR = 1e-3
 
 
 def parse_args(argv=None):
@@ -48,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=0,
                    help="steps per epoch (0: digits one pass over the shard, lm 100)")
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"),
+                   help="image tasks: momentum SGD (lr 0.05 per worker) or Adam (lr 1e-3); the "
+                        "text tasks always use Adam")
     p.add_argument("--momentum-correction", default="auto", choices=("auto", "on", "off"),
                    help="the recipe's local rule: DGC momentum correction (SGD) / local Adam "
                         "moments (Adam); off: plain error feedback (see docs/recipe.md)")
@@ -57,6 +68,13 @@ def parse_args(argv=None):
     p.add_argument("--min-k", type=int, default=None,
                    help="SSFusion schemes and auto: scheme_options['min_k'], tensors whose top-k "
                         "would keep fewer elements go dense (default: the scheme's, 0: off)")
+    p.add_argument("--floor", default=None,
+                   help="SSFusion schemes and auto: scheme_options['floor'], the group budget's "
+                        "floor share ('none': every tensor its own k; default: the scheme's)")
+    p.add_argument("--slack", type=float, default=None,
+                   help="SSFusion schemes and auto: scheme_options['slack'], how much slower "
+                        "(predicted) a plan with larger shared budgets may be (default: the "
+                        "scheme's)")
     p.add_argument("--plan", default=None,
                    help="a Plan JSON (opt.plan.save) the sparse scheme runs from the first step "
                         "instead of profiling and planning")
@@ -87,9 +105,12 @@ def digits_task(args, rank: int, size: int) -> Task:
     steps = args.steps or len(mine.y) // args.batch_size
     if steps == 0:
         raise SystemExit(f"batch size {args.batch_size} exceeds the shard of {len(mine.y)} samples")
-    model = DigitsNet()
-    opt = torch.optim.SGD(model.parameters(), lr=(args.lr or DEFAULTS["digits"][1]) * size,
-                          momentum=args.momentum)
+    model = DIGITS_MODELS[args.task]()
+    if args.optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr or ADAM_LR)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=(args.lr or DEFAULTS[args.task][1]) * size,
+                              momentum=args.momentum)
     orders = {}
 
     def loss(epoch: int, s: int) -> torch.Tensor:
@@ -107,7 +128,8 @@ def digits_task(args, rank: int, size: int) -> Task:
         model.train()
         return correct / len(test.y)
     return Task(model, opt, steps, loss, evaluate, "test_acc",
-                f"digits train={len(train.y)} test={len(test.y)}", held_out=len(test.y))
+                f"{args.task}: digits train={len(train.y)} test={len(test.y)}, "
+                f"{type(opt).__name__}", held_out=len(test.y))
 
 
 def lm_task(args, rank: int, size: int) -> Task:
@@ -145,13 +167,15 @@ def main(argv=None):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(args.seed)
-    task = (digits_task if args.task == "digits" else lm_task)(args, rank, size)
+    task = (digits_task if args.task in DIGITS_MODELS else lm_task)(args, rank, size)
     model, steps = task.model, task.steps
     recipe = {"momentum_correction": {"auto": "auto", "on": True, "off": False}[args.momentum_correction]}
     if args.density_warmup_steps is not None:
         recipe["density_warmup_steps"] = args.density_warmup_steps
     # --min-k goes to the schemes that take it (the demo's dense comparison run does not)
-    options = options_for(args.scheme, min_k=args.min_k)
+    options = options_for(args.scheme, min_k=args.min_k, slack=args.slack)
+    if args.floor is not None and options_for(args.scheme, floor=0.0):  # a scheme that takes it
+        options = dict(options or {}, floor=None if args.floor == "none" else float(args.floor))
     opt = ssfusion_hvd.DistributedOptimizer(task.optimizer, named_parameters=model.named_parameters(),
                                             scheme=args.scheme, sparsifier=args.sparsifier,
                                             density=args.density, profile=args.profile,

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""The accuracy suite: does a scheme train as well as dense on models it was not tuned for?
+
+    .venv/bin/python scripts/accuracy_suite.py                     # every cell, 3 seeds
+    .venv/bin/python scripts/accuracy_suite.py --cells mlp-sgd-0.01-6 --seeds 0
+    .venv/bin/python scripts/accuracy_suite.py --list               # the cells
+
+A *cell* is one training setup: task, optimizer, density, epochs, workers. Every scheme of
+``--schemes`` runs every cell with the same seeds and equal epochs through
+``bench_convergence.run_one`` (``horovodrun -np W --gloo python -m
+ssfusion_hvd.examples.train``; the planned schemes plan on the 1 Gbit/s profile, so they
+sparsify what they would there). Tasks (``examples/train.py``): four image models on the
+bundled digits (an MLP 64-256-256-10, a wide one 64-1024-10, a deep one with four hidden
+layers of 128, and a GRU reading the rows), the digits CNN, and the byte-level GPT-2 LM.
+
+Scheme labels are ``scheme`` or ``scheme/variant``: ``ssfusion_oi/uniform`` is
+ssfusion_oi with every tensor at its own k (``scheme_options={"floor": None}``, the
+paper's per-tensor density) instead of the group budget; ``ssfusion_oi/slack=0.2`` plans
+with ``scheme_options={"slack": 0.2}``.
+
+Output: ``<out>/<name>.json`` (every run, rewritten after each; ``--merge`` keeps the
+runs of an earlier file that this invocation does not repeat) and ``<name>.md``: per cell
+the mean ± std of the last epoch's metric, its difference to dense, and the density
+actually sent over the whole run (warm-up included).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_convergence import run_one  # noqa: E402
+from bench_e2e import environment  # noqa: E402
+
+#: (task, optimizer, density, epochs, workers), in the order they run
+CELLS = [
+    *[(t, "sgd", 0.01, 6, 2) for t in ("mlp", "mlp_wide", "mlp_deep", "digits", "gru")],
+    *[(t, "sgd", 0.001, 6, 2) for t in ("mlp", "mlp_wide", "mlp_deep", "digits", "gru")],
+    *[(t, "adam", 0.01, 6, 2) for t in ("mlp", "gru")],
+    ("lm", "adam", 0.01, 3, 2),
+    *[(t, "sgd", 0.01, 20, 2) for t in ("mlp", "mlp_deep", "gru")],
+    *[(t, "sgd", 0.01, 6, 4) for t in ("mlp", "gru")],
+]
+#: scheme label -> (scheme, extra train.py arguments)
+VARIANTS = {"uniform": ["--floor", "none"]}
+
+
+def cell_name(cell) -> str:
+    task, opt, density, epochs, workers = cell
+    return f"{task}-{opt}-{density:g}-{epochs}" + (f"-w{workers}" if workers != 2 else "")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", default="", help="comma-separated cell names (default: all; --list)")
+    p.add_argument("--schemes", default="dense,ssfusion_oi,multi_tensor,ssfusion_oi/uniform")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--profile", default=str(REPO / "docs" / "results" / "profile_1gbit.json"))
+    p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--out", default=str(REPO / "docs" / "results"))
+    p.add_argument("--name", default="accuracy_suite")
+    p.add_argument("--merge", action="store_true")
+    p.add_argument("--list", action="store_true")
+    return p.parse_args(argv)
+
+
+def scheme_of(label: str):
+    """(scheme, extra train.py arguments) of a label: ``scheme``, ``scheme/uniform`` or
+    ``scheme/slack=x`` (``scheme_options["slack"]``)."""
+    scheme, _, variant = label.partition("/")
+    if variant.startswith("slack="):
+        return scheme, ["--slack", variant[len("slack="):]]
+    if variant and variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r} of {label!r}; known: {sorted(VARIANTS)}, "
+                         "slack=x")
+    return scheme, VARIANTS.get(variant, [])
+
+
+def run_cell(args, cell, label: str, seed: int, logs: Path) -> dict:
+    task, opt, density, epochs, workers = cell
+    scheme, extra = scheme_of(label)
+    ns = SimpleNamespace(
+        workers=workers, sparsifier="topk", density=density, epochs=epochs, plan="",
+        profile=args.profile, momentum_correction="auto", density_warmup_steps=None,
+        min_k=None, timeout=args.timeout, optimizer=opt, extra=extra,
+        name=f"{args.name}-{cell_name(cell)}-{label.replace('/', '_')}")
+    r = run_one(ns, task, scheme, seed, logs)
+    r.update(cell=cell_name(cell), label=label, optimizer=opt, density=density, epochs=epochs,
+             workers=workers)
+    return r
+
+
+def _final(r):
+    return r["history"][-1][r["metric"]]
+
+
+def report(doc: dict) -> str:
+    lines = [f"Seeds {doc['seeds']}; last epoch's metric, mean ± std; 'vs dense': difference "
+             "of the means (points of test accuracy, or the perplexity ratio); 'sent': "
+             "elements sent / elements over the whole run, warm-up included.\n",
+             "| cell | scheme | metric | vs dense | sent | runs |", "|---|---|---:|---:|---:|---:|"]
+    cells = list(dict.fromkeys(r["cell"] for r in doc["runs"]))
+    for c in cells:
+        mine = [r for r in doc["runs"] if r["cell"] == c]
+        dense = [_final(r) for r in mine if r["label"] == "dense" and "error" not in r]
+        base = statistics.mean(dense) if dense else None
+        for label in dict.fromkeys(r["label"] for r in mine):
+            runs = [r for r in mine if r["label"] == label]
+            ok = [r for r in runs if "error" not in r]
+            if not ok:
+                lines.append(f"| {c} | {label} | failed | | | {len(runs)} |")
+                continue
+            acc = ok[0]["metric"] == "test_acc"
+            xs = [_final(r) for r in ok]
+            m, sd = statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+            scale = 100 if acc else 1
+            diff = "" if base is None or label == "dense" else (
+                f"{scale * (m - base):+.2f}" if acc else f"{m / base:.3f}x")
+            sent = statistics.mean(statistics.mean(h.get("density_sent", 1.0) for h in r["history"])
+                                   for r in ok)
+            failed = len(runs) - len(ok)
+            lines.append(f"| {c} | {label} | {scale * m:.2f} ± {scale * sd:.2f} | {diff} | "
+                         f"{sent:.4f} | {len(ok)}{f' ({failed} failed)' if failed else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    by_name = {cell_name(c): c for c in CELLS}
+    if args.list:
+        print("\n".join(by_name))
+        return
+    names = [c for c in args.cells.split(",") if c] or list(by_name)
+    for n in names:
+        if n not in by_name:
+            raise SystemExit(f"unknown cell {n!r}; --list shows them")
+    labels = [s for s in args.schemes.split(",") if s]
+    for label in labels:
+        scheme_of(label)
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    out = Path(args.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    path = out / f"{args.name}.json"
+    doc = {"command": ".venv/bin/python scripts/accuracy_suite.py "
+                      + " ".join(sys.argv[1:] if argv is None else argv),
+           "seeds": seeds, "profile": args.profile, "environment": environment(), "runs": []}
+    if args.merge and path.exists():
+        rerun = {(n, label, seed) for n in names for label in labels for seed in seeds}
+        doc["runs"] = [r for r in json.loads(path.read_text())["runs"]
+                       if (r["cell"], r["label"], r["seed"]) not in rerun]
+    for n in names:
+        for label in labels:
+            for seed in seeds:
+                r = run_cell(args, by_name[n], label, seed, logs)
+                r["command"] = doc["command"]
+                doc["runs"].append(r)
+                status = r.get("error") or f"{r['metric']} {_final(r):.4f}"
+                print(f"[suite] {n} {label} seed {seed}: {status} ({r['run_s']:.0f} s)", flush=True)
+                path.write_text(json.dumps(doc, indent=1))
+    text = report(doc)
+    (out / f"{args.name}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
