@@ -9,14 +9,16 @@ A *cell* is one training setup: task, optimizer, density, epochs, workers. Every
 ``--schemes`` runs every cell with the same seeds and equal epochs through
 ``bench_convergence.run_one`` (``horovodrun -np W --gloo python -m
 ssfusion_hvd.examples.train``; the planned schemes plan on the 1 Gbit/s profile, so they
-sparsify what they would there). Tasks (``examples/train.py``): four image models on the
+sparsify what they would there). Peers (``examples/peers.py``: DDP with PowerSGD or fp16
+compression, Horovod with fp16) run as schemes of the same name. Tasks
+(``examples/train.py``): four image models on the
 bundled digits (an MLP 64-256-256-10, a wide one 64-1024-10, a deep one with four hidden
 layers of 128, and a GRU reading the rows), the digits CNN, and the byte-level GPT-2 LM.
 
 Scheme labels are ``scheme`` or ``scheme/variant``: ``ssfusion_oi/uniform`` is
 ssfusion_oi with every tensor at its own k (``scheme_options={"floor": None}``, the
-paper's per-tensor density) instead of the group budget; ``ssfusion_oi/slack=0.2`` plans
-with ``scheme_options={"slack": 0.2}``.
+paper's per-tensor density) instead of the group budget; ``ssfusion_oi/slack=0.2`` and
+``ssfusion_oi/floor=0.5`` set ``scheme_options`` ``slack`` and ``floor``.
 
 Output: ``<out>/<name>.json`` (every run, rewritten after each; ``--merge`` keeps the
 runs of an earlier file that this invocation does not repeat) and ``<name>.md``: per cell
@@ -61,6 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--cells", default="", help="comma-separated cell names (default: all; --list)")
     p.add_argument("--schemes", default="dense,ssfusion_oi,multi_tensor,ssfusion_oi/uniform")
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--epochs", type=int, default=0, help="every cell's epochs (0: the cell's own)")
     p.add_argument("--profile", default=str(REPO / "docs" / "results" / "profile_1gbit.json"))
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", default=str(REPO / "docs" / "results"))
@@ -71,14 +74,15 @@ def parse_args(argv=None):
 
 
 def scheme_of(label: str):
-    """(scheme, extra train.py arguments) of a label: ``scheme``, ``scheme/uniform`` or
-    ``scheme/slack=x`` (``scheme_options["slack"]``)."""
+    """(scheme, extra train.py arguments) of a label: ``scheme``, ``scheme/uniform``,
+    ``scheme/slack=x`` or ``scheme/floor=x`` (``scheme_options["slack"]``, ``["floor"]``)."""
     scheme, _, variant = label.partition("/")
-    if variant.startswith("slack="):
-        return scheme, ["--slack", variant[len("slack="):]]
+    for option in ("slack", "floor"):
+        if variant.startswith(option + "="):
+            return scheme, [f"--{option}", variant[len(option) + 1:]]
     if variant and variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r} of {label!r}; known: {sorted(VARIANTS)}, "
-                         "slack=x")
+                         "slack=x, floor=x")
     return scheme, VARIANTS.get(variant, [])
 
 
@@ -86,13 +90,13 @@ def run_cell(args, cell, label: str, seed: int, logs: Path) -> dict:
     task, opt, density, epochs, workers = cell
     scheme, extra = scheme_of(label)
     ns = SimpleNamespace(
-        workers=workers, sparsifier="topk", density=density, epochs=epochs, plan="",
+        workers=workers, sparsifier="topk", density=density, epochs=args.epochs or epochs, plan="",
         profile=args.profile, momentum_correction="auto", density_warmup_steps=None,
         min_k=None, timeout=args.timeout, optimizer=opt, extra=extra,
         name=f"{args.name}-{cell_name(cell)}-{label.replace('/', '_')}")
     r = run_one(ns, task, scheme, seed, logs)
-    r.update(cell=cell_name(cell), label=label, optimizer=opt, density=density, epochs=epochs,
-             workers=workers)
+    r.update(cell=cell_name(cell), label=label, optimizer=opt, density=density,
+             epochs=args.epochs or epochs, workers=workers)
     return r
 
 
@@ -100,10 +104,20 @@ def _final(r):
     return r["history"][-1][r["metric"]]
 
 
+def _sent(row) -> float:
+    """One epoch's bytes per step against a dense float32 allreduce's (a peer's elements
+    are not ours to count), or, in runs that predate the byte count, the density sent."""
+    if row.get("bytes_per_step") is not None and row.get("dense_bytes_per_step"):
+        return row["bytes_per_step"] / row["dense_bytes_per_step"]
+    return row.get("density_sent", 1.0)
+
+
 def report(doc: dict) -> str:
     lines = [f"Seeds {doc['seeds']}; last epoch's metric, mean ± std; 'vs dense': difference "
-             "of the means (points of test accuracy, or the perplexity ratio); 'sent': "
-             "elements sent / elements over the whole run, warm-up included.\n",
+             "of the means (points of test accuracy, or the perplexity ratio); 'sent': bytes "
+             "one rank sent per step against a dense float32 allreduce, over the whole run "
+             "(warm-up and dense profiling steps included; a peer's once it compresses), or "
+             "elements sent / elements in runs without byte counts.\n",
              "| cell | scheme | metric | vs dense | sent | runs |", "|---|---|---:|---:|---:|---:|"]
     cells = list(dict.fromkeys(r["cell"] for r in doc["runs"]))
     for c in cells:
@@ -122,8 +136,7 @@ def report(doc: dict) -> str:
             scale = 100 if acc else 1
             diff = "" if base is None or label == "dense" else (
                 f"{scale * (m - base):+.2f}" if acc else f"{m / base:.3f}x")
-            sent = statistics.mean(statistics.mean(h.get("density_sent", 1.0) for h in r["history"])
-                                   for r in ok)
+            sent = statistics.mean(statistics.mean(_sent(h) for h in r["history"]) for r in ok)
             failed = len(runs) - len(ok)
             lines.append(f"| {c} | {label} | {scale * m:.2f} ± {scale * sd:.2f} | {diff} | "
                          f"{sent:.4f} | {len(ok)}{f' ({failed} failed)' if failed else ''} |")

@@ -24,12 +24,19 @@ Variants (``--variants``):
 * ``auto`` / ``mask`` / ``nomask``: the recipe's local rule (momentum correction for
   SGD, local Adam moments for Adam) with ``momentum_masking`` "auto", True, False, and
   the density warm-up of ``--warmup`` steps (default: the package's);
+* ``mask_density``: ``auto``, but Adam's first moment masked by SGD's density rule (only
+  while the density in force is below ``1 - beta1``) instead of always;
 * ``auto_min_k``: ``auto`` with the SSFusion planner's accuracy rule
   (``plan.keep_small_dense``): tensors whose top-k at ``--density`` would keep fewer than
   ``--min-k`` elements are averaged dense and stepped by the task's optimizer, as the
   engine steps a plan's dense tensors.
 
 Output: one line per run and a mean ± std table per task (``--json`` keeps the runs).
+
+``--adam-limit P`` instead measures the Adam rule in the dense limit (density 1: every
+element sent every step) on P ranks with noisy gradients (signal 0.1, noise 1 per
+element): the norm of the rule's averaged update against ``torch.optim.Adam``'s on the
+averaged gradient, and their cosine, with masking off and with the default.
 """
 from __future__ import annotations
 
@@ -51,7 +58,16 @@ from ssfusion_hvd.plan.cost import nominal_k  # noqa: E402
 from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe  # noqa: E402
 from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule, ResidualMemory  # noqa: E402
 
-VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask", "auto_min_k")
+VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask", "mask_density", "auto_min_k")
+
+
+class DensityMaskedAdam(AdamRule):
+    """The ``mask_density`` variant: Adam's first moment masked by SGD's density rule."""
+
+    def mask(self, key, idx):
+        m = self.state.get(key, {}).get("exp_avg")
+        if m is not None and self.masks(self.beta1):
+            m.index_fill_(0, idx, 0)
 
 
 def parse_args(argv=None):
@@ -70,7 +86,37 @@ def parse_args(argv=None):
                    help="dense steps before sparsifying, the zero step included (a planned "
                         "scheme's warmup_steps)")
     p.add_argument("--json", default=None)
+    p.add_argument("--adam-limit", type=int, default=0, metavar="P",
+                   help="measure the Adam rule's dense limit on P ranks instead (see above)")
     return p.parse_args(argv)
+
+
+def adam_limit(ranks: int, n: int = 10_000, steps: int = 50, seed: int = 0) -> None:
+    """The Adam rule at density 1 on ``ranks`` ranks against torch.optim.Adam on the
+    averaged gradient (steps 10 to the end)."""
+    torch.manual_seed(seed)
+    signal = torch.randn(n) * 0.1
+    for masking in (False, "auto"):
+        mems = [ResidualMemory(AdamRule(masking=masking)) for _ in range(ranks)]
+        w = torch.zeros(n, requires_grad=True)
+        adam = torch.optim.Adam([w], lr=1.0)
+        norms, cosines = [], []
+        for _ in range(steps):
+            grads = [signal + torch.randn(n) for _ in range(ranks)]
+            update = torch.zeros(n)
+            for r in range(ranks):
+                mems[r].rule.density = 1.0
+                v, i = mems[r].select_topk("x", grads[r], n)
+                update.index_add_(0, i.long(), v)
+            update /= ranks
+            before = w.detach().clone()
+            w.grad = sum(grads) / ranks
+            adam.step()
+            ref = before - w.detach()
+            norms.append(float(update.norm() / ref.norm()))
+            cosines.append(float(update @ ref / update.norm() / ref.norm()))
+        print(f"[adam-limit] P={ranks} masking={masking}: update norm / Adam's "
+              f"{statistics.mean(norms[10:]):.3f}, cosine {statistics.mean(cosines[10:]):.3f}")
 
 
 def make_task(task: str, seed: int, ranks: int):
@@ -117,7 +163,8 @@ def run(task: str, variant: str, seed: int, args) -> dict:
     schedule = Recipe("none", args.density, warm, True)
     opt = (torch.optim.SGD(params, lr=lr, momentum=0.9) if kind == "sgd"
            else torch.optim.Adam(params, lr=lr))
-    masking = {"auto": "auto", "mask": True, "nomask": False, "auto_min_k": "auto"}.get(variant)
+    masking = {"auto": "auto", "mask": True, "nomask": False, "auto_min_k": "auto",
+               "mask_density": "auto"}.get(variant)
     # auto_min_k: what the plan sends dense (decided at the target density, as the planner)
     dense_t = [variant == "auto_min_k" and int(nominal_k(p.numel(), args.density)) < args.min_k
                for p in params]
@@ -135,7 +182,8 @@ def run(task: str, variant: str, seed: int, args) -> dict:
     for _ in range(ranks):
         rule = None
         if masking is not None:
-            rule = MomentumRule(0.9, masking=masking) if kind == "sgd" else AdamRule(masking=masking)
+            adam = DensityMaskedAdam if variant == "mask_density" else AdamRule
+            rule = MomentumRule(0.9, masking=masking) if kind == "sgd" else adam(masking=masking)
         mem = ResidualMemory(rule)
         for i, p in enumerate(params):
             mem.register(str(i), [str(i)], [p.shape])
@@ -199,6 +247,9 @@ def run(task: str, variant: str, seed: int, args) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.adam_limit:
+        adam_limit(args.adam_limit)
+        return
     out = []
     for task in [t for t in args.tasks.split(",") if t]:
         seeds = [int(s) for s in args.seeds.split(",") if s] or (list(range(8)) if task == "digits" else [0])

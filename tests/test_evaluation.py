@@ -18,6 +18,7 @@ from hvdrun import launch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
+import accuracy_suite  # noqa: E402
 import bench_convergence  # noqa: E402
 import bench_e2e  # noqa: E402
 import recipe_ablation  # noqa: E402
@@ -281,6 +282,67 @@ def test_lm_task_learns_with_no_tensor_missing(tmp_path):
     assert ppl[1] < ppl[0] < 256  # below the uniform byte model's perplexity after 15 steps
     assert all(h["missing_rate"] == 0.0 for h in run["history"])
     assert "val_ppl" in log
+
+
+def test_peer_bytes_follow_torchs_rules():
+    """What a peer sends per step, by hand: PowerSGD compresses a matrix where rank r at
+    least halves it (torch's default min_compression_rate 2), sends P and Q, and every
+    other tensor whole; the fp16 peers send two bytes an element."""
+    import torch
+
+    from ssfusion_hvd.examples.peers import bytes_per_step
+
+    params = [torch.zeros(256, 64), torch.zeros(256), torch.zeros(10, 256), torch.zeros(4, 4, 3, 3)]
+    n = sum(p.numel() for p in params)
+    assert bytes_per_step("ddp", params) == 4 * n
+    assert bytes_per_step("ddp_fp16", params) == bytes_per_step("hvd_fp16", params) == 2 * n
+    # rank 4: 256x64 -> 4 (256 + 64); 10x256: 2 (10 + 256) 4 = 2128 < 2560 -> compressed;
+    # the bias whole; 4x36: 2 (4 + 36) 4 = 320 > 144 -> whole
+    assert bytes_per_step("ddp_powersgd4", params) == 4 * (4 * 320 + 256 + 4 * 266 + 144)
+    # rank 1: every matrix compressed (4x36: 2 (40) = 80 < 144)
+    assert bytes_per_step("ddp_powersgd1", params) == 4 * (320 + 256 + 266 + 40)
+    assert bytes_per_step("ddp_powersgd4", params, step=0) == 4 * n  # plain allreduce first
+
+
+@pytest.mark.multiworker
+def test_peers_train_on_the_same_task(tmp_path):
+    """The peers a user would pick instead run under the same launcher, task and seed: DDP
+    over gloo with PowerSGD (rank 4) and with fp16 compression, and Horovod's optimizer
+    with Compression.fp16; every rank ends with the same parameters (the test accuracy
+    rank 0 reports is the model's), accuracy is far above chance after 3 epochs, and each
+    run records its bytes per step against dense."""
+    outs = {}
+    for peer in ("ddp_powersgd4", "ddp_fp16", "hvd_fp16"):
+        out = tmp_path / f"{peer}.json"
+        rc, log = launch([sys.executable, "-m", "ssfusion_hvd.examples.train", "--task", "mlp",
+                          "--epochs", "3", "--scheme", peer, "--no-progress", "--json", str(out)],
+                         np=2, timeout=300)
+        assert rc == 0, log[-4000:]
+        outs[peer] = json.loads(out.read_text())
+        assert f"peer: " in log
+    for peer, run in outs.items():
+        assert run["history"][-1]["test_acc"] > 0.6, peer
+        h = run["history"][-1]  # an epoch after PowerSGD's first plain steps
+        ratio = h["bytes_per_step"] / h["dense_bytes_per_step"]
+        assert ratio == pytest.approx({"ddp_fp16": 0.5, "hvd_fp16": 0.5}.get(peer, ratio))
+        if peer == "ddp_powersgd4":
+            assert ratio < 0.1  # the MLP's 256x256 and 64x256 matrices at rank 4
+            first = run["history"][0]  # its first epoch's 10 plain steps counted dense
+            assert first["bytes_per_step"] > h["bytes_per_step"]
+
+
+@pytest.mark.multiworker
+def test_accuracy_suite_runs_cells_and_reports_against_dense(tmp_path):
+    """One cell, dense and ssfusion_oi with the paper's per-tensor k, one seed, 2 epochs:
+    every run recorded with its cell and label, and the report's rows."""
+    accuracy_suite.main(["--cells", "mlp-sgd-0.01-6", "--schemes", "dense,ssfusion_oi/uniform",
+                         "--seeds", "0", "--epochs", "2", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "accuracy_suite.json").read_text())
+    assert [(r["cell"], r["label"], "error" in r) for r in doc["runs"]] == [
+        ("mlp-sgd-0.01-6", "dense", False), ("mlp-sgd-0.01-6", "ssfusion_oi/uniform", False)]
+    assert all(len(r["history"]) == 2 for r in doc["runs"])
+    text = (tmp_path / "accuracy_suite.md").read_text()
+    assert "| mlp-sgd-0.01-6 | dense |" in text and "| mlp-sgd-0.01-6 | ssfusion_oi/uniform |" in text
 
 
 @pytest.mark.multiworker

@@ -12,17 +12,9 @@ from ssfusion_hvd import ops
 from ssfusion_hvd.core.buffers import SparsePart
 from ssfusion_hvd.sparsify import ResidualMemory, make_sparsifier
 from ssfusion_hvd.sparsify.memory import AdamRule, GradientRule, MomentumRule
-from test_ops_feedback import KINDS, _bits, _inputs
+from test_ops_feedback import FEEDBACK_DTYPES, KINDS, _bits, _inputs
 from test_schemes import group_select
 
-# (gradient, residual, wire) dtypes the fused ops take: float32 residuals with any wire,
-# 16-bit residuals of the gradient's own dtype
-COMBOS = [(torch.float32, torch.float32, torch.float32),
-          (torch.float32, torch.float32, torch.float16),
-          (torch.float16, torch.float32, torch.float16),
-          (torch.bfloat16, torch.float32, torch.bfloat16),
-          (torch.float16, torch.float16, torch.float16),
-          (torch.bfloat16, torch.bfloat16, torch.bfloat16)]
 # segment sizes: tiny ones, empty ones, and sizes that take the filtered top-k
 LAYOUTS = [[5], [3, 0, 7, 1], [300, 40, 1000], [20_000, 5, 70_001, 256], [1, 1, 1, 1, 1]]
 
@@ -49,7 +41,7 @@ def _expected(acc, sizes, floors, k, wire):
     return values, idx, left
 
 
-@pytest.mark.parametrize("gdt,rdt,wdt", COMBOS)
+@pytest.mark.parametrize("gdt,rdt,wdt", FEEDBACK_DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_group_ef_topk_equals_brute_force(gdt, rdt, wdt, kind):
     for li, sizes in enumerate(LAYOUTS):

@@ -10,7 +10,9 @@ harder one: a deeper GPT-2 on the standard library's source; see ``examples/text
 for the accuracy suite (``scripts/accuracy_suite.py``) the same digits with other models:
 ``mlp`` (64-256-256-10), ``mlp_wide`` (64-1024-10), ``mlp_deep`` (four hidden layers of
 128) and ``gru`` (the rows read by a GRU of 128), with ``--optimizer sgd`` (momentum, the
-default) or ``adam``. Rank 0 prints one line per epoch: mean training loss over all
+default) or ``adam``. ``--scheme`` also takes the peers a user would pick instead
+(``examples/peers.py``: ``ddp``, ``ddp_fp16``, ``ddp_powersgd1``, ``ddp_powersgd4``,
+``hvd_fp16``), run on the same data, seeds and launcher. Rank 0 prints one line per epoch: mean training loss over all
 ranks, the task's metric, and samples/s (all ranks' samples over the epoch's wall time),
 then what the scheme sent in its last iteration (``opt.stats()``). With ``--json`` every
 step's ``opt.stats()`` is read (which resolves device counters: a measuring run) so that
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 import ssfusion_hvd
 from ssfusion_hvd.registry import options_for
 from ssfusion_hvd.examples.data import DIGITS_MODELS, load_digits_split, shard
+from ssfusion_hvd.examples.peers import PEERS, bytes_per_step, make_peer
 
 TASKS = (*DIGITS_MODELS, "lm", "code")
 #: per task: (batch size per worker, learning rate, steps per epoch or 0 for one pass); the
@@ -45,7 +48,8 @@ ADAM_LR = 1e-3
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="digits", choices=TASKS)
-    p.add_argument("--scheme", default="ssfusion_oi", help=f"one of {sorted(ssfusion_hvd.SCHEMES)}")
+    p.add_argument("--scheme", default="ssfusion_oi",
+                   help=f"one of {sorted(ssfusion_hvd.SCHEMES)}, or a peer: {', '.join(PEERS)}")
     p.add_argument("--sparsifier", default="topk", help=f"one of {sorted(ssfusion_hvd.SPARSIFIERS)}")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--epochs", type=int, default=10)
@@ -97,6 +101,9 @@ class Task:
     metric: str  # its name in the history rows
     describe: str
     held_out: int = 0  # the samples `evaluate` scores (0: not a count of samples)
+    #: the module `loss` runs forward through, in a one-element list: the model, or the
+    #: DDP wrapper a peer puts around it
+    forward: list = None
 
 
 def digits_task(args, rank: int, size: int) -> Task:
@@ -112,6 +119,7 @@ def digits_task(args, rank: int, size: int) -> Task:
         opt = torch.optim.SGD(model.parameters(), lr=(args.lr or DEFAULTS[args.task][1]) * size,
                               momentum=args.momentum)
     orders = {}
+    forward = [model]
 
     def loss(epoch: int, s: int) -> torch.Tensor:
         if epoch not in orders:
@@ -119,7 +127,7 @@ def digits_task(args, rank: int, size: int) -> Task:
             g = torch.Generator().manual_seed(args.seed * 1000 + epoch * 10 + rank)
             orders[epoch] = torch.randperm(len(mine.y), generator=g)
         idx = orders[epoch][(s * args.batch_size) % len(mine.y):][:args.batch_size]
-        return F.cross_entropy(model(mine.x[idx]), mine.y[idx])
+        return F.cross_entropy(forward[0](mine.x[idx]), mine.y[idx])
 
     def evaluate() -> float:
         model.eval()
@@ -129,7 +137,7 @@ def digits_task(args, rank: int, size: int) -> Task:
         return correct / len(test.y)
     return Task(model, opt, steps, loss, evaluate, "test_acc",
                 f"{args.task}: digits train={len(train.y)} test={len(test.y)}, "
-                f"{type(opt).__name__}", held_out=len(test.y))
+                f"{type(opt).__name__}", held_out=len(test.y), forward=forward)
 
 
 def lm_task(args, rank: int, size: int) -> Task:
@@ -143,17 +151,18 @@ def lm_task(args, rank: int, size: int) -> Task:
         model = text.lm_model()
     opt = torch.optim.Adam(model.parameters(), lr=args.lr or DEFAULTS[args.task][1])
     gens = {}
+    forward = [model]
 
     def loss(epoch: int, s: int) -> torch.Tensor:
         if epoch not in gens:
             gens.clear()
             gens[epoch] = torch.Generator().manual_seed((args.seed * 1000 + epoch) * 1000 + rank)
-        return text.lm_loss(model, *train.batch(args.batch_size, gens[epoch]))
+        return text.lm_loss(forward[0], *train.batch(args.batch_size, gens[epoch]))
     corpus = "stdlib source" if args.task == "code" else "stdlib docstrings"
     return Task(model, opt, args.steps or DEFAULTS[args.task][2], loss,
                 lambda: text.perplexity(model, valid), "val_ppl",
                 f"{args.task}: {corpus}, {len(train.data)} train / {len(valid.data)} valid bytes, "
-                f"{sum(p.numel() for p in model.parameters())} parameters")
+                f"{sum(p.numel() for p in model.parameters())} parameters", forward=forward)
 
 
 def metric_text(metric: str, value: float) -> str:
@@ -176,12 +185,32 @@ def main(argv=None):
     options = options_for(args.scheme, min_k=args.min_k, slack=args.slack)
     if args.floor is not None and options_for(args.scheme, floor=0.0):  # a scheme that takes it
         options = dict(options or {}, floor=None if args.floor == "none" else float(args.floor))
-    opt = ssfusion_hvd.DistributedOptimizer(task.optimizer, named_parameters=model.named_parameters(),
-                                            scheme=args.scheme, sparsifier=args.sparsifier,
-                                            density=args.density, profile=args.profile,
-                                            plan=args.plan, scheme_options=options, **recipe)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    peer = args.scheme in PEERS
+    if peer:  # what a user would run instead (DDP broadcasts rank 0's parameters itself)
+        task.forward[0], opt, peer_what = make_peer(args.scheme, model, task.optimizer,
+                                                    model.named_parameters())
+    else:
+        opt = ssfusion_hvd.DistributedOptimizer(task.optimizer,
+                                                named_parameters=model.named_parameters(),
+                                                scheme=args.scheme, sparsifier=args.sparsifier,
+                                                density=args.density, profile=args.profile,
+                                                plan=args.plan, scheme_options=options, **recipe)
+    if not peer or args.scheme == "hvd_fp16":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    dense_bytes = 4 * sum(p.numel() for p in params)
+
+    peer_steps = [0]
+
+    def stats() -> dict:
+        """``opt.stats()``, or for a peer what it sent in the step just taken (called once
+        a step): its bytes, PowerSGD's first plain steps counted dense."""
+        if not peer:
+            return opt.stats()
+        sent = bytes_per_step(args.scheme, params, peer_steps[0])
+        peer_steps[0] += 1
+        return {"phase": args.scheme, "bytes_sent": sent, "elements": dense_bytes // 4}
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
     measure = args.json is not None
 
@@ -189,7 +218,9 @@ def main(argv=None):
         print(f"ssfusion_hvd {ssfusion_hvd.__version__}: scheme={args.scheme} "
               f"sparsifier={args.sparsifier} density={args.density} workers={size} "
               f"{task.describe} steps/epoch={steps}", flush=True)
-        if args.scheme != "dense" and hasattr(opt, "recipe"):
+        if peer:
+            print(f"peer: {peer_what}", flush=True)
+        elif args.scheme != "dense" and hasattr(opt, "recipe"):
             print(opt.recipe.describe(), flush=True)
     bar = None
     if rank == 0 and not args.no_progress:
@@ -199,7 +230,7 @@ def main(argv=None):
     history = []
     for epoch in range(1, args.epochs + 1):
         loss_sum = torch.zeros(1)
-        missing = sent = elements = 0
+        missing = sent = elements = sent_bytes = 0
         start = time.perf_counter()
         for s in range(steps):
             opt.zero_grad()
@@ -208,10 +239,12 @@ def main(argv=None):
             opt.step()
             loss_sum += loss.detach()
             if measure:
-                st = opt.stats()
+                st = stats()
                 missing += int(st.get("tensors_missing", 0))
                 sent += int(st.get("elements_sent", 0))
                 elements += int(st.get("elements", 0))
+                sent_bytes += int(st.get("bytes_sent", st.get("allreduce_bytes", 0)
+                                         + st.get("allgather_bytes", 0)))
             if bar is not None:
                 bar.update(1)
         elapsed = time.perf_counter() - start
@@ -223,7 +256,10 @@ def main(argv=None):
         if measure:
             row["missing_rate"] = missing / (steps * n_tensors)
             # elements sent / elements over every step of the epoch (warm-up included)
-            row["density_sent"] = sent / max(elements, 1)
+            row["density_sent"] = sent / max(elements, 1) if not peer else None
+            # bytes one rank sent per step (a dense float32 allreduce: 4 per element)
+            row["bytes_per_step"] = sent_bytes / steps
+            row["dense_bytes_per_step"] = dense_bytes
         history.append(row)
         if rank == 0:
             line = (f"epoch {epoch:3d}/{args.epochs}  loss {mean_loss:.4f}  {metric_text(task.metric, value)}"
@@ -231,18 +267,21 @@ def main(argv=None):
             print(line, flush=True)
     if bar is not None:
         bar.close()
-    stats = opt.stats()
-    if rank == 0:
-        print(f"last iteration: {stats.get('phase')}, sent {stats.get('elements_sent')} of "
-              f"{stats.get('elements')} elements (density {stats.get('density', 1.0):.4g}), "
-              f"{stats.get('tensors_sparse', 0)} tensors sparse, {stats.get('tensors_dense', 0)} "
-              f"dense, {stats.get('tensors_missing', 0)} missing; bytes allreduce "
-              f"{stats.get('allreduce_bytes', 0)}, allgather {stats.get('allgather_bytes', 0)}",
+    final = stats()
+    if rank == 0 and peer:
+        print(f"{args.scheme}: {final['bytes_sent']:,} bytes in the last step "
+              f"({final['bytes_sent'] / dense_bytes:.4f} of dense)", flush=True)
+    elif rank == 0:
+        print(f"last iteration: {final.get('phase')}, sent {final.get('elements_sent')} of "
+              f"{final.get('elements')} elements (density {final.get('density', 1.0):.4g}), "
+              f"{final.get('tensors_sparse', 0)} tensors sparse, {final.get('tensors_dense', 0)} "
+              f"dense, {final.get('tensors_missing', 0)} missing; bytes allreduce "
+              f"{final.get('allreduce_bytes', 0)}, allgather {final.get('allgather_bytes', 0)}",
               flush=True)
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "workers": size, "metric": task.metric,
-                       "held_out": task.held_out, "history": history, "stats": stats}, f,
+                       "held_out": task.held_out, "history": history, "stats": final}, f,
                       indent=1)
     return history
 

@@ -345,8 +345,8 @@ class ResidualMemory:
         """:meth:`select_topk` for the concatenation of ``grads`` (a fusion buffer's
         gradients, back to back; with ``offsets``/``ks`` one tensor per segment), reading them
         where they lie (``ops.ef_topk`` / ``ops.segmented_ef_topk`` / ``ops.group_ef_topk``
-        with a list) instead of
-        from a staged copy. Returns ``(values, indices)``, or None, having changed nothing,
+        with a list) instead of from a staged copy. Returns ``(values, indices)``, or None,
+        having changed nothing,
         where that does not apply: no residual yet (the first step creates it), no native
         kernel for their device (the CPU has one), gradients of different dtypes or devices,
         a rule whose update is not taken inside the kernel (only momentum's velocity step

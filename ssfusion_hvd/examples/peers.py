@@ -1,0 +1,115 @@
+"""What a user would pick instead of ssfusion_hvd, run by the same training script on the
+same data, seeds and launcher (``examples/train.py --scheme PEER``):
+
+* ``ddp``: torch ``DistributedDataParallel`` over gloo, no compression;
+* ``ddp_fp16``: DDP with torch's ``fp16_compress_hook`` (gradients allreduced as float16);
+* ``ddp_powersgd1``, ``ddp_powersgd4``: DDP with torch's ``powerSGD_hook`` at rank 1 and
+  4, error feedback and warm start on, plain allreduce for the first
+  :data:`POWERSGD_START` steps (torch's default is 1,000, longer than the suite's runs; it
+  suggests 10 % of the training, and our schemes' own dense steps are 5 plus a 50-step
+  density warm-up), a tensor compressed only where that at least halves it (torch's
+  default);
+* ``hvd_fp16``: Horovod's own ``hvd.DistributedOptimizer`` with ``Compression.fp16``.
+
+The DDP peers run inside the job ``horovodrun`` started (Horovod initialized first): rank
+0 picks a free TCP port and every rank learns it by ``hvd.broadcast_object``, then
+``torch.distributed`` starts a gloo group of the same ranks. ``bytes_per_step`` is what one
+rank sends per step once the peer's compression is in force, counted the way the
+collectives carry it (an allreduce's payload, as ``opt.stats()`` counts ours).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Iterable, Tuple
+
+import torch
+
+__all__ = ["PEERS", "POWERSGD_START", "bytes_per_step", "make_peer"]
+
+PEERS = ("ddp", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4", "hvd_fp16")
+#: PowerSGD's plain-allreduce steps before it compresses (``start_powerSGD_iter``)
+POWERSGD_START = 10
+
+
+def _powersgd_rank(peer: str) -> int:
+    return int(peer[len("ddp_powersgd"):]) if peer.startswith("ddp_powersgd") else 0
+
+
+def bytes_per_step(peer: str, params: Iterable[torch.Tensor], step: int = POWERSGD_START) -> int:
+    """Bytes one rank sends at (0-based) step ``step`` under ``peer``: a dense float32
+    allreduce's during PowerSGD's first :data:`POWERSGD_START` steps, else
+    float32 payloads, float16 for the fp16 peers; PowerSGD sends P (rows x r) and Q
+    (cols x r) of each matrix it compresses (torch's rule: a tensor of 2 or more
+    dimensions viewed as ``shape[0]`` rows, ``r = min(rows, cols, rank)``, compressed where
+    ``2 (rows + cols) r < rows cols``) and every other tensor whole."""
+    rank = _powersgd_rank(peer) if step >= POWERSGD_START else 0
+    total = 0
+    for p in params:
+        n = p.numel()
+        if peer in ("ddp_fp16", "hvd_fp16"):
+            total += 2 * n
+            continue
+        if rank and p.dim() > 1:
+            rows, cols = p.shape[0], n // p.shape[0]
+            r = min(rows, cols, rank)
+            if 2 * (rows + cols) * r < n:
+                total += 4 * r * (rows + cols)
+                continue
+        total += 4 * n
+    return total
+
+
+def _init_gloo() -> None:
+    """torch.distributed's gloo group over the ranks horovodrun started."""
+    import horovod.torch as hvd
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    addr = os.environ.get("SSF_PEER_ADDR", "127.0.0.1")
+    port = None
+    if hvd.rank() == 0:
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+    port = hvd.broadcast_object(port, root_rank=0, name="peer.port")
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(),
+                            world_size=hvd.size())
+
+
+def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters
+              ) -> Tuple[torch.nn.Module, object, str]:
+    """``(module to run forward through, optimizer to step, description)`` for ``peer``.
+    Every rank starts from rank 0's parameters (DDP broadcasts them; the Horovod peer is
+    broadcast by the caller, as for ours)."""
+    if peer not in PEERS:
+        raise ValueError(f"unknown peer {peer!r}; choose one of {PEERS}")
+    if peer == "hvd_fp16":
+        import horovod.torch as hvd
+
+        opt = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
+                                       compression=hvd.Compression.fp16)
+        return model, opt, "hvd.DistributedOptimizer, Compression.fp16"
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init_gloo()
+    ddp = DDP(model)
+    r = _powersgd_rank(peer)
+    if r:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=r,
+                                   start_powerSGD_iter=POWERSGD_START,
+                                   use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        what = (f"DDP (gloo) + PowerSGD rank {r} (error feedback, warm start, plain allreduce "
+                f"for the first {state.start_powerSGD_iter} steps)")
+    elif peer == "ddp_fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        what = "DDP (gloo) + fp16 compression hook"
+    else:
+        what = "DDP (gloo)"
+    return ddp, optimizer, what
