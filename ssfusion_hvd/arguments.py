@@ -98,4 +98,26 @@ def check_arguments(optimizer, scheme, sparsifier, scheme_options, density, warm
     _positive_int("backward_passes_per_step", backward_passes_per_step)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if scheme != "dense":
+        _check_sparse_dtypes(optimizer, scheme)
     return options, density, _check_groups(groups, num_groups, scheme)
+
+
+#: what a sparse scheme's gradients may be: its kernels, residuals and wire formats
+SPARSE_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_sparse_dtypes(optimizer, scheme) -> None:
+    """A sparse scheme takes trainable parameters of one float dtype it supports on one
+    device; said here, on every rank, before the first collective (the schemes check it
+    again where they are built)."""
+    kinds = {(p.dtype, p.device) for g in optimizer.param_groups for p in g["params"]
+             if p.requires_grad}
+    bad = sorted({str(d) for d, _ in kinds if d not in SPARSE_GRAD_DTYPES})
+    if bad:
+        raise ValueError(f"scheme {scheme!r} supports parameters of "
+                         f"{', '.join(map(str, SPARSE_GRAD_DTYPES))}, got {', '.join(bad)}; "
+                         "use scheme='dense'")
+    if len(kinds) > 1:
+        raise ValueError(f"scheme {scheme!r} needs every trainable parameter in one dtype on "
+                         f"one device, got {sorted(map(str, kinds))}; use scheme='dense'")

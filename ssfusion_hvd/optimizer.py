@@ -8,6 +8,7 @@ and hands each finished gradient to the scheme (``ssfusion_hvd/schemes/``).
 """
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 import warnings
@@ -18,6 +19,7 @@ import horovod.torch.functions as _hvd_functions
 import torch
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, global_process_set
+from torch.amp.grad_scaler import OptState
 
 from .core.transport import Transport
 
@@ -28,6 +30,14 @@ from .registry import SCHEMES
 from .schemes import SyncConfig
 
 __all__ = ["DistributedOptimizer", "SCHEMES"]
+
+# This optimizer declares that its step() handles loss scaling (``_step_supports_amp_scaling``
+# and a ``grad_scaler`` argument): GradScaler then hands itself to step() instead of checking
+# the gradients before it, which it would do before they are synchronized. torch (2.3 and
+# later) warns that it will stop doing so; until another contract gives an optimizer the
+# scaler's state to update, this one is the only that lets step() synchronize first.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself",
+                        category=FutureWarning)
 
 _STATE_KEY = "ssfusion"
 #: the param-group option through which ``hvd.broadcast_optimizer_state`` carries the
@@ -66,15 +76,30 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _nonfinite_flag(tensors) -> torch.Tensor:
+    """A one-element int32 tensor on the tensors' device: 1 when any element of
+    ``tensors`` is NaN or infinite. One max-abs pass (``_foreach_norm``), no host read."""
+    dense = [t._values() if t.is_sparse else t for t in tensors]
+    norms = torch._foreach_norm(dense, math.inf)
+    if len({n.dtype for n in norms}) > 1:
+        norms = [n.float() for n in norms]
+    return torch.stack(norms).isfinite().all().logical_not().to(torch.int32).reshape(1)
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
-    def __init__(self, params, config: SyncConfig, scheme: str, backward_passes_per_step: int):
+    # GradScaler.step() hands itself to step(grad_scaler=...) and leaves the skip to it
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, config: SyncConfig, scheme: str, backward_passes_per_step: int,
+                 grad_scaler=None):
         super(self.__class__, self).__init__(params)
         self._config = config
         self._scheme_name = scheme
         self._scheme = SCHEMES[scheme].load()(config)
         self._scheme.agree = self._finish_check
+        self._scheme.keep_step = self._keep_step
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for p in config.order}
         self._submitted = set()
@@ -90,6 +115,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # are created in the same order on every rank
         self._transport = Transport(config, "ssfusion.check.")
         self._check = None  # this step's agreement allreduce (see _submit)
+        # the step as a transaction (_begin_step, _end_step): a step whose synchronized
+        # gradients are not finite is undone on every rank
+        self._in_step = False
+        self._finite = None  # this step's allreduce of the ranks' non-finite flags
+        self._journal = None  # what the recipe changed in the wrapped optimizer's state
+        self._step_undone = False  # the last synchronized step was undone
+        self._keep = None  # _keep_step()'s answer for the step in flight
+        self._steps_skipped = 0
+        # loss scaling (GradScaler): the scaler, learnt from step(grad_scaler=); the state
+        # is kept unscaled, so the scale of the step in flight divides the sparsified
+        # gradients on the way in and multiplies their synchronized sums on the way out
+        self._scaler = None
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            self._scaler = grad_scaler
+        self._scale = self._inv_scale = None
         self._hook_handles = []
         if config.process_set.included():
             # the hooks reach the optimizer through a weak reference, so parameters that
@@ -142,8 +182,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Counts that need a pass over the outputs (``nonfinite`` of the planned schemes) or
         a device-to-host read are taken here, not in the training step: call ``stats()``
-        between steps (before the next ``step()``/``synchronize()``)."""
-        return self._scheme.stats()
+        between steps (before the next ``step()``/``synchronize()``).
+
+        ``skipped``: the step's synchronized gradients (or a rank's own) were not finite, so
+        it was undone and its synchronized gradients are NaN (README, "Mixed precision");
+        ``nonfinite`` then counts what the synchronized sum held before that.
+        ``steps_skipped`` counts such steps."""
+        out = self._scheme.stats()
+        if out and self._scheme.stateful:
+            out["steps_skipped"] = self._steps_skipped
+        return out
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if self._delay[p] <= 0:
@@ -161,19 +209,102 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._adopt_broadcast()
         if self._check is None:
             self._start_check()
+        if not self._in_step:
+            self._begin_step()
         if p.grad is None:
             # Another rank may have a gradient for p (dynamic graphs): contribute zeros.
             p.grad = torch.zeros_like(p)
         self._submitted.add(p)
         recipe = self._config.recipe
-        if recipe.corrects() and self._scheme.sparsifies(p):
-            # the local rule accumulates g + wd·w, where SGD/Adam would have added the decay
-            wd = recipe.coupled_decay(self.param_groups[self._group_index[p]])
-            if wd:
-                if p.grad.is_sparse:
-                    p.grad = p.grad.to_dense()
+        if self._scheme.sparsifies(p):
+            unscale = self._inv_scale is not None
+            wd = (recipe.coupled_decay(self.param_groups[self._group_index[p]])
+                  if recipe.corrects() else 0.0)
+            if (unscale or wd) and p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+            if unscale:  # a power of two: exact
+                p.grad.mul_(self._inv_scale)
+            if wd:  # the local rule accumulates g + wd·w, where SGD/Adam would add the decay
                 p.grad.add_(p.detach(), alpha=wd)
         self._scheme.submit(p)
+
+    # ------------------------------------------------------------------ transaction
+    def _begin_step(self) -> None:
+        """The step's first gradient: what it may change is remembered, and the loss scale
+        in force (``GradScaler.update()`` changes it in place after the step) is taken."""
+        self._in_step = True
+        if not self._scheme.stateful:
+            return
+        self._scheme.begin_step()
+        self._journal = self._config.recipe.journal = []
+        sc = self._scaler
+        if sc is not None and sc.is_enabled() and getattr(sc, "_scale", None) is not None:
+            self._scale = sc._scale.detach().clone()
+            self._inv_scale = self._scale.reciprocal()
+        else:
+            self._scale = self._inv_scale = None
+
+    def _start_finite_check(self) -> None:
+        """After the step's last submission: every rank's flag of a non-finite gradient of
+        its own, summed over the ranks by one small allreduce. A rank's NaN can hide from
+        the synchronized gradients (a threshold never selects it, a partition not its own
+        never sends it); it would then stay in its residual for ever."""
+        grads = [p.grad for p in self._requires_update if p.grad is not None]
+        if self._scheme.stateful and grads:
+            self._finite = self._transport.allreduce(_nonfinite_flag(grads), "finite",
+                                                     op=hvd.Max)
+
+    def _end_step(self) -> None:
+        """After ``finish()``: the step is kept, or, when any rank's gradients or the
+        synchronized ones are not finite (the same answer on every rank), undone: the
+        scheme's state, the recipe's hand-over of optimizer state, the counters. Every
+        synchronized gradient is then NaN, so GradScaler (or the user) skips the step as it
+        would with Horovod's optimizer, and no partial sum of it can be applied."""
+        keep = self._keep_step()
+        self._in_step = False
+        self._config.recipe.journal = None
+        self._step_undone = False
+        self._keep = None
+        if not keep:
+            self._undo_step()
+            for p in self._requires_update:  # all of it: a part of a sum is not the step's
+                if p.grad is not None:
+                    p.grad.fill_(math.nan)
+            return
+        if self._scale is not None:
+            sparse = [p.grad for p in self._scheme.sparse_params() if p.grad is not None]
+            if sparse:  # back in the loss scale's units, as GradScaler.unscale_ expects
+                torch._foreach_mul_(sparse, self._scale)
+
+    def _keep_step(self) -> bool:
+        """Whether the step in flight is kept: no rank's gradients and none of the
+        synchronized ones hold NaN or Inf. The same answer on every rank: the flags are
+        summed by an allreduce and the synchronized gradients are the same everywhere.
+        Asked once the outputs are in ``p.grad``, by the scheme before it counts the step
+        (``Scheme.keep_step``) or by ``_end_step``; one host read per step."""
+        if self._keep is None:
+            handle, self._finite = self._finite, None
+            if handle is None:
+                self._keep = True
+            else:
+                out = _nonfinite_flag([p.grad for p in self._requires_update
+                                       if p.grad is not None])
+                flags = torch.cat([self._transport.wait(handle).to(out.device), out]).tolist()
+                self._keep = not any(flags)
+        return self._keep
+
+    def _undo_step(self) -> None:
+        """Undoes the last synchronized step (before the next begins)."""
+        if self._step_undone or not self._scheme.stateful:
+            return
+        self._scheme.rollback()
+        if self._journal:
+            self._config.recipe.undo_takes(self._journal)
+        self._journal = None
+        self._step_undone = True
+        self._steps_skipped += 1
+        self._scheme.last_stats.skipped = True
+        self._scheme.last_stats._resolved = None
 
     # ------------------------------------------------------------------ Horovod API
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -191,7 +322,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p not in self._submitted:
                 self._submit(p)
         self._finish_check()
+        self._start_finite_check()
         self._scheme.finish()
+        self._end_step()
         self._submitted.clear()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
@@ -252,7 +385,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
+        """Synchronizes (unless inside ``skip_synchronize()``) and steps. Called by
+        ``GradScaler.step(optimizer)`` (``grad_scaler``: that scaler; this optimizer handles
+        loss scaling, ``_step_supports_amp_scaling``): the gradients are synchronized first,
+        then unscaled and checked by the scaler (unless ``scaler.unscale_`` already did),
+        and the step is skipped when they are not finite, as GradScaler would skip it."""
         if not self._submitted and not self._synchronized and _horovod_broadcast_frame():
             # hvd.broadcast_optimizer_state initializes an empty state with a step on zero
             # gradients, on the ranks whose state is empty only (in the resume pattern: all
@@ -276,10 +414,49 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            self._meet_scaler(grad_scaler)
+            state = grad_scaler._per_optimizer_states[id(self)]
+            if state["stage"] is OptState.READY:
+                grad_scaler.unscale_(self)
+            if sum(v.item() for v in state["found_inf_per_device"].values()):
+                # skipped; if only the unscaled gradients overflowed, the step is undone now
+                self._undo_step()
+                return None
         # sparsified tensors under momentum correction hold an update, applied here; the
         # wrapped optimizer steps the others (recipe.py)
         with self._config.recipe.step_dense_only(self, self._scheme.sparse_params()):
             return super(self.__class__, self).step(closure)
+
+    def _meet_scaler(self, scaler) -> None:
+        """The first step under ``scaler``: from the next step on, the loss scale divides
+        the sparsified gradients before they reach the state. A step already synchronized
+        without it (schemes sparse from their first step) left its state in the scale's
+        units: converted here, once; and where the local rule's output does not scale with
+        the gradient (Adam's update), its synchronized sum is put in the scale's units, as
+        the scaler expects to find it."""
+        if scaler is self._scaler:
+            return
+        first, self._scaler = self._scaler is None, scaler
+        if not (first and self._scheme.stateful and not self._step_undone):
+            return
+        memories = self._scheme.memories()
+        if not memories or not self._scheme.sparse_params():
+            return  # nothing was sparsified yet (a warm-up): nothing in the wrong units
+        if self._config.recipe.corrects() and hvd.rank() == 0:
+            warnings.warn(
+                f"ssfusion_hvd: scheme {self._scheme_name!r} sparsified its first step before "
+                "it met the GradScaler (GradScaler.step introduces it); that step's coupled "
+                "weight decay and Adam's eps acted at 1/scale of their strength. Pass "
+                "DistributedOptimizer(..., grad_scaler=scaler) to make it exact.", stacklevel=3)
+        scale = float(scaler._scale)
+        for mem in memories:
+            mem.rescale(1.0 / scale)
+        rule = self._config.recipe.make_rule()
+        if rule.units.get("residual", 1) == 0:
+            # unscale_ divides by the scale, whether it ran already or runs next
+            sparse = [p.grad for p in self._scheme.sparse_params() if p.grad is not None]
+            torch._foreach_mul_(sparse, scale)
 
     def zero_grad(self, set_to_none: bool = True):
         if self._submitted or self._scheme.pending():
@@ -355,6 +532,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              f"this optimizer runs {self._scheme_name!r}")
         self._scheme.reset()
         self._check = None
+        self._finite = None
+        self._in_step = False
+        self._step_undone = True  # (no step to undo: the state is the checkpoint's)
+        self._config.recipe.journal = self._journal = None
         self._submitted.clear()
         self._synchronized = False
         self._should_synchronize = True
@@ -372,7 +553,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          density=0.01, plan=None, profile=None, warmup_steps=5, log_plan=True,
                          momentum_correction="auto", density_warmup_steps=DEFAULT_WARMUP_STEPS,
                          fp32_accumulation=True, momentum_masking=DEFAULT_MASKING,
-                         scheme_options=None):
+                         scheme_options=None, grad_scaler=None):
     """Wraps ``optimizer`` so that ``step()`` applies gradients synchronized across workers.
 
     Horovod arguments (same meaning as in ``hvd.DistributedOptimizer``):
@@ -413,6 +594,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     scheme_options: a dict of the scheme's own settings (e.g. ``{"teams": 2}`` for
         ``spardl``); each scheme lists what it accepts in ``docs/schemes.md`` and in its
         class's ``options``. Unknown names and bad values raise ``ValueError``.
+    grad_scaler: the job's ``torch.amp.GradScaler``, when it has one. Optional: the
+        optimizer meets it at the first ``scaler.step(optimizer)``; schemes that sparsify
+        their very first step (SparDL, ZEN, ExDyna) need it before, for that step's weight
+        decay and Adam eps to be exact (README, "Mixed precision").
 
     Bad arguments raise ``ValueError`` on every rank before any collective is submitted.
     The wrapped optimizer's state (e.g. momentum) is carried over.
@@ -420,6 +605,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     options, density, groups = check_arguments(
         optimizer, scheme, sparsifier, scheme_options, density, warmup_steps,
         backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups)
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got "
+                         f"{type(grad_scaler).__name__}")
     recipe = resolve_recipe(optimizer, scheme, density, momentum_correction,
                             density_warmup_steps, fp32_accumulation, momentum_masking)
     named = _named_parameters(named_parameters, optimizer.param_groups)
@@ -445,7 +633,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         warmup_steps=warmup_steps, log_plan=bool(log_plan), recipe=recipe, options=options)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
-    wrapped = cls(optimizer.param_groups, config, scheme, backward_passes_per_step)
+    wrapped = cls(optimizer.param_groups, config, scheme, backward_passes_per_step, grad_scaler)
     if optimizer.state:
         super(cls, wrapped).load_state_dict(optimizer.state_dict())  # nothing lost
     return wrapped

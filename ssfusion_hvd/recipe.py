@@ -126,6 +126,9 @@ class Recipe:
         mem.seed_from = self.take_state
         return mem
 
+    #: while a step is in flight, a list: what :meth:`take_state` changed (``undo_takes``)
+    journal = None
+
     def bind(self, optimizer, names: Dict[torch.Tensor, str]) -> None:
         """The wrapped optimizer whose state seeds the local rules (and the parameter names)."""
         self._optimizer = optimizer
@@ -154,8 +157,16 @@ class Recipe:
                                  for p, s in zip(params, states)]) for b in buffers}
             steps = [float(s["step"]) for s in states if "step" in s]
             out = (out, int(max(steps)) if steps else 0)
+        undo = self.journal
         with torch.no_grad():
             for p in params:
+                if undo is not None:  # what the step in flight changes, to put back if it is skipped
+                    if p in opt.state:
+                        s = opt.state[p]
+                        undo.append((s, dict(s), [(t, t.clone()) for b in buffers
+                                                  if isinstance(t := s.get(b), torch.Tensor)]))
+                    else:
+                        undo.append((p, None, []))
                 s = opt.state[p]  # a defaultdict: creates the entry where there was none
                 for b in buffers:
                     if isinstance(s.get(b), torch.Tensor):
@@ -165,6 +176,20 @@ class Recipe:
                 if self.kind == "adam":
                     s["step"] = _zero_step(s.get("step"), p, self._group_of(p))
         return out
+
+    def undo_takes(self, entries) -> None:
+        """Puts back the wrapped optimizer's state that :meth:`take_state` replaced with
+        placeholders while :attr:`journal` was ``entries`` (a skipped step)."""
+        opt = self._optimizer
+        with torch.no_grad():
+            for target, before, tensors in reversed(entries):
+                if before is None:
+                    opt.state.pop(target, None)
+                    continue
+                for t, old in tensors:
+                    t.copy_(old)
+                target.clear()
+                target.update(before)
 
     def _group_of(self, p: torch.Tensor) -> dict:
         return next(g for g in self._optimizer.param_groups if any(q is p for q in g["params"]))

@@ -60,9 +60,9 @@ def reference_step(plan: Plan, ranks, op="average", predivide=1.0, sent_out=None
     grads = [{n: (g if g is not None else torch.zeros_like(r["synced"][n])).reshape(-1)
               for n, g in r["local"].items() if n in plan.names} for r in ranks]
     dtype = next(iter(grads[0].values())).dtype
-    # the recipe's fp32 accumulation: float16 gradients are compensated and selected in
-    # float32; the sent values are rounded to float16 and the rounding stays behind
-    acc_dtype = torch.float32 if dtype == torch.float16 else dtype
+    # the recipe's fp32 accumulation: 16-bit gradients are compensated and selected in
+    # float32; the sent values are rounded to 16 bits and the rounding stays behind
+    acc_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     total = {n: torch.zeros(plan.sizes[i], dtype=torch.float64) for i, n in enumerate(plan.names)}
     new_residual = [dict() for _ in ranks]
     sent_idx = [dict() for _ in ranks]
@@ -203,13 +203,16 @@ def test_every_scheme_matches_reference(np_):
 
 @pytest.mark.parametrize("variant", [
     dict(passes=2), dict(op="sum"), dict(predivide=2.0),
-    dict(dtype="float16"),
+    dict(dtype="float16"), dict(dtype="bfloat16"),
 ])
 def test_variants_match_reference(variant):
+    """bfloat16: its records travel as raw 16-bit words and its dense parts are summed in
+    float32 (Horovod 0.28.1 reduces no bfloat16); the sum is rounded to bfloat16 once."""
     schemes = ["per_tensor", "multi_tensor", "ssfusion_oi"]
     results = run_workers("workers_schemes:record_all", np=2, timeout=300, schemes=schemes,
                           steps=4, warmup=1, **variant)
-    tol = dict(rtol=2e-3, atol=2e-3) if variant.get("dtype") == "float16" else {}
+    tol = {"float16": dict(rtol=2e-3, atol=2e-3),
+           "bfloat16": dict(rtol=1.6e-2, atol=1.6e-2)}.get(variant.get("dtype"), {})
     for scheme in schemes + ["forced", "forced_segmented"]:
         runs = [r[scheme] for r in results]
         assert check_run(runs, op=variant.get("op", "average"),
@@ -243,14 +246,13 @@ def test_every_scheme_matches_reference_on_a_gpu(dtype):
                 assert torch.equal(t, runs[0]["params"][n]), (scheme, n)
 
 
-def test_bfloat16_refused_where_horovod_cannot_reduce_it():
-    """Horovod 0.28.1 rejects bfloat16 allreduce/allgather: schemes that use them refuse a
-    bfloat16 model at construction; ZEN and SparDL move values as raw bytes and accept it."""
+def test_bfloat16_models_are_accepted_by_every_scheme():
+    """Horovod 0.28.1 reduces and gathers no bfloat16; every scheme accepts a bfloat16
+    model all the same (Transport moves its records as raw 16-bit words and sums its
+    dense values in float32: test_variants_match_reference, tests/test_precision.py)."""
     [errors] = run_workers("workers_schemes:dtype_errors", np=1, timeout=120,
                            schemes=SCHEMES + ["exdyna", "zen", "spardl"])
-    for scheme in SCHEMES + ["exdyna"]:
-        assert errors[scheme] and "bfloat16" in errors[scheme], (scheme, errors[scheme])
-    assert errors["zen"] is None and errors["spardl"] is None, errors
+    assert all(e is None for e in errors.values()), errors
 
 
 def test_randomk_sends_values_only_and_matches_reference():

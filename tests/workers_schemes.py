@@ -14,7 +14,7 @@ import ssfusion_hvd
 from ssfusion_hvd.plan import CostModel
 
 OPS = {"average": hvd.Average, "sum": hvd.Sum}
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Net(nn.Module):

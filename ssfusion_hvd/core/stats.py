@@ -53,6 +53,7 @@ class StepStats:
     offload_s: float = 0.0
     communicate_s: float = 0.0
     wait_s: float = 0.0
+    skipped: bool = False  # the synchronized gradients were not finite: the step was undone
     extra: dict = field(default_factory=dict)
     _resolved: Optional[dict] = field(default=None, repr=False)
 

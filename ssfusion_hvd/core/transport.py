@@ -13,6 +13,12 @@ Two levels:
 
 Handles are Horovod's; :meth:`Transport.wait` returns the output (``hvd.synchronize``,
 after sleeping rather than spinning until the handle is done: see :data:`POLL_MAX_S`).
+
+bfloat16: Horovod 0.28.1 reduces and gathers no bfloat16 tensor. :class:`Transport`
+allgathers one as its raw 16-bit words (``int16``: the same bytes), and allreduces one
+through a float32 copy whose sum is rounded back into it once, at the end (twice the
+bytes of a bfloat16 allreduce, and a sum that does not round at every hop; an allgather
+of the words and a local sum would cost P/2 times the bytes).
 Horovod is imported when this module is (``import ssfusion_hvd`` alone does not).
 """
 from __future__ import annotations
@@ -106,6 +112,40 @@ def world_size() -> int:
     return _mpi.size()
 
 
+class _Widened:
+    """A bfloat16 allreduce in flight: Horovod's handle of the float32 copies, and the
+    tensors the sums go back into (one, or a group's list)."""
+
+    __slots__ = ("handle", "targets", "grouped")
+
+    def __init__(self, handle, targets, grouped: bool):
+        self.handle, self.targets, self.grouped = handle, targets, grouped
+
+    def output(self, out):
+        if not self.grouped:
+            return self.targets.copy_(out)
+        for t, o in zip(self.targets, out):
+            t.copy_(o)
+        return list(self.targets)
+
+
+class _Viewed:
+    """A bfloat16 allgather in flight as raw 16-bit words: viewed back when done."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    @staticmethod
+    def output(out):
+        return out.view(torch.bfloat16)
+
+
+def _horovod_dtype(t: torch.Tensor) -> bool:
+    return t.dtype != torch.bfloat16
+
+
 # ----------------------------------------------------------------------- per scheme
 class Transport:
     """A scheme's asynchronous collectives on ``config.process_set`` (see the module
@@ -154,16 +194,23 @@ class Transport:
     def allreduce(self, tensor: torch.Tensor, suffix, *, op=None, prescale: float = 1.0,
                   postscale: float = 1.0):
         """In-place allreduce of ``tensor`` (dense; Horovod scales by pre/postscale)."""
-        self.sent["allreduce"] += self._nbytes([tensor])
-        return _mpi.allreduce_async_(tensor, name=self.name(suffix),
-                                     op=self.op if op is None else op,
-                                     prescale_factor=prescale, postscale_factor=postscale,
-                                     process_set=self.process_set)
+        wide = tensor if _horovod_dtype(tensor) else tensor.float()
+        self.sent["allreduce"] += self._nbytes([wide])
+        handle = _mpi.allreduce_async_(wide, name=self.name(suffix),
+                                       op=self.op if op is None else op,
+                                       prescale_factor=prescale, postscale_factor=postscale,
+                                       process_set=self.process_set)
+        return handle if wide is tensor else _Widened(handle, tensor, False)
 
     def grouped_allreduce(self, tensors: Sequence[torch.Tensor], suffix):
-        self.sent["allreduce"] += self._nbytes(tensors)
-        return _mpi.grouped_allreduce_async_(list(tensors), name=self.name(suffix), op=self.op,
-                                             process_set=self.process_set)
+        tensors = list(tensors)
+        wide = [t if _horovod_dtype(t) else t.float() for t in tensors]
+        self.sent["allreduce"] += self._nbytes(wide)
+        handle = _mpi.grouped_allreduce_async_(wide, name=self.name(suffix), op=self.op,
+                                               process_set=self.process_set)
+        if all(w is t for w, t in zip(wide, tensors)):
+            return handle
+        return _Widened(handle, tensors, True)
 
     def sparse_allreduce(self, tensor: torch.Tensor, suffix):
         """A torch sparse gradient (Horovod allgathers its indices and values)."""
@@ -173,7 +220,11 @@ class Transport:
 
     def allgather(self, tensor: torch.Tensor, suffix):
         self.sent["allgather"] += self._nbytes([tensor])
-        return _mpi.allgather_async(tensor, name=self.name(suffix), process_set=self.process_set)
+        if _horovod_dtype(tensor):
+            return _mpi.allgather_async(tensor, name=self.name(suffix),
+                                        process_set=self.process_set)
+        return _Viewed(_mpi.allgather_async(tensor.view(torch.int16), name=self.name(suffix),
+                                            process_set=self.process_set))
 
     def alltoall(self, tensor: torch.Tensor, splits: torch.Tensor, suffix):
         """Rows ``splits[r]`` of ``tensor`` go to rank ``r``; ``wait`` returns
@@ -197,11 +248,13 @@ class Transport:
     def wait(handle):
         """The output of ``handle``'s collective, once done; sleeps between polls
         (:data:`POLL_MAX_S`). A sparse allreduce's handle (Horovod's function) is waited by
-        Horovod."""
-        if isinstance(handle, int):
+        Horovod. A bfloat16 collective's output is bfloat16 again (see the module docstring)."""
+        inner = handle.handle if isinstance(handle, (_Widened, _Viewed)) else handle
+        if isinstance(inner, int):
             pause = POLL_FIRST_S
-            while not _mpi.poll(handle):
+            while not _mpi.poll(inner):
                 time.sleep(pause)
                 pause = min(2.0 * pause, POLL_MAX_S)
-        return _mpi.synchronize(handle)
+        out = _mpi.synchronize(inner)
+        return out if inner is handle else handle.output(out)
 

@@ -171,6 +171,40 @@ class Scheme:
         """The :class:`~ssfusion_hvd.sparsify.memory.ResidualMemory` objects in use."""
         return []
 
+    # -- the step as a transaction: a step whose synchronized gradients are not finite
+    # (a loss-scale overflow) is rolled back, on every rank alike (``_DistributedOptimizer``)
+    #: False: the scheme keeps nothing from step to step (``dense``); no transaction
+    stateful = True
+
+    def _step_state(self) -> dict:
+        """The scheme's own per-step state besides its memories (counters, thresholds,
+        sparsifier state), as copies :meth:`_restore_step_state` can put back."""
+        return {}
+
+    def _restore_step_state(self, saved: dict) -> None:
+        pass
+
+    def keep_step(self) -> bool:
+        """Whether the step being finished is kept (its synchronized gradients are finite
+        on every rank). The optimizer installs it; a scheme that counts a step in
+        ``finish()`` in ways :meth:`rollback` cannot undo (a plan made) asks it first."""
+        return True
+
+    def begin_step(self) -> None:
+        """Before the step's first change to any state (its first ``submit``)."""
+        self._saved_step = self._step_state()
+        self._saved_memories = list(self.memories())
+        for mem in self._saved_memories:
+            mem.checkpoint()
+
+    def rollback(self) -> None:
+        """After ``finish()``, before the next step begins: undoes the step (memories,
+        counters, thresholds) as if it had never happened."""
+        for mem in self._saved_memories:
+            mem.restore()
+        self._restore_step_state(self._saved_step)
+        self._saved_memories = []
+
     def shared_state(self) -> dict:
         """The part of the state that must be the same on every rank for the next
         collectives to match (iteration count, plan, calibrated thresholds, sparsifier
@@ -252,6 +286,12 @@ class WholeGradientScheme(Scheme):
 
     def memories(self) -> list:
         return [self._memory]
+
+    def _step_state(self) -> dict:
+        return {"iteration": self._iteration, "last_sparse": self._last_sparse}
+
+    def _restore_step_state(self, saved: dict) -> None:
+        self._iteration, self._last_sparse = saved["iteration"], saved["last_sparse"]
 
     def _memory_state(self) -> dict:
         return self._memory.named_state()

@@ -19,6 +19,7 @@ from .base import Scheme, SyncConfig
 
 class DenseScheme(Scheme):
     name = "dense"
+    stateful = False  # Horovod's allreduce: nothing carries over from step to step
 
     def __init__(self, config: SyncConfig):
         super().__init__(config)

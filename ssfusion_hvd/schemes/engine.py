@@ -38,8 +38,8 @@ from ..plan import Plan
 
 __all__ = ["PlannedPhase", "SPARSE_DTYPES"]
 
-#: gradient dtypes a plan can carry (Horovod 0.28.1 reduces no bfloat16)
-SPARSE_DTYPES = (torch.float32, torch.float16)
+#: gradient dtypes a plan can carry (bfloat16 through Transport: raw words, float32 sums)
+SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class PlannedPhase:
@@ -55,7 +55,7 @@ class PlannedPhase:
                              f"device, got {sorted(map(str, kinds))}; use scheme='dense'")
         self.dtype, self.device = next(iter(kinds))
         if self.dtype not in SPARSE_DTYPES:
-            raise ValueError(f"scheme {name!r} supports float32 and float16 "
+            raise ValueError(f"scheme {name!r} supports float32, float16 and bfloat16 "
                              f"gradients, got {self.dtype}; use scheme='dense'")
         self.plan = plan
         self.crc = zlib.crc32(plan.to_json().encode())
@@ -70,7 +70,7 @@ class PlannedPhase:
         self._sparsifier_for = lambda key, i: sparsifier_for(key if i is None else plan.names[i])
         self._prescale, self._postscale = transport.scales()
         self.memory = config.recipe.make_memory(self.dtype)
-        self._primed = False
+        self.primed = False
         self._worker: Optional[OffloadWorker] = None
         self._stage: Optional[int] = None
         self.groups: List[GroupBuffers] = []
@@ -132,12 +132,12 @@ class PlannedPhase:
     def submit(self, p: torch.Tensor) -> None:
         if self._t_first is None:
             self._t_first = time.perf_counter()
-            if not self._primed:
+            if not self.primed:
                 # the local rules take over the wrapped optimizer's state here, on this
                 # thread, after its last dense step (not on the offload worker)
                 for part in self._sparse:
                     self.memory.prime(part.key, part.stage)
-                self._primed = True
+                self.primed = True
         i = self._pos[p]
         if i in self._offload_part:
             self._worker.start(self._offload_part[i], self._grad(i), self.memory)

@@ -80,11 +80,14 @@ at every stage: 3-5x the target under the default recipe, and up to 10.7x in sin
 per partition whose share of k rounds to zero) and the threshold still tracks the
 untrimmed demand; below the target nothing changes. Moving one block
 per adjacent pair per iteration balances slowly on strongly skewed gradients. A NaN/Inf
-outside a rank's own partition waits in its residual until that rank owns the partition
-(at most P - 1 iterations). All trainable gradients must share one dtype (float32,
-float16, bfloat16) and device.
+outside a rank's own partition would never be sent by its exclusive selection: the
+optimizer's non-finite flag undoes such a step on every rank (README, "Mixed precision").
+All trainable gradients must share one dtype (float32, float16, bfloat16; bfloat16 values
+are summed in float32 by the value allreduce) and device.
 """
 from __future__ import annotations
+
+import copy
 
 import math
 import time
@@ -262,7 +265,7 @@ class ExDynaScheme(WholeGradientScheme):
 
     name = "exdyna"
     prefix = "exd"
-    dtypes = (torch.float32, torch.float16)  # values travel by allreduce: no bfloat16 in Horovod 0.28.1
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)  # bfloat16 values: float32 sums
     #: Algorithm 2's grid, Algorithm 3's block moves and Algorithm 5's scaling
     #: (:class:`ExDynaState`; the paper gives no values, these are ours)
     options = {
@@ -375,6 +378,14 @@ class ExDynaScheme(WholeGradientScheme):
         self._calibrating = False
 
     # ------------------------------------------------------------------ state
+    def _step_state(self) -> dict:
+        # the whole object: Algorithm 5's scale factor is state too
+        return {**super()._step_state(), "exdyna": copy.deepcopy(self.state)}
+
+    def _restore_step_state(self, saved: dict) -> None:
+        super()._restore_step_state(saved)
+        self.state = saved["exdyna"]
+
     def shared_state(self) -> dict:
         return {"iteration": self._iteration, "exdyna": self.state.state_dict()}
 

@@ -14,6 +14,8 @@ the cost model, the transport. A subclass only names its planner.
 """
 from __future__ import annotations
 
+import copy
+
 import zlib
 from typing import Dict, Optional
 
@@ -46,11 +48,6 @@ class PlannedScheme(Scheme):
         self._by_name = {config.names[p]: p for p in self._trainable}
         dev = {p.device for p in self._trainable}
         self._device = next(iter(dev)) if len(dev) == 1 else torch.device("cpu")
-        if any(p.dtype == torch.bfloat16 for p in self._trainable):
-            # fail at construction, not in the first collective of the warm-up
-            raise ValueError(f"scheme {self.name!r}: Horovod 0.28.1 cannot allreduce or "
-                             "allgather bfloat16 tensors; train in float32 or float16, or use "
-                             "scheme='zen' (it sends bfloat16 values as raw bytes)")
         self._iteration = 0
         self.cost: Optional[CostModel] = None
         self._sparsifiers: Dict[str, object] = {}
@@ -124,6 +121,8 @@ class PlannedScheme(Scheme):
     def finish(self) -> None:
         phase = self._phase
         self.last_stats = phase.finish(self._iteration + 1)
+        if not self.keep_step():
+            return  # undone (the optimizer rolls it back): it counts nowhere
         self._iteration += 1
         if phase is self._warmup:
             self._last_sparse = frozenset()
@@ -149,6 +148,21 @@ class PlannedScheme(Scheme):
         return [] if self._engine is None else [self._engine.memory]
 
     # ------------------------------------------------------------------ state
+    def _step_state(self) -> dict:
+        return {"iteration": self._iteration, "last_sparse": self._last_sparse,
+                "primed": self._engine is not None and self._engine.primed,
+                "sparsifiers": {k: copy.deepcopy(s.state_dict())
+                                for k, s in self._sparsifiers.items()}}
+
+    def _restore_step_state(self, saved: dict) -> None:
+        self._iteration, self._last_sparse = saved["iteration"], saved["last_sparse"]
+        if self._engine is not None:
+            self._engine.primed = saved["primed"]
+            self._engine.enter_stage(self._iteration)
+        for key, st in saved["sparsifiers"].items():
+            if key in self._sparsifiers:
+                self._sparsifiers[key].load_state_dict(st)
+
     def signature(self):
         return (self._iteration, 0 if self._engine is None else self._engine.crc)
 

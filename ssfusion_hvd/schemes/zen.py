@@ -66,6 +66,8 @@ Known limits:
 """
 from __future__ import annotations
 
+import copy
+
 import itertools
 import time
 import zlib
@@ -290,6 +292,14 @@ class ZenScheme(WholeGradientScheme):
         self._push = self._sent = None
 
     # ------------------------------------------------------------------ state
+    def _step_state(self) -> dict:
+        return {**super()._step_state(),
+                "sparsifier": copy.deepcopy(self._sparsifier.state_dict())}
+
+    def _restore_step_state(self, saved: dict) -> None:
+        super()._restore_step_state(saved)
+        self._sparsifier.load_state_dict(saved["sparsifier"])
+
     def shared_state(self) -> dict:
         # the sparsifier is seeded alike on every rank (randomk) and evolves alike
         return {"iteration": self._iteration, "sparsifier": self._sparsifier.state_dict()}

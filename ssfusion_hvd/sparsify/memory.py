@@ -56,6 +56,9 @@ class LocalRule:
 
     name = "gradient"
     buffers: Tuple[str, ...] = ()
+    #: how each state tensor scales with the gradient: ``x -> c·x`` for gradients ``g -> c·g``
+    #: multiplies it by ``c ** power`` (``"residual"``: what the rule accumulates)
+    units: Dict[str, int] = {"residual": 1}
 
     def __init__(self):
         self.state: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -123,6 +126,7 @@ class MomentumRule(LocalRule):
 
     name = "momentum"
     buffers = ("momentum_buffer",)
+    units = {"residual": 1, "momentum_buffer": 1}
 
     def __init__(self, momentum: float, dampening: float = 0.0, nesterov: bool = False,
                  masking="auto"):
@@ -168,6 +172,8 @@ class AdamRule(LocalRule):
 
     name = "adam"
     buffers = ("exp_avg", "exp_avg_sq")
+    # the accumulated update m̂ / (√v̂ + ε) does not scale (up to ε)
+    units = {"residual": 0, "exp_avg": 1, "exp_avg_sq": 2}
 
     def __init__(self, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  masking="auto"):
@@ -236,6 +242,8 @@ class ResidualMemory:
         #: registered key's rule state starts (the recipe hands over the wrapped
         #: optimizer's state of tensors that were synchronized densely until now)
         self.seed_from: Optional[Callable] = None
+        self._saved = None  # checkpoint(): the state before the step in flight
+        self._shadow: Dict[tuple, torch.Tensor] = {}  # checkpoint()'s copies, reused
 
     def _seed_key(self, key: str, buffers: Tuple[str, ...]):
         layout = self._layout.get(key)
@@ -393,6 +401,62 @@ class ResidualMemory:
         collection): store it and mask the rule's state at ``sent``."""
         self.residuals[key] = residual
         self.rule.mask(key, sent.long())
+
+    # ------------------------------------------------------------------ step transaction
+    def _live(self):
+        """Every state tensor, keyed ``(store, key)``: residuals and the rule's buffers."""
+        out = {("residual", k): t for k, t in self.residuals.items()}
+        for key, st in self.rule.state.items():
+            out.update({(b, key): t for b, t in st.items()})
+        return out
+
+    def checkpoint(self) -> None:
+        """Remembers the state as it is now, before a step changes it, so that
+        :meth:`restore` can put it back bit for bit (a step whose synchronized gradients are
+        not finite never happened). One copy of every state tensor into buffers kept from
+        step to step (allocated again only when a plan's stage changes their shapes)."""
+        live = self._live()
+        src, dst = [], []
+        for name, t in live.items():
+            sh = self._shadow.get(name)
+            if sh is None or sh.shape != t.shape or sh.dtype != t.dtype or sh.device != t.device:
+                sh = self._shadow[name] = torch.empty_like(t)
+            src.append(t)
+            dst.append(sh)
+        for name in set(self._shadow) - set(live):
+            del self._shadow[name]
+        if src:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
+        self._saved = (dict(self.residuals), {k: dict(st) for k, st in self.rule.state.items()},
+                       dict(self.rule.steps), live)
+
+    def restore(self) -> None:
+        """Back to the last :meth:`checkpoint` (valid until the next one, so a step can
+        still be undone after it finished): the same tensors (a step may have replaced
+        some) holding the same values; keys a step created are gone."""
+        if self._saved is None:
+            return
+        residuals, state, steps, live = self._saved
+        names = list(live)
+        if names:
+            with torch.no_grad():
+                torch._foreach_copy_([live[n] for n in names], [self._shadow[n] for n in names])
+        self.residuals, self.rule.state, self.rule.steps = residuals, state, steps
+        self._saved = None  # (once: the shadows are the state now)
+
+    def rescale(self, c) -> None:
+        """The state as it would be had every gradient so far been ``c`` times what it was
+        (``c``: a number or a one-element tensor; a loss scale's inverse, a power of two, so
+        this is exact): each tensor times ``c ** power`` (:attr:`LocalRule.units`)."""
+        by_power: Dict[int, List[torch.Tensor]] = {}
+        for (store, _), t in self._live().items():
+            power = self.rule.units.get(store, 1)
+            if power:
+                by_power.setdefault(power, []).append(t)
+        with torch.no_grad():
+            for power, tensors in by_power.items():
+                torch._foreach_mul_(tensors, c if power == 1 else c ** power)
 
     # ------------------------------------------------------------------ state
     def named_state(self) -> dict:

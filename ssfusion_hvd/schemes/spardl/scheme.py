@@ -4,6 +4,8 @@ is a point-to-point ``send``, a :class:`~.algorithm.Gather` an ``allgather``); m
 travel as bytes. See the package docstring for the algorithm."""
 from __future__ import annotations
 
+import copy
+
 import time
 import warnings
 from typing import Optional
@@ -138,6 +140,15 @@ class SparDLScheme(WholeGradientScheme):
         self._collectives = 0
 
     # ------------------------------------------------------------------ state
+    def _step_state(self) -> dict:
+        # a layout is never changed once built (a new density builds a new one)
+        return {**super()._step_state(), "layout": self.layout,
+                "bsag": copy.deepcopy(self._bsag)}
+
+    def _restore_step_state(self, saved: dict) -> None:
+        super()._restore_step_state(saved)
+        self.layout, self._bsag = saved["layout"], saved["bsag"]
+
     def shared_state(self) -> dict:
         return {"iteration": self._iteration, "teams": self.layout.teams}
 
