@@ -7,7 +7,9 @@
 #   bash scripts/gpu_check.sh [OUTDIR]        (default build/gpu-check; PYTHON: the python
 #                                              whose torch to use, default python3)
 # Nothing here installs anything: the machine needs torch with CUDA, pybind11, cmake,
-# ninja, pytest and hypothesis (the lent H100/H200 images have them all).
+# ninja, pytest and hypothesis (the lent H100/H200 images have them all). For a Horovod
+# built with CUDA, run scripts/gpu_setup.sh first (offline, from the carried .whl/) and
+# pass its venv: PYTHON=build/gpu-venv/bin/python bash scripts/gpu_check.sh OUTDIR.
 set -uo pipefail
 OUT="${1:-build/gpu-check}"
 PY="${PYTHON:-python3}"
@@ -31,6 +33,11 @@ if "$PY" -c 'import sys, horovod.torch as h; sys.exit(0 if h.cuda_built() else 1
     "$PY" -m pytest tests/test_schemes.py -k gpu -q -p no:cacheprovider --tb=short \
         > "$OUT/tests_schemes_gpu.log" 2>&1 || rc=1
     tail -n 3 "$OUT/tests_schemes_gpu.log"
+    # mixed precision on the GPU: float16 autocast + GradScaler("cuda") with overflows on
+    # one rank, bfloat16 autocast; every scheme, SparDL, ZEN and ExDyna included
+    "$PY" -m pytest tests/test_precision.py -k gpu -q -p no:cacheprovider --tb=short \
+        > "$OUT/tests_precision_gpu.log" 2>&1 || rc=1
+    tail -n 3 "$OUT/tests_precision_gpu.log"
 else
     echo "no Horovod built with CUDA here: the schemes' GPU test does not run"
 fi

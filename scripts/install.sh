@@ -14,6 +14,16 @@
 #   SSFUSION_CACHE    wheel cache (default: ~/.cache/ssfusion-hvd)
 #   MAKEFLAGS         parallelism of the Horovod build (default: -j$(nproc))
 #   SSFUSION_NO_MPI   1: do not install OpenMPI (Horovod then has Gloo only)
+#   SSFUSION_WHEELS   folder of carried files (horovod-0.28.1.tar.gz and wheels, e.g. .whl/):
+#                     pip runs offline on it (--no-index --find-links); whatever else is
+#                     missing from the venv (torch, the Python deps) must be in it too
+#   SSFUSION_CUDA     auto (default): Horovod with CUDA when the venv's torch has CUDA and
+#                     nvcc (same major version) is found; 0: never; 1: required
+#   SSFUSION_NCCL     auto (default): NCCL GPU operations when torch's NCCL wheel is found
+#                     and >= 2 GPUs are visible (else GPU tensors are staged through host
+#                     memory); 1: whenever found; 0: never. SSFUSION_CUDA_CC: sm list
+#                     (default: the visible GPUs', else 90). The recipe and the details:
+#                     scripts/horovod_build.sh (shared with scripts/gpu_setup.sh)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,6 +39,14 @@ t0=$SECONDS
 step() { printf '\n[install %4ds] %s\n' "$((SECONDS - t0))" "$*"; }
 die() { printf '\n[install] ERROR: %s\n' "$*" >&2; exit 1; }
 trap 'die "step failed (line $LINENO): $BASH_COMMAND"' ERR
+# shellcheck source=scripts/horovod_build.sh
+source "$REPO/scripts/horovod_build.sh"
+if [[ -n "${SSFUSION_WHEELS:-}" ]]; then
+    [[ -d "$SSFUSION_WHEELS" ]] || die "SSFUSION_WHEELS=$SSFUSION_WHEELS is not a folder"
+    SSFUSION_WHEELS="$(cd "$SSFUSION_WHEELS" && pwd)"
+    export SSFUSION_WHEELS PIP_NO_INDEX=1 PIP_FIND_LINKS="$SSFUSION_WHEELS"
+    PY_DEPS+=(cffi pycparser)   # Horovod's setup_requires, fetched from PyPI when online
+fi
 
 # ---------------------------------------------------------------- 1. virtualenv
 if [[ ! -x "$VENV/bin/python" ]]; then
@@ -107,48 +125,14 @@ if [[ $with_mpi == 1 ]] && ! "$PY" -c 'import mpi4py' 2>/dev/null; then
 fi
 
 # ---------------------------------------------------------------- 5. horovod
+# CPU torch (CI): HVD_GPU=none, and the key and the build are what they always were. A
+# CUDA torch with nvcc: the CUDA recipe of scripts/horovod_build.sh, under its own key.
+hvd_gpu_config "$PY" || die "SSFUSION_CUDA=1 but Horovod cannot be built with CUDA here"
+[[ $HVD_GPU != none ]] && echo "[install] Horovod with $HVD_GPU_NOTE"
 key="py${PYVER}-torch${TORCH_VERSION}-hvd${HOROVOD_VERSION}-$([[ $with_mpi == 1 ]] && echo gloo-mpi || echo gloo)"
-wheel_dir="$CACHE/$key"
-have_hvd="$("$PY" -c 'from importlib.metadata import version; print(version("horovod"))' 2>/dev/null || true)"
-hvd_ok=0
-if [[ "$have_hvd" == "$HOROVOD_VERSION" && -f "$VENV/.horovod-key" && "$(cat "$VENV/.horovod-key")" == "$key" ]]; then
-    hvd_ok=1
-fi
-if [[ $hvd_ok == 0 ]]; then
-    wheel="$(ls "$wheel_dir"/horovod-*.whl 2>/dev/null | head -n 1 || true)"
-    if [[ -z "$wheel" ]]; then
-        step "building Horovod $HOROVOD_VERSION wheel ($key); takes a few minutes, cached afterwards"
-        command -v cmake >/dev/null 2>&1 || "${PIP[@]}" install -q cmake
-        build="$(mktemp -d "${TMPDIR:-/tmp}/ssfusion-hvd-build.XXXXXX")"
-        trap 'rm -rf "$build"' EXIT
-        "${PIP[@]}" download -q --no-binary :all: --no-deps -d "$build" "horovod==$HOROVOD_VERSION"
-        tar -xzf "$build"/horovod-"$HOROVOD_VERSION".tar.gz -C "$build"
-        src="$build/horovod-$HOROVOD_VERSION"
-        # torch >= 2.1 headers need C++17; Horovod 0.28.1 hard-codes C++14.
-        for f in "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"; do
-            sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$f"
-            grep -q 'set(CMAKE_CXX_STANDARD 17)' "$f" || die "C++17 patch did not apply to $f"
-            ! grep -q 'set(CMAKE_CXX_STANDARD 14)' "$f" || die "C++14 still set in $f"
-        done
-        mpi_flag=HOROVOD_WITHOUT_MPI=1
-        [[ $with_mpi == 1 ]] && mpi_flag=HOROVOD_WITH_MPI=1
-        (cd "$src" && env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 "$mpi_flag" \
-            HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_GPU_OPERATIONS= \
-            MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}" \
-            "${PIP[@]}" wheel --no-build-isolation --no-deps -w "$build/dist" . \
-            > "$build/horovod-build.log" 2>&1) \
-            || { tail -n 60 "$build/horovod-build.log" >&2; die "Horovod build failed (log above)"; }
-        mkdir -p "$wheel_dir"
-        built="$(ls "$build"/dist/horovod-*.whl)"
-        cp "$built" "$wheel_dir/.tmp.$(basename "$built")"
-        mv "$wheel_dir/.tmp.$(basename "$built")" "$wheel_dir/$(basename "$built")"   # atomic publish
-        wheel="$wheel_dir/$(basename "$built")"
-        rm -rf "$build"; trap - EXIT
-    fi
-    step "installing $(basename "$wheel")"
-    "${PIP[@]}" install -q --force-reinstall --no-deps "$wheel"
-    echo "$key" > "$VENV/.horovod-key"
-fi
+hvd_step() { step "$@"; }
+hvd_install "$PY" "$CACHE" "$key" "$with_mpi" "$VENV/.horovod-key" \
+    || die "Horovod build or install failed (log above)"
 "$VENV/bin/horovodrun" --check-build > "$VENV/.horovod-check" 2>&1 \
     || { cat "$VENV/.horovod-check" >&2; die "horovodrun --check-build failed"; }
 grep -q '\[X\] PyTorch' "$VENV/.horovod-check" || { cat "$VENV/.horovod-check"; die "Horovod lacks PyTorch"; }
