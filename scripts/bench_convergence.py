@@ -61,6 +61,8 @@ def parse_args(argv=None):
                    help="a Plan JSON every planned scheme runs instead of planning (train.py --plan)")
     p.add_argument("--min-k", type=int, default=None,
                    help="train.py --min-k (SSFusion schemes and auto; default: theirs)")
+    p.add_argument("--amp", default="none", choices=("none", "float16", "bfloat16"),
+                   help="train.py --amp: autocast dtype (float16 with GradScaler)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=str(REPO / "docs" / "results"))
     p.add_argument("--name", default="convergence")
@@ -89,6 +91,8 @@ def run_one(args, task: str, scheme: str, seed: int, logs: Path) -> dict:
         cmd += ["--density-warmup-steps", str(args.density_warmup_steps)]
     if args.min_k is not None:  # train.py passes it to the schemes that take it
         cmd += ["--min-k", str(args.min_k)]
+    if getattr(args, "amp", "none") != "none":
+        cmd += ["--amp", args.amp]
     cmd += list(getattr(args, "extra", ()))  # the accuracy suite's scheme variants
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.workers)),
                HOROVOD_CYCLE_TIME="1", PYTHONPATH=str(REPO))

@@ -21,6 +21,7 @@ each epoch also reports the tensor missing rate (tensors that sent nothing / ten
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -85,6 +86,10 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None,
                    help="a CostModel JSON for the sparse schemes' planner instead of start-up "
                         "probes (e.g. one measured on the slow network you deploy on)")
+    p.add_argument("--amp", default="none", choices=("none", "float16", "bfloat16"),
+                   help="autocast the forward pass to this dtype (the model stays float32); "
+                        "float16 with torch.amp.GradScaler in Horovod's pattern (synchronize, "
+                        "unscale_, step under skip_synchronize, update)")
     p.add_argument("--json", default=None, help="write per-epoch metrics here (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p.parse_args(argv)
@@ -185,6 +190,9 @@ def main(argv=None):
     options = options_for(args.scheme, min_k=args.min_k, slack=args.slack)
     if args.floor is not None and options_for(args.scheme, floor=0.0):  # a scheme that takes it
         options = dict(options or {}, floor=None if args.floor == "none" else float(args.floor))
+    # mixed precision as users train: CPU autocast (the examples run on the CPU) and, for
+    # float16, a GradScaler the optimizer is told about up front (README, "Mixed precision")
+    scaler = torch.amp.GradScaler("cpu") if args.amp == "float16" else None
     peer = args.scheme in PEERS
     if peer:  # what a user would run instead (DDP broadcasts rank 0's parameters itself)
         task.forward[0], opt, peer_what = make_peer(args.scheme, model, task.optimizer,
@@ -194,7 +202,8 @@ def main(argv=None):
                                                 named_parameters=model.named_parameters(),
                                                 scheme=args.scheme, sparsifier=args.sparsifier,
                                                 density=args.density, profile=args.profile,
-                                                plan=args.plan, scheme_options=options, **recipe)
+                                                plan=args.plan, scheme_options=options,
+                                                grad_scaler=scaler, **recipe)
     if not peer or args.scheme == "hvd_fp16":
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -234,10 +243,23 @@ def main(argv=None):
         start = time.perf_counter()
         for s in range(steps):
             opt.zero_grad()
-            loss = task.loss(epoch, s)
-            loss.backward()
-            opt.step()
-            loss_sum += loss.detach()
+            with (torch.autocast("cpu", dtype=getattr(torch, args.amp)) if args.amp != "none"
+                  else contextlib.nullcontext()):
+                loss = task.loss(epoch, s)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                if peer:
+                    scaler.step(opt)
+                else:  # Horovod's documented AMP pattern
+                    opt.synchronize()
+                    scaler.unscale_(opt)
+                    with opt.skip_synchronize():
+                        scaler.step(opt)
+                scaler.update()
+            loss_sum += loss.detach().float()
             if measure:
                 st = stats()
                 missing += int(st.get("tensors_missing", 0))
@@ -260,6 +282,8 @@ def main(argv=None):
             # bytes one rank sent per step (a dense float32 allreduce: 4 per element)
             row["bytes_per_step"] = sent_bytes / steps
             row["dense_bytes_per_step"] = dense_bytes
+        if scaler is not None:
+            row["loss_scale"] = scaler.get_scale()
         history.append(row)
         if rank == 0:
             line = (f"epoch {epoch:3d}/{args.epochs}  loss {mean_loss:.4f}  {metric_text(task.metric, value)}"
