@@ -34,6 +34,18 @@ def _assert_ranks_equal(ranks, key, exact=True):
         _assert_same(ranks[0][key]["params"], r[key]["params"], "ranks differ", exact)
 
 
+def _assert_trains_like_float32(ranks, scheme, exact=True):
+    """Ranks identical, nothing skipped, and the parameters within bfloat16's rounding of
+    the float32 run's (``ref``)."""
+    runs = [r[scheme] for r in ranks]
+    _assert_ranks_equal(runs, "run", exact)
+    run, ref = runs[0]["run"], runs[0]["ref"]
+    assert not any(s.get("skipped") for s in run["stats"])
+    for n in ref["params"]:
+        moved = (ref["params"][n] - run["params"][n].float()).abs().max().item()
+        assert moved < 0.05, (scheme, n, moved)
+
+
 @pytest.fixture(scope="module")
 def overflow():
     return run_workers("workers_precision:overflow_cases", np=2, timeout=600,
@@ -92,13 +104,7 @@ def bf16_autocast():
 def test_bfloat16_autocast_trains_like_float32(bf16_autocast, scheme):
     """bfloat16 autocast on the float32 model: ranks identical, nothing skipped, and the
     parameters within bfloat16's rounding of the float32 run's."""
-    ranks = [r[scheme] for r in bf16_autocast]
-    _assert_ranks_equal(ranks, "run")
-    run, ref = ranks[0]["run"], ranks[0]["ref"]
-    assert not any(s.get("skipped") for s in run["stats"])
-    for n in ref["params"]:
-        moved = (ref["params"][n] - run["params"][n]).abs().max().item()
-        assert moved < 0.05, n
+    _assert_trains_like_float32(bf16_autocast, scheme)
 
 
 @pytest.fixture(scope="module")
@@ -112,18 +118,13 @@ def test_a_bfloat16_model_trains_like_its_float32_reference(bf16_model, scheme):
     residuals and the local rule's state float32): ranks identical, nothing skipped, the
     residuals float32, and the parameters within bfloat16's rounding of the float32 run
     from the same weights."""
-    ranks = [r[scheme] for r in bf16_model]
-    _assert_ranks_equal(ranks, "run")
-    run, ref = ranks[0]["run"], ranks[0]["ref"]
-    assert not any(s.get("skipped") for s in run["stats"])
-    assert all(t.dtype == torch.float32 for k, t in run["own"].items() if torch.is_tensor(t))
+    _assert_trains_like_float32(bf16_model, scheme)
+    run = bf16_model[0][scheme]["run"]
+    assert all(t.dtype == torch.float32 for t in run["own"].values() if torch.is_tensor(t))
+    assert all(p.dtype == torch.bfloat16 for p in run["params"].values())
     if scheme != "dense":
         assert any(k.startswith("residuals.") for k in run["own"])
         assert run["stats"][-1]["phase"] in ("planned", "sparse")
-    for n in ref["params"]:
-        assert run["params"][n].dtype == torch.bfloat16
-        moved = (ref["params"][n] - run["params"][n].float()).abs().max().item()
-        assert moved < 0.05, (n, moved)
 
 
 @pytest.mark.skipif(not gpu_built(2), reason="needs a CUDA device and a Horovod built with "
@@ -144,24 +145,12 @@ def test_mixed_precision_on_a_gpu(case):
                 if key[0] != "dense":
                     assert [i for i, s in enumerate(run["stats"]) if s["skipped"]] == [0, 3, 6]
             _assert_ranks_equal([r[key] for r in ranks], "run", exact=False)
-    elif case == "bfloat16_model":
-        ranks = run_workers("workers_precision:bf16_model_cases", np=2, timeout=900,
-                            schemes=SCHEMES, device="cuda")
-        for scheme in SCHEMES:
-            _assert_ranks_equal([r[scheme] for r in ranks], "run", exact=False)
-            run, ref = ranks[0][scheme]["run"], ranks[0][scheme]["ref"]
-            assert not any(s.get("skipped") for s in run["stats"])
-            for n in ref["params"]:
-                assert (ref["params"][n] - run["params"][n].float()).abs().max().item() < 0.05
     else:
-        ranks = run_workers("workers_precision:autocast_cases", np=2, timeout=900,
+        worker = {"bfloat16_model": "bf16_model_cases", "bfloat16_autocast": "autocast_cases"}
+        ranks = run_workers(f"workers_precision:{worker[case]}", np=2, timeout=900,
                             schemes=SCHEMES, device="cuda")
         for scheme in SCHEMES:
-            _assert_ranks_equal([r[scheme] for r in ranks], "run", exact=False)
-            run, ref = ranks[0][scheme]["run"], ranks[0][scheme]["ref"]
-            assert not any(s.get("skipped") for s in run["stats"])
-            for n in ref["params"]:
-                assert (ref["params"][n] - run["params"][n]).abs().max().item() < 0.05, n
+            _assert_trains_like_float32(ranks, scheme, exact=False)
 
 
 def test_a_float64_model_is_refused_on_every_rank_before_any_collective():
