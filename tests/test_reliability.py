@@ -206,3 +206,22 @@ def test_a_rank_that_waits_sleeps_instead_of_spinning():
     assert wall > 0.5 and h_wall > 0.5, rank0  # rank 0 did wait for rank 1
     assert cpu < 0.25 * wall, rank0
     assert h_cpu > 4 * cpu, rank0
+
+
+@pytest.mark.parametrize("local_ranks, cores, spins", [(2, 2, False), (4, 2, False),
+                                                       (2, 4, True), (4, 16, True),
+                                                       (8, 8, False)])
+def test_waits_spin_only_where_every_local_rank_has_its_cores(monkeypatch, local_ranks, cores,
+                                                              spins):
+    """Sleeping between polls adds up to POLL_MAX_S to a wait, which a GPU step on a host
+    with cores to spare should not pay; spinning takes a core from the rank everyone waits
+    for where ranks share cores. Transport decides once, by the local ranks and the usable
+    cores (two per rank: its own thread and Horovod's background thread)."""
+    import os
+
+    import ssfusion_hvd.core.transport as transport
+
+    monkeypatch.setattr(transport._mpi, "local_size", lambda: local_ranks)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(transport, "_SPIN", None)
+    assert transport._spin() is spins

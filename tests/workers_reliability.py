@@ -198,8 +198,10 @@ def waiting(delay=1.0):
     {"ours" | "horovod": (wall seconds, process CPU seconds, output ok)} of the wait."""
     from types import SimpleNamespace
 
+    import ssfusion_hvd.core.transport as transport
     from ssfusion_hvd.core.transport import Transport, global_process_set
 
+    transport._SPIN = False  # the sleeping wait, whatever cores this machine has
     config = SimpleNamespace(process_set=global_process_set, op=hvd.Sum, gradient_predivide_factor=1.0)
     tr = Transport(config, "waittest")
     expected = torch.arange(2000, dtype=torch.float32)  # both ranks' 1000 values, in rank order

@@ -45,6 +45,31 @@ __all__ = ["Transport", "allgather_bytes", "broadcast_object", "root_rank", "all
 #: ``POLL_FIRST_S`` doubling up to ``POLL_MAX_S``, the most it adds to a wait.
 POLL_FIRST_S, POLL_MAX_S = 20e-6, 5e-4
 
+#: cores a rank needs to itself before its waits spin: its own thread, Horovod's
+#: background thread (and an offload worker's, which mostly waits on copies)
+CORES_PER_SPINNING_RANK = 2
+
+
+def _spin() -> bool:
+    """Whether this rank's waits may spin (Horovod's ``synchronize``) rather than sleep
+    between polls: when the host has the cores for every local rank, nobody's core is
+    taken by a waiting rank, and sleeping only adds up to :data:`POLL_MAX_S` to each wait,
+    latency a GPU step should not pay (the lent GPU machines: 16 cores, 2-4 ranks). Decided
+    once, from what the job shares: the local ranks and this process's usable cores."""
+    global _SPIN
+    if _SPIN is None:
+        import os
+
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+        _SPIN = _mpi.local_size() * CORES_PER_SPINNING_RANK <= cores
+    return _SPIN
+
+
+_SPIN = None
+
 #: per-prefix instance counters: the n-th scheme of a kind gets tag "<prefix><n>" on every rank
 _COUNTERS = collections.defaultdict(itertools.count)
 
@@ -247,10 +272,11 @@ class Transport:
     @staticmethod
     def wait(handle):
         """The output of ``handle``'s collective, once done; sleeps between polls
-        (:data:`POLL_MAX_S`). A sparse allreduce's handle (Horovod's function) is waited by
+        (:data:`POLL_MAX_S`) where the local ranks share cores, else lets Horovod spin
+        (:func:`_spin`). A sparse allreduce's handle (Horovod's function) is waited by
         Horovod. A bfloat16 collective's output is bfloat16 again (see the module docstring)."""
         inner = handle.handle if isinstance(handle, (_Widened, _Viewed)) else handle
-        if isinstance(inner, int):
+        if isinstance(inner, int) and not _spin():
             pause = POLL_FIRST_S
             while not _mpi.poll(inner):
                 time.sleep(pause)
