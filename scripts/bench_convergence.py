@@ -63,6 +63,8 @@ def parse_args(argv=None):
                    help="train.py --min-k (SSFusion schemes and auto; default: theirs)")
     p.add_argument("--amp", default="none", choices=("none", "float16", "bfloat16"),
                    help="train.py --amp: autocast dtype (float16 with GradScaler)")
+    p.add_argument("--init-scale", type=float, default=None,
+                   help="train.py --init-scale (GradScaler's initial scale, --amp float16)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=str(REPO / "docs" / "results"))
     p.add_argument("--name", default="convergence")
@@ -93,6 +95,8 @@ def run_one(args, task: str, scheme: str, seed: int, logs: Path) -> dict:
         cmd += ["--min-k", str(args.min_k)]
     if getattr(args, "amp", "none") != "none":
         cmd += ["--amp", args.amp]
+    if getattr(args, "init_scale", None) is not None:
+        cmd += ["--init-scale", str(args.init_scale)]
     cmd += list(getattr(args, "extra", ()))  # the accuracy suite's scheme variants
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.workers)),
                HOROVOD_CYCLE_TIME="1", PYTHONPATH=str(REPO))

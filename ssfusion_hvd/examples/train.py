@@ -90,6 +90,9 @@ def parse_args(argv=None):
                    help="autocast the forward pass to this dtype (the model stays float32); "
                         "float16 with torch.amp.GradScaler in Horovod's pattern (synchronize, "
                         "unscale_, step under skip_synchronize, update)")
+    p.add_argument("--init-scale", type=float, default=2.0 ** 16,
+                   help="--amp float16: GradScaler's initial scale (a large one overflows the "
+                        "first steps, which the optimizer then skips)")
     p.add_argument("--json", default=None, help="write per-epoch metrics here (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p.parse_args(argv)
@@ -192,7 +195,8 @@ def main(argv=None):
         options = dict(options or {}, floor=None if args.floor == "none" else float(args.floor))
     # mixed precision as users train: CPU autocast (the examples run on the CPU) and, for
     # float16, a GradScaler the optimizer is told about up front (README, "Mixed precision")
-    scaler = torch.amp.GradScaler("cpu") if args.amp == "float16" else None
+    scaler = (torch.amp.GradScaler("cpu", init_scale=args.init_scale) if args.amp == "float16"
+              else None)
     peer = args.scheme in PEERS
     if peer:  # what a user would run instead (DDP broadcasts rank 0's parameters itself)
         task.forward[0], opt, peer_what = make_peer(args.scheme, model, task.optimizer,
@@ -284,6 +288,8 @@ def main(argv=None):
             row["dense_bytes_per_step"] = dense_bytes
         if scaler is not None:
             row["loss_scale"] = scaler.get_scale()
+            if not peer:
+                row["steps_skipped"] = opt.stats().get("steps_skipped")
         history.append(row)
         if rank == 0:
             line = (f"epoch {epoch:3d}/{args.epochs}  loss {mean_loss:.4f}  {metric_text(task.metric, value)}"
