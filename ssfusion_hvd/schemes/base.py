@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, NamedTuple
 
 import torch
 
+from ..arguments import SPARSE_GRAD_DTYPES
 from ..core.layout import FlatLayout
 from ..core.stats import StepStats
 from ..core.transport import Transport
@@ -227,7 +228,7 @@ class WholeGradientScheme(Scheme):
     every trainable parameter's gradient is in."""
 
     #: gradient dtypes the scheme's collectives can carry
-    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    dtypes = SPARSE_GRAD_DTYPES
     #: prefix of the scheme's collective names (``Transport``)
     prefix = "whole"
 

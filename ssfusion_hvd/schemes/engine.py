@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..arguments import SPARSE_GRAD_DTYPES
 from ..core.buffers import (DensePart, GroupBuffers, SparsePart, build_group, nonfinite_count,
                             unpack)
 from ..core.layout import views
@@ -39,7 +40,7 @@ from ..plan import Plan
 __all__ = ["PlannedPhase", "SPARSE_DTYPES"]
 
 #: gradient dtypes a plan can carry (bfloat16 through Transport: raw words, float32 sums)
-SPARSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SPARSE_DTYPES = SPARSE_GRAD_DTYPES
 
 
 class PlannedPhase:

@@ -265,7 +265,6 @@ class ExDynaScheme(WholeGradientScheme):
 
     name = "exdyna"
     prefix = "exd"
-    dtypes = (torch.float32, torch.float16, torch.bfloat16)  # bfloat16 values: float32 sums
     #: Algorithm 2's grid, Algorithm 3's block moves and Algorithm 5's scaling
     #: (:class:`ExDynaState`; the paper gives no values, these are ours)
     options = {
