@@ -27,9 +27,9 @@ from .arguments import check_arguments, named_parameters as _named_parameters
 from .consistency import check_same_model
 from .recipe import DEFAULT_MASKING, DEFAULT_WARMUP_STEPS, resolve_recipe
 from .registry import SCHEMES
-from .schemes import SyncConfig
+from .schemes import OutsideTheSet, SyncConfig
 
-__all__ = ["DistributedOptimizer", "SCHEMES"]
+__all__ = ["DistributedOptimizer", "SCHEMES", "broadcast_optimizer_state"]
 
 # This optimizer declares that its step() handles loss scaling (``_step_supports_amp_scaling``
 # and a ``grad_scaler`` argument): GradScaler then hands itself to step() instead of checking
@@ -45,18 +45,38 @@ _STATE_KEY = "ssfusion"
 _SHARED_KEY = "ssfusion_shared"
 
 
-def _horovod_broadcast_frame():
-    """The frame of Horovod's ``broadcast_optimizer_state`` when it is what called the
-    method calling this (directly or through torch's step wrappers), else None."""
+def _in_horovod_broadcast() -> bool:
+    """Whether Horovod's ``broadcast_optimizer_state`` is running in this thread, whatever
+    lies between it and the caller: step wrappers (LR schedulers, AMP, loggers,
+    ``torch.compile``), a helper a later Horovod moves its ``step()`` call into. The whole
+    stack is searched for its code object; this runs only where a step comes without a
+    gradient (``step()``) and in ``state_dict()``, never per step of training.
+    :func:`broadcast_optimizer_state` says so explicitly instead."""
     code = _hvd_functions.broadcast_optimizer_state.__code__
-    f = sys._getframe(2)
-    for _ in range(6):
-        if f is None:
-            return None
+    f = sys._getframe(1)
+    while f is not None:
         if f.f_code is code:
-            return f
+            return True
         f = f.f_back
-    return None
+    return False
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None:
+    """``hvd.broadcast_optimizer_state(optimizer, root_rank, model)``, announced to the
+    optimizer: while it runs, our optimizer knows its ``step()`` on zero gradients is the
+    state initialization (local, no collective) and its ``state_dict()`` carries the
+    root's shared scheme state. Calling ``hvd.broadcast_optimizer_state`` directly works
+    as well (it is recognized on the stack); this is the explicit form."""
+    # (our optimizers' classes are made by DistributedOptimizer from _DistributedOptimizer's
+    # methods, not derived from it)
+    ours = type(optimizer).__dict__.get("_in_broadcast") is _DistributedOptimizer._in_broadcast
+    if ours:
+        optimizer._broadcasting = True
+    try:
+        hvd.broadcast_optimizer_state(optimizer, root_rank=root_rank, model=model)
+    finally:
+        if ours:
+            optimizer._broadcasting = False
 
 
 def _remove_hooks(handles) -> None:
@@ -99,7 +119,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         self._config = config
         self._scheme_name = scheme
-        self._scheme = SCHEMES[scheme].load()(config)
+        # a rank outside the process set makes no collective and steps on its own
+        # gradients, as under Horovod's optimizer: it builds no scheme and no transport
+        included = bool(config.process_set.included())
+        self._scheme = (SCHEMES[scheme].load() if included else OutsideTheSet)(config)
         self._scheme.agree = self._finish_check
         self._scheme.keep_step = self._keep_step
         self.backward_passes_per_step = backward_passes_per_step
@@ -115,7 +138,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         config.recipe.bind(self, config.names)
         # the optimizer's own collectives (agreement check, broadcast adoption); optimizers
         # are created in the same order on every rank
-        self._transport = Transport(config, "ssfusion.check.")
+        self._transport = Transport(config, "ssfusion.check.") if included else None
         self._check = None  # this step's agreement allreduce (see _submit)
         # the step as a transaction (_begin_step, _end_step): a step whose synchronized
         # gradients are not finite is undone on every rank
@@ -133,7 +156,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._scaler = grad_scaler
         self._scale = self._inv_scale = None
         self._hook_handles = []
-        if config.process_set.included():
+        if included:
             # the hooks reach the optimizer through a weak reference, so parameters that
             # outlive it do not keep it (and its scheme, buffers, worker thread) alive;
             # its hooks go with it
@@ -393,7 +416,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         loss scaling, ``_step_supports_amp_scaling``): the gradients are synchronized first,
         then unscaled and checked by the scaler (unless ``scaler.unscale_`` already did),
         and the step is skipped when they are not finite, as GradScaler would skip it."""
-        if not self._submitted and not self._synchronized and _horovod_broadcast_frame():
+        if not self._submitted and not self._synchronized and self._in_broadcast():
             # hvd.broadcast_optimizer_state initializes an empty state with a step on zero
             # gradients, on the ranks whose state is empty only (in the resume pattern: all
             # but the root). Horovod's own optimizer takes its base class's step there; so
@@ -475,13 +498,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state = super(self.__class__, self).state_dict()
         for g in state["param_groups"]:
             g.pop(_SHARED_KEY, None)
-        if state["param_groups"] and _horovod_broadcast_frame() is not None:
+        if state["param_groups"] and self._in_broadcast():
             # hvd.broadcast_optimizer_state broadcasts every param-group option from the
             # root and assigns it on every rank: the root's shared scheme state travels
             # with it and is adopted before the next collective (_adopt_broadcast)
             state["param_groups"][0][_SHARED_KEY] = self._shared_state()
         state[_STATE_KEY] = {"scheme": self._scheme_name, "state": self._scheme.state_dict()}
         return state
+
+    #: set by :func:`broadcast_optimizer_state` while it runs
+    _broadcasting = False
+
+    def _in_broadcast(self) -> bool:
+        return self._broadcasting or _in_horovod_broadcast()
 
     def _shared_state(self) -> dict:
         recipe = self._config.recipe

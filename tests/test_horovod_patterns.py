@@ -135,6 +135,69 @@ def test_process_sets(scheme, np_, layout):
                    for n in ranks[0]["params"])
 
 
+WRAPPED = [(0, False, False), (3, False, False), (10, False, False), (3, True, False),
+           (10, False, True)]  # (wrappers around step, torch.compile, our explicit broadcast)
+
+
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory):
+    """One job per scheme, every case of WRAPPED in it."""
+    out = {}
+    for scheme in ("dense", "ssfusion_oi", "zen"):
+        d = tmp_path_factory.mktemp(f"wrapped-{scheme}")
+        out[scheme] = run_workers("workers_horovod:wrapped_resume", np=2, timeout=180,
+                                  scheme=scheme, cases=WRAPPED, ckpt_dir=str(d))
+    return out
+
+
+@pytest.mark.parametrize("case", WRAPPED, ids=lambda c: f"{c[0]}wrappers{'-compiled' if c[1] else ''}"
+                         f"{'-explicit' if c[2] else ''}")
+@pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "zen"])
+def test_resume_with_wrapped_step(wrapped, scheme, case):
+    """The rank-0 resume pattern with an LR scheduler and 0, 3 or 10 more wrappers around
+    ``step`` (or ``torch.compile``): the broadcast's state-initializing step is recognized
+    at any depth, so it runs no collective on the ranks that take it (nothing hung), moves
+    no parameter, and the ranks continue identical. Dense training resumes exactly where
+    the uninterrupted run went."""
+    r0, r1 = wrapped[scheme][0][tuple(case)], wrapped[scheme][1][tuple(case)]
+    _equal_dicts(r0["after_broadcast"], r1["after_broadcast"])
+    _equal_dicts(r0["resumed"], r1["resumed"])
+    if scheme == "dense":
+        _equal_dicts(r0["resumed"], r0["straight"])
+    assert all(torch.isfinite(t).all() for t in r0["resumed"].values())
+
+
+@pytest.fixture(scope="module")
+def outside():
+    """One job per size: every scheme's optimizer built on every rank with the even
+    ranks' process set (Horovod's own test shape)."""
+    return {np_: run_workers("workers_horovod:outside_the_set", np=np_, timeout=240,
+                             env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, schemes=SCHEMES)
+            for np_ in (2, 3)}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_rank_outside_the_process_set(outside, np_, scheme):
+    """A rank outside the optimizer's process set makes no collective (the job finished:
+    nothing hung) and steps on its own gradients exactly as a plain torch optimizer; the
+    ranks inside synchronize among themselves (3 workers: ranks 0 and 2 end identical,
+    and unlike a plain optimizer on their own batches)."""
+    ranks = outside[np_]
+    odd = [r for r in range(np_) if r % 2]
+    for r in odd:
+        assert not ranks[r]["included"]
+        mine = ranks[r][scheme]
+        _equal_dicts(mine["params"], mine["plain"])
+        assert mine["stats"] == {}  # nothing synchronized
+        assert mine["state"]["ssfusion"]["state"] == {}
+    inside = ranks[0][scheme]
+    assert ranks[0]["included"] and (scheme == "dense" or inside["stats"]["phase"] in ("planned", "sparse"))
+    if np_ == 3:
+        _equal_dicts(inside["params"], ranks[2][scheme]["params"])
+        assert any(not torch.equal(inside["params"][n], inside["plain"][n]) for n in inside["params"])
+
+
 @pytest.fixture(scope="module")
 def behaviours():
     return {scheme: run_workers("workers_horovod:behaviours", np=2, timeout=300, scheme=scheme)

@@ -381,3 +381,104 @@ def uneven_join(scheme, steps=(5, 3)):
     except HorovodInternalError as exc:  # Horovod's own failure after the join (see the test)
         out["join_error"] = str(exc)
     return out
+
+
+def outside_the_set(schemes, steps=6):
+    """Horovod's own shape (its ``test_optimizer_process_sets``): for each scheme, one
+    optimizer built on every rank with the even ranks' process set. The odd ranks are
+    outside it: they make no collective and step on their own gradients, as a plain torch
+    optimizer does. Per scheme: the parameters and, beside them, those of a plain SGD
+    that saw the same batches. Needs HOROVOD_DYNAMIC_PROCESS_SETS=1."""
+    import copy
+    from workers_schemes import _batch
+
+    even = hvd.add_process_set([r for r in range(hvd.size()) if r % 2 == 0])
+    loss_fn = torch.nn.CrossEntropyLoss()
+    out = {"included": even.included()}
+    for scheme in schemes:
+        torch.manual_seed(1234)
+        model = Net()
+        twin = copy.deepcopy(model)
+        sgd = dict(lr=0.05, momentum=0.9, weight_decay=1e-4)
+        plain = torch.optim.SGD(twin.parameters(), **sgd)
+        opt = _opt(model, scheme, torch.optim.SGD(model.parameters(), **sgd), process_set=even)
+        for step in range(steps):
+            x, y = _batch(step, 0, "float32")
+            for m, o in ((model, opt), (twin, plain)):
+                o.zero_grad()
+                loss_fn(m(x), y).backward()
+                o.step()
+        out[scheme] = {"params": _params(model), "plain": _params(twin), "stats": opt.stats(),
+                       "state": opt.state_dict()}
+    hvd.barrier()
+    hvd.remove_process_set(even)
+    return out
+
+
+def _wrap_step(opt, wrappers, compiled):
+    """``opt.step`` behind ``wrappers`` plain wrappers (loggers, framework hooks), then
+    optionally ``torch.compile`` (the eager backend: dynamo's frame evaluation without a
+    compiler toolchain)."""
+    for _ in range(wrappers):
+        inner = opt.step
+
+        def step(*args, _inner=inner, **kwargs):
+            return _inner(*args, **kwargs)
+        opt.step = step
+    if compiled:
+        opt.step = torch.compile(opt.step, backend="eager")
+
+
+def wrapped_resume(scheme, cases, ckpt_dir, save_at=4, total=8):
+    """The rank-0 resume pattern with ``opt.step`` wrapped: an LR scheduler (which wraps
+    it itself), then ``wrappers`` more and optionally ``torch.compile``; the broadcast by
+    ``hvd.broadcast_optimizer_state`` or, ``explicit``, ``ssfusion_hvd``'s. Per case
+    (``(wrappers, compiled, explicit)``): the straight run's parameters and the resumed."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+    from workers_schemes import _batch
+
+    def build():
+        model = Net()
+        opt = _opt(model, scheme, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9,
+                                                   weight_decay=1e-4))
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+    def train(model, opt, sched, steps):
+        for step in steps:
+            opt.zero_grad()
+            x, y = _batch(step, 0, "float32")
+            loss_fn(model(x), y).backward()
+            opt.step()
+            sched.step()
+
+    out = {}
+    for wrappers, compiled, explicit in cases:
+        torch.manual_seed(1234)
+        model, opt, sched = build()
+        train(model, opt, sched, range(save_at))
+        path = os.path.join(ckpt_dir, f"wrapped-{scheme}-{hvd.rank()}.pt")
+        if hvd.rank() == 0:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict()}, path)
+        train(model, opt, sched, range(save_at, total))
+        straight = _params(model)
+        hvd.barrier()
+
+        torch.manual_seed(99 + hvd.rank())  # other initial weights on every rank
+        model, opt, sched = build()
+        _wrap_step(opt, wrappers, compiled)
+        if hvd.rank() == 0:
+            ckpt = torch.load(path, weights_only=False)
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["opt"])
+            sched.load_state_dict(ckpt["sched"])
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        (ssfusion_hvd.broadcast_optimizer_state if explicit else hvd.broadcast_optimizer_state)(
+            opt, root_rank=0)
+        sched.load_state_dict(hvd.broadcast_object(sched.state_dict(), root_rank=0))
+        after_broadcast = _params(model)
+        train(model, opt, sched, range(save_at, total))
+        out[(wrappers, compiled, explicit)] = {
+            "straight": straight, "after_broadcast": after_broadcast, "resumed": _params(model)}
+        hvd.barrier()
+    return out

@@ -221,6 +221,35 @@ class Scheme:
         zero, never from another rank's. ``all_keep``: every rank keeps its own."""
 
 
+class OutsideTheSet(Scheme):
+    """What a rank outside the optimizer's process set runs, whatever ``scheme`` says: no
+    collective, ever, and nothing kept. Horovod's optimizer registers no hooks there and
+    its ``synchronize()`` returns at once, so ``step()`` applies the rank's own gradients
+    with the wrapped optimizer; so does ours. Built instead of the scheme because a
+    scheme's constructor may already talk to its set (a plan's broadcast, a probe), and
+    a rank that is not in it must never join or wait for such a collective."""
+
+    name = "outside"
+    stateful = False
+
+    def __init__(self, config: SyncConfig):
+        self.config = config
+        self.opts = dict(config.options)  # the real scheme's, checked by check_arguments
+
+    def submit(self, p: torch.Tensor) -> None:
+        raise RuntimeError("a rank outside the optimizer's process set synchronizes nothing")
+
+    def finish(self) -> None:
+        pass
+
+    def pending(self) -> bool:
+        return False
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's scheme state belongs to the ranks of the set; this rank, which
+        steps on its own gradients, has no use for it."""
+
+
 class WholeGradientScheme(Scheme):
     """Base of the schemes that synchronize the whole model gradient as one flat vector
     once its last tensor is final (SparDL, ZEN, ExDyna): checks that the gradients share
