@@ -206,6 +206,9 @@ def test_a_rank_that_waits_sleeps_instead_of_spinning():
     assert wall > 0.5 and h_wall > 0.5, rank0  # rank 0 did wait for rank 1
     assert cpu < 0.25 * wall, rank0
     assert h_cpu > 4 * cpu, rank0
+    # a handle waited a second time gives None, as Horovod's synchronize does
+    assert rank0["ours_again"] is None and rank0["horovod_again"] is None
+    assert rank0["bf16"] == [2.0] * 4 and rank0["bf16_again"] is None
 
 
 @pytest.mark.parametrize("local_ranks, cores, spins", [(2, 2, False), (4, 2, False),

@@ -216,4 +216,9 @@ def waiting(delay=1.0):
         gathered = wait(handle)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         out[how] = (wall, cpu, bool(torch.equal(gathered, expected)))
+        out[f"{how}_again"] = wait(handle)  # a handle waited twice: None, both ways
+    # the same for a bfloat16 allreduce, which Transport widens to float32 and back
+    handle = tr.allreduce(torch.ones(4, dtype=torch.bfloat16), "again.bf16")
+    out["bf16"] = tr.wait(handle).tolist()
+    out["bf16_again"] = tr.wait(handle)
     return out

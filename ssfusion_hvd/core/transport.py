@@ -274,8 +274,11 @@ class Transport:
         """The output of ``handle``'s collective, once done; sleeps between polls
         (:data:`POLL_MAX_S`) where the local ranks share cores, else lets Horovod spin
         (:func:`_spin`). A sparse allreduce's handle (Horovod's function) is waited by
-        Horovod. A bfloat16 collective's output is bfloat16 again (see the module docstring)."""
+        Horovod. A bfloat16 collective's output is bfloat16 again (see the module docstring).
+        A handle waited a second time gives None, as ``hvd.synchronize`` does."""
         inner = handle.handle if isinstance(handle, (_Widened, _Viewed)) else handle
+        if isinstance(inner, int) and inner not in _mpi._handle_map:
+            return None  # waited already: None, as Horovod's synchronize returns
         if isinstance(inner, int) and not _spin():
             pause = POLL_FIRST_S
             while not _mpi.poll(inner):
