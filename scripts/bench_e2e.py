@@ -52,6 +52,7 @@ from cluster import (  # noqa: E402
     shape,
 )
 from ssfusion_hvd.registry import SCHEMES  # noqa: E402  (display order: the registry's)
+from ssfusion_hvd.examples.peers import PEERS, POWERSGD_START  # noqa: E402  (what a user would pick instead)
 #: model -> (untimed iterations, timed iterations); sparse schemes profile 5 of the former
 #: (the library's default warmup_steps)
 ITERATIONS = {"gpt2": (6, 7), "resnet": (7, 10), "demo": (7, 30)}
@@ -181,6 +182,8 @@ def run_one(topo, args, model: str, workers: int, scheme: str, logs: Path) -> di
     global _child
     warmup, iters = ITERATIONS.get(model, (5, 10))
     warmup, iters = args.warmup or warmup, args.iters or iters
+    if scheme.startswith("ddp_powersgd"):  # time PowerSGD compressing, not its plain first steps
+        warmup = max(warmup, POWERSGD_START + 1)
     where = setting(args)
     stem = "-".join([model, str(workers), scheme]
                     + ([f"mink{args.min_k}"] if args.min_k is not None else [])
@@ -432,7 +435,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     models = choices(args.models, ITERATIONS, "model")
     workers = [int(w) for w in args.workers.split(",") if w]
-    schemes = choices(args.schemes, SCHEMES, "scheme")
+    schemes = choices(args.schemes, tuple(SCHEMES) + PEERS, "scheme")
     if args.hosts > 1:
         workers = [args.hosts * args.slots]
     out = Path(args.out)

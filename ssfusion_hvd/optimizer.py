@@ -25,7 +25,7 @@ from .core.transport import Transport
 
 from .arguments import check_arguments, named_parameters as _named_parameters
 from .consistency import check_same_model
-from .recipe import DEFAULT_MASKING, DEFAULT_WARMUP_STEPS, resolve_recipe
+from .recipe import DEFAULT_MASKING, DEFAULT_WARMUP_STEPS, _zero_step, resolve_recipe
 from .registry import SCHEMES
 from .schemes import OutsideTheSet, SyncConfig
 
@@ -77,6 +77,15 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None
     finally:
         if ours:
             optimizer._broadcasting = False
+
+
+def _step_tensor(steps: int, p: torch.Tensor, group: dict) -> torch.Tensor:
+    """Adam's step count ``steps`` in the form ``torch.optim.Adam`` keeps it."""
+    return _zero_step(None, p, group).fill_(steps)
+
+
+#: ``_check`` of a step whose agreement waits for its launch (``Scheme.agrees_at_launch``)
+_AT_LAUNCH = "at launch"
 
 
 def _remove_hooks(handles) -> None:
@@ -144,6 +153,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # gradients are not finite is undone on every rank
         self._in_step = False
         self._finite = None  # this step's allreduce of the ranks' non-finite flags
+        self._finite_known = None  # or its result, where the agreement carried the flags
         self._journal = None  # what the recipe changed in the wrapped optimizer's state
         self._step_undone = False  # the last synchronized step was undone
         self._keep = None  # _keep_step()'s answer for the step in flight
@@ -274,6 +284,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         its own, summed over the ranks by one small allreduce. A rank's NaN can hide from
         the synchronized gradients (a threshold never selects it, a partition not its own
         never sends it); it would then stay in its residual for ever."""
+        if self._finite_known is not None:
+            return  # the step's agreement carried the flags (_agree_at_launch)
         grads = [p.grad for p in self._requires_update if p.grad is not None]
         if self._scheme.stateful and grads:
             self._finite = self._transport.allreduce(_nonfinite_flag(grads), "finite",
@@ -309,7 +321,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         (``Scheme.keep_step``) or by ``_end_step``; one host read per step."""
         if self._keep is None:
             handle, self._finite = self._finite, None
-            if handle is None:
+            known, self._finite_known = self._finite_known, None
+            if known is not None:  # the ranks' flags came with the agreement
+                out = _nonfinite_flag([p.grad for p in self._requires_update
+                                       if p.grad is not None])
+                self._keep = not (known or any(out.tolist()))
+            elif handle is None:
                 self._keep = True
             else:
                 out = _nonfinite_flag([p.grad for p in self._requires_update
@@ -366,20 +383,45 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         A last entry of 1 tells a rank that called ``hvd.join()`` apart: Horovod runs the
         allreduce on the ranks still stepping with zeros for the joined ones, so its
-        minimum comes back 0."""
+        minimum comes back 0.
+
+        A scheme that agrees right before it launches (``agrees_at_launch``: the whole
+        gradient is sent at once, after its last gradient is in) gets no early allreduce:
+        its agreement is one allreduce at that point that also carries every rank's
+        non-finite flag, the step's one other small collective (:meth:`_agree_at_launch`)."""
         sig = self._scheme.signature()
         if sig is None:
             self._check = False
+            return
+        if self._scheme.agrees_at_launch:
+            self._check = _AT_LAUNCH
             return
         vals = [int(v) for v in sig] + [1]  # max of v and of -v: every rank learns min and max
         t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64)
         self._check = self._transport.allreduce(t, "step", op=hvd.Max)
 
+    def _agree_at_launch(self) -> list:
+        """The agreement of a scheme that agrees at launch: the signature as
+        :meth:`_start_check` sends it, plus this rank's non-finite flag (read by
+        :meth:`_keep_step` instead of a separate allreduce), in one allreduce submitted and
+        waited now, once every gradient of the step is in. On the gradients' device, so the
+        flag is not read back before the collective."""
+        vals = [int(v) for v in self._scheme.signature()] + [1]
+        grads = [p.grad for p in self._requires_update if p.grad is not None]
+        flag = (_nonfinite_flag(grads) if grads and self._scheme.stateful
+                else torch.zeros(1, dtype=torch.int32))
+        t = torch.cat([torch.tensor(vals + [-v for v in vals], dtype=torch.int64).to(flag.device),
+                       flag.to(torch.int64)])
+        out = self._transport.wait(self._transport.allreduce(t, "step", op=hvd.Max)).tolist()
+        self._finite_known = out.pop()
+        return out
+
     def _finish_check(self) -> None:
         handle, self._check = self._check, None
         if not handle:
             return
-        out = self._transport.wait(handle).tolist()
+        out = (self._agree_at_launch() if handle is _AT_LAUNCH
+               else self._transport.wait(handle).tolist())
         n = len(out) // 2
         hi, lo = out[:n], [-v for v in out[n:]]
         if lo[-1] == 0:
@@ -495,16 +537,87 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state dict plus ``"ssfusion"``: this rank's scheme state
         (plan, iteration, residuals, the local rule's buffers). Residuals differ per rank:
         every rank that should resume exactly saves its own (README, "Checkpoint and resume")."""
+        broadcast = self._in_broadcast()
+        if broadcast:
+            self._mirror_into_live()
         state = super(self.__class__, self).state_dict()
+        if not broadcast:
+            self._real_state(state)
         for g in state["param_groups"]:
             g.pop(_SHARED_KEY, None)
-        if state["param_groups"] and self._in_broadcast():
+        if state["param_groups"] and broadcast:
             # hvd.broadcast_optimizer_state broadcasts every param-group option from the
             # root and assigns it on every rank: the root's shared scheme state travels
             # with it and is adopted before the next collective (_adopt_broadcast)
             state["param_groups"][0][_SHARED_KEY] = self._shared_state()
         state[_STATE_KEY] = {"scheme": self._scheme_name, "state": self._scheme.state_dict()}
         return state
+
+    def _rule_states(self):
+        """``(parameter, {buffer: tensor}, steps)`` of every tensor whose optimizer state a
+        local rule owns (views into the rules' buffers), in torch's names: SGD's
+        ``momentum_buffer`` (the DGC velocity is one), Adam's ``exp_avg``, ``exp_avg_sq``."""
+        if not self._config.recipe.corrects() or not self._scheme.stateful:
+            return
+        by_name = {n: p for p, n in self._config.names.items()}
+        for mem in self._scheme.memories():
+            for name, views, steps in mem.rule_views():
+                yield by_name[name], views, steps
+
+    def _torch_entry(self, p, views, steps, into=None) -> dict:
+        """The wrapped optimizer's state entry of ``p`` holding the rule's state: written
+        into the tensors of ``into`` (the live entry) where their shapes match, else new
+        tensors in ``p``'s dtype."""
+        entry = {} if into is None else into
+        for b, v in views.items():
+            t = entry.get(b)
+            if isinstance(t, torch.Tensor) and t.shape == v.shape:
+                t.copy_(v)
+            else:
+                entry[b] = v.to(p.dtype).clone(memory_format=torch.preserve_format)
+        if self._config.recipe.kind == "adam":
+            old = entry.get("step")
+            if isinstance(old, torch.Tensor):
+                old.fill_(steps)
+            else:
+                entry["step"] = _step_tensor(steps, p, self.param_groups[self._group_index[p]])
+        return entry
+
+    def _real_state(self, state: dict) -> None:
+        """``state`` (torch's state dict of the wrapped optimizer) with each sparsified
+        tensor's entry holding its rule's state instead of the placeholders: a checkpoint
+        that loads into any torch optimizer, Horovod's, or ours with another scheme. New
+        entries; the live state keeps its placeholders (nothing stale for a later step)."""
+        index, i = {}, 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                index.setdefault(id(p), i)
+                i += 1
+        with torch.no_grad():
+            for p, views, steps in self._rule_states():
+                k = index[id(p)]
+                live = state["state"].get(k, {})
+                fresh = {b: v for b, v in live.items() if b not in views and b != "step"}
+                state["state"][k] = self._torch_entry(p, views, steps, into=fresh)
+
+    def _mirror_into_live(self) -> None:
+        """During ``hvd.broadcast_optimizer_state``: the rules' state written into the live
+        entries, which Horovod broadcasts from the root and into on the other ranks (it
+        broadcasts into the tensors ``state_dict()`` returns). A rank that starts its rules
+        afresh then takes the root's buffers from there (``Recipe.take_state``), not zeros;
+        a rank that keeps its own puts the placeholders back (:meth:`_zero_owned`)."""
+        with torch.no_grad():
+            for p, views, steps in self._rule_states():
+                self._torch_entry(p, views, steps, into=self.state[p])
+
+    def _zero_owned(self) -> None:
+        """The placeholders back in the live entries of the tensors the rules own."""
+        with torch.no_grad():
+            for p, views, _ in self._rule_states():
+                st = self.state.get(p, {})
+                for b in list(views) + ["step"]:
+                    if isinstance(st.get(b), torch.Tensor):
+                        st[b].zero_()
 
     #: set by :func:`broadcast_optimizer_state` while it runs
     _broadcasting = False
@@ -535,6 +648,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         flag = torch.tensor([int(keep)], dtype=torch.int32)
         all_keep = bool(tr.wait(tr.allreduce(flag, "adopt", op=hvd.Min)).item())
         self._scheme.adopt_shared(shared["state"], keep, all_keep)
+        if keep:  # its rules keep their state: what the broadcast wrote is not theirs
+            self._zero_owned()
 
     def _adopt_recipe(self) -> bool:
         """Re-resolves the recipe from the (broadcast) hyper-parameters; the local rules
@@ -559,11 +674,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                           for g in state_dict["param_groups"]]
         ours = state_dict.pop(_STATE_KEY, None)
         if ours is not None and ours["scheme"] != self._scheme_name:
-            raise ValueError(f"checkpoint was written by scheme {ours['scheme']!r}, "
-                             f"this optimizer runs {self._scheme_name!r}")
+            # the optimizer state itself is in the torch entries (state_dict() writes the
+            # rules' buffers there), where this scheme's rules pick it up; what only the
+            # other scheme could use (its plan, residuals) is left behind
+            if self._config.process_set.included() and hvd.rank() == 0:
+                warnings.warn(f"ssfusion_hvd: the checkpoint was written by scheme "
+                              f"{ours['scheme']!r}, this optimizer runs {self._scheme_name!r}: "
+                              f"the optimizer state carries over, that scheme's residuals "
+                              f"and plan do not", stacklevel=2)
+            ours = None
         self._scheme.reset()
         self._check = None
         self._finite = None
+        self._finite_known = None
         self._in_step = False
         self._step_undone = True  # (no step to undo: the state is the checkpoint's)
         self._config.recipe.journal = self._journal = None

@@ -185,6 +185,29 @@ def test_bench_worker_reports_a_planned_run(tmp_path):
 
 
 @pytest.mark.multiworker
+@pytest.mark.parametrize("peer", ["ddp_powersgd4", "hvd_fp16"])
+def test_bench_worker_times_a_peer(peer, tmp_path):
+    """The peers run through the same timed loop; their bytes per step are what their
+    collectives carry once compressing (PowerSGD after its plain steps: the timed window
+    starts at step 11 here)."""
+    from ssfusion_hvd.examples.models import build
+    from ssfusion_hvd.examples.peers import bytes_per_step
+
+    out = tmp_path / "r.json"
+    rc, log = launch([sys.executable, "-m", "ssfusion_hvd.examples.bench", "--model", "demo",
+                      "--scheme", peer, "--warmup", "11", "--iters", "3", "--json", str(out)],
+                     np=2, timeout=180)
+    assert rc == 0, log[-4000:]
+    r = json.loads(out.read_text())
+    assert (r["scheme"], r["peer"], r["phase"], r["plan"]) == (peer, True, "peer", None)
+    model, _ = build("demo")
+    assert r["payload_bytes"] == bytes_per_step(peer, list(model.parameters()), 11)
+    assert r["payload_bytes"] < 0.5 * 4 * r["parameters"] if peer == "ddp_powersgd4" \
+        else r["payload_bytes"] == 2 * r["parameters"]
+    assert r["samples_per_s"] > 0 and r["nonfinite"] == 0 and r["wire_bytes"] > 0
+
+
+@pytest.mark.multiworker
 def test_bench_worker_needs_the_timed_window_after_planning(tmp_path):
     rc, log = launch([sys.executable, "-m", "ssfusion_hvd.examples.bench", "--warmup", "2",
                       "--warmup-steps", "2"], np=2, timeout=120)

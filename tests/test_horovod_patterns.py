@@ -67,6 +67,27 @@ def test_resume_the_horovod_way(resumed, scheme, opt, own):
                               for n in saved0 if saved0[n].any())
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_checkpoint_of_ours_loads_anywhere(optimizer, tmp_path):
+    """``state_dict()`` keeps the sparsified tensors' optimizer state where torch keeps it
+    (SGD's momentum buffer, Adam's moments and step), so a checkpoint of ZEN (which owns
+    every tensor's state) continues under a plain torch optimizer, Horovod's optimizer,
+    and ours with another scheme (dense, SparDL) exactly where the uninterrupted run goes
+    (density 1, the same batches on every rank: the rules are then the torch optimizer)."""
+    ranks = run_workers("workers_horovod:portable", np=2, timeout=300, optimizer=optimizer,
+                        ckpt_dir=str(tmp_path))
+    for r in ranks:
+        for name in ("torch", "horovod", "dense", "spardl"):
+            for n, t in r["straight"].items():
+                torch.testing.assert_close(r[name][n], t, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{name}, {n}: {m}")
+    state = ranks[0]["torch_state"]  # the real state, not zero placeholders
+    buffers = ("momentum_buffer",) if optimizer == "sgd" else ("exp_avg", "exp_avg_sq")
+    assert state and all(st[b].abs().sum() > 0 for st in state.values() for b in buffers)
+    if optimizer == "adam":
+        assert all(float(st["step"]) == 4 for st in state.values())
+
+
 def test_resume_rank0_equals_explicit_fresh_local_state(tmp_path):
     """Rank 1 without a checkpoint after the broadcast behaves exactly like rank 1
     loading rank 0's checkpoint with every per-rank store removed (residuals, velocity):

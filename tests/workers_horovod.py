@@ -47,8 +47,11 @@ def _wrap(model, kind, scheme, rank_variant=False):
 
 
 def _torch_state(opt):
-    """The wrapped optimizer's state (what Horovod broadcasts), by parameter position."""
-    sd = opt.state_dict()
+    """The wrapped optimizer's live state (what Horovod broadcasts into), by parameter
+    position: torch's own ``state_dict``, not ours, which first writes each rank's local
+    rule buffers into the entries of the tensors it sparsifies (those differ per rank by
+    design once a rank keeps its own)."""
+    sd = torch.optim.Optimizer.state_dict(opt)
     state = {f"{pid}.{k}": (v.clone() if torch.is_tensor(v) else v)
              for pid, st in sd["state"].items() for k, v in st.items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
@@ -481,4 +484,66 @@ def wrapped_resume(scheme, cases, ckpt_dir, save_at=4, total=8):
         out[(wrappers, compiled, explicit)] = {
             "straight": straight, "after_broadcast": after_broadcast, "resumed": _params(model)}
         hvd.barrier()
+    return out
+
+
+def portable(optimizer, ckpt_dir, scheme="zen", first=4, then=4):
+    """A checkpoint of ours loads anywhere. Every rank trains on the same batches at
+    density 1 (every element sent, no masking: the local rules are then exactly the torch
+    optimizer, and the ranks' average is each rank's own gradient), so a run that goes on
+    under a plain torch optimizer, Horovod's optimizer or ours with another scheme must
+    land where the uninterrupted run does. Per continuation: the parameters after
+    ``first`` + ``then`` steps, and the uninterrupted run's."""
+    import copy
+
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def batches(steps):
+        for step in steps:
+            g = torch.Generator().manual_seed(500 + step)  # the same on every rank
+            yield torch.randn(16, 12, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+    def make(params):
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+        return torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3)
+
+    def ours(model, which):
+        return ssfusion_hvd.DistributedOptimizer(
+            make(model.parameters()), named_parameters=model.named_parameters(), scheme=which,
+            density=1.0, density_warmup_steps=0, momentum_masking=False, log_plan=False)
+
+    def train(model, opt, steps):
+        for x, y in batches(steps):
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+    def net():  # every tensor gets a gradient (a plain torch optimizer skips the others)
+        torch.manual_seed(1234)
+        return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+    model = net()
+    opt = ours(model, scheme)
+    train(model, opt, range(first))
+    path = os.path.join(ckpt_dir, f"portable-{optimizer}-{hvd.rank()}.pt")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    train(model, opt, range(first, first + then))
+    out = {"straight": _params(model)}
+    ckpt = torch.load(path, weights_only=False)
+    out["torch_state"] = {k: {n: (v.clone() if torch.is_tensor(v) else v) for n, v in st.items()}
+                          for k, st in ckpt["opt"]["state"].items()}
+    for name in ("torch", "horovod", "dense", "spardl"):
+        model = net()
+        model.load_state_dict(ckpt["model"])
+        if name == "torch":
+            opt = make(model.parameters())
+        elif name == "horovod":
+            opt = hvd.DistributedOptimizer(make(model.parameters()),
+                                           named_parameters=model.named_parameters())
+        else:
+            opt = ours(model, name)
+        opt.load_state_dict(copy.deepcopy(ckpt["opt"]))
+        train(model, opt, range(first, first + then))
+        out[name] = _params(model)
     return out

@@ -11,6 +11,11 @@ every timed iteration it reads ``opt.stats()`` (which resolves device counters, 
 a measuring run, not a production loop). Rank 0 also reads the byte counter of the
 loopback device (``/proc/self/net/dev``) around the timed window: in the benchmark's
 network namespace that is every byte the workers put on the shaped link.
+
+``--scheme`` also takes the peers a user would pick instead (``examples/peers.py``: torch
+DDP over gloo with the PowerSGD or fp16 hook, Horovod with ``Compression.fp16``), timed
+by the same loop; their bytes per step are counted by ``peers.bytes_per_step`` (what
+their collectives carry), as ``opt.stats()`` counts ours.
 """
 from __future__ import annotations
 
@@ -25,12 +30,14 @@ import torch
 import ssfusion_hvd
 from ssfusion_hvd.registry import options_for
 from ssfusion_hvd.examples.models import MODELS, build
+from ssfusion_hvd.examples.peers import PEERS, bytes_per_step, make_peer
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo", choices=sorted(MODELS))
-    p.add_argument("--scheme", default="ssfusion_oi", help=f"one of {sorted(ssfusion_hvd.SCHEMES)}")
+    p.add_argument("--scheme", default="ssfusion_oi",
+                   help=f"one of {sorted(ssfusion_hvd.SCHEMES)}, or a peer: {', '.join(PEERS)}")
     p.add_argument("--sparsifier", default="topk")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--batch-size", type=int, default=0, help="per worker; 0: the model's default")
@@ -70,6 +77,15 @@ def host_tx_bytes(interfaces=("lo",)) -> int:
     return total
 
 
+def _peer_stats(peer: str, params, step: int) -> dict:
+    """A peer's step in ``opt.stats()``'s terms: its payload bytes as an allreduce's, the
+    elements they stand for (a float32 element per 4 bytes), nothing waited on apart."""
+    sent = bytes_per_step(peer, params, step)
+    n = sum(p.numel() for p in params)
+    return {"phase": "peer", "allreduce_bytes": sent, "elements_sent": sent / 4, "elements": n,
+            "tensors_missing": 0, "nonfinite": 0, "density_target": 1.0}
+
+
 def _barrier() -> None:
     hvd.allreduce(torch.zeros(1), name="bench.barrier")
 
@@ -84,13 +100,20 @@ def main(argv=None) -> dict:
     model, loss_fn = build(args.model, args.batch_size, args.seq_len, args.seed, rank)
     batch = args.batch_size or MODELS[args.model][1]
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    opt = ssfusion_hvd.DistributedOptimizer(
-        opt, named_parameters=model.named_parameters(), scheme=args.scheme,
-        sparsifier=args.sparsifier, density=args.density, warmup_steps=args.warmup_steps,
-        log_plan=False, density_warmup_steps=args.density_warmup_steps,
-        momentum_correction={"auto": "auto", "on": True, "off": False}[args.momentum_correction],
-        scheme_options=options_for(args.scheme, min_k=args.min_k))
+    peer = args.scheme in PEERS
+    forward = None  # the module the loss runs through: the model, or a peer's DDP wrapper
+    if peer:
+        forward, opt, _ = make_peer(args.scheme, model, opt, list(model.named_parameters()))
+    else:
+        opt = ssfusion_hvd.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), scheme=args.scheme,
+            sparsifier=args.sparsifier, density=args.density, warmup_steps=args.warmup_steps,
+            log_plan=False, density_warmup_steps=args.density_warmup_steps,
+            momentum_correction={"auto": "auto", "on": True, "off": False}[args.momentum_correction],
+            scheme_options=options_for(args.scheme, min_k=args.min_k))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    synchronizes = hasattr(opt, "synchronize")  # Horovod's split step (not DDP's optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
 
     times, per_iter = [], []
@@ -104,19 +127,23 @@ def main(argv=None) -> dict:
             tx0 = host_tx_bytes(ifaces)
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = loss_fn(step)
+        loss = loss_fn(step, forward)
         t1 = time.perf_counter()
-        loss.backward()
+        loss.backward()  # a DDP peer's allreduces run here, inside its hooks
         t2 = time.perf_counter()
-        opt.synchronize()  # Horovod's split step: synchronize, then the update alone
-        t_sync = time.perf_counter()
-        with opt.skip_synchronize():
+        if synchronizes:
+            opt.synchronize()  # Horovod's split step: synchronize, then the update alone
+            t_sync = time.perf_counter()
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            t_sync = t2
             opt.step()
         t3 = time.perf_counter()
         compute.append((t1 - t0, t2 - t1))
         if step >= args.warmup:
             times.append(t3 - t0)
-            s = opt.stats()
+            s = opt.stats() if not peer else _peer_stats(args.scheme, params, step)
             per_iter.append({"forward_s": t1 - t0, "backward_s": t2 - t1, "step_s": t3 - t2,
                              "sync_s": t_sync - t2, "update_s": t3 - t_sync})
             per_iter[-1].update({k: s.get(k, 0) for k in (
@@ -156,6 +183,7 @@ def main(argv=None) -> dict:
         "period_s": (t_end - stamps[0][0]) / max(args.iters, 1) if stamps else 0.0,
         "phase": per_iter[-1]["phase"], "density_target": per_iter[-1]["density_target"],
         "recipe": opt.recipe.describe() if hasattr(opt, "recipe") else "",
+        "peer": peer,
         # rank 0's medians: time step() blocked on communication, time from the first
         # collective to the last result, time selecting
         "wait_s": med("wait_s"), "communicate_s": med("communicate_s"),
@@ -176,9 +204,10 @@ def main(argv=None) -> dict:
         "final_loss": float(loss.detach()),
         "args": vars(args),
         # what a planned scheme measured at start-up (input of scripts/whatif.py)
-        "cost_model": None if opt.cost_model is None else json.loads(opt.cost_model.to_json()),
+        "cost_model": (None if getattr(opt, "cost_model", None) is None
+                       else json.loads(opt.cost_model.to_json())),
         # the plan that ran (scripts/validate_planner.py simulates it on that cost model)
-        "plan": None if opt.plan is None else json.loads(opt.plan.to_json()),
+        "plan": None if getattr(opt, "plan", None) is None else json.loads(opt.plan.to_json()),
     }
     if rank == 0:
         print(f"[bench] {args.model} {args.scheme} x{size}: {result['samples_per_s']:.2f} samples/s "

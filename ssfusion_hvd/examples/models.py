@@ -7,8 +7,10 @@
   synthetic 32x32 RGB images, 10 classes.
 * ``demo``: the default model of ``examples/train.py`` (150k parameters) on 8x8 images.
 
-``build(name, batch, seq_len, seed)`` returns the model and a ``loss(step)`` closure that
-draws the step's synthetic batch deterministically from (seed, rank, step).
+``build(name, batch, seq_len, seed)`` returns the model and a ``loss(step, module=None)``
+closure that draws the step's synthetic batch deterministically from (seed, rank, step)
+and runs it forward through ``module`` (default: the model; a DDP wrapper around it for the
+peers, whose gradients are synchronized only when the forward pass goes through it).
 """
 from __future__ import annotations
 
@@ -70,18 +72,18 @@ def _gpt2(batch: int, seq_len: int, seed: int, rank: int):
     cfg = transformers.GPT2Config()  # GPT-2 small: 12 layers, 768 wide, 50257 tokens
     model = transformers.GPT2LMHeadModel(cfg)
 
-    def loss(step: int) -> torch.Tensor:
+    def loss(step: int, module=None) -> torch.Tensor:
         tokens = torch.randint(cfg.vocab_size, (batch, seq_len), generator=_gen(seed, rank, step))
-        return model(input_ids=tokens, labels=tokens).loss
+        return (module or model)(input_ids=tokens, labels=tokens).loss
     return model, loss
 
 
 def _images(model: nn.Module, shape, classes: int, batch: int, seed: int, rank: int):
-    def loss(step: int) -> torch.Tensor:
+    def loss(step: int, module=None) -> torch.Tensor:
         g = _gen(seed, rank, step)
         x = torch.rand((batch,) + shape, generator=g)
         y = torch.randint(classes, (batch,), generator=g)
-        return F.cross_entropy(model(x), y)
+        return F.cross_entropy((module or model)(x), y)
     return model, loss
 
 

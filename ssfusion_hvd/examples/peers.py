@@ -30,6 +30,8 @@ __all__ = ["PEERS", "POWERSGD_START", "bytes_per_step", "make_peer"]
 PEERS = ("ddp", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4", "hvd_fp16")
 #: PowerSGD's plain-allreduce steps before it compresses (``start_powerSGD_iter``)
 POWERSGD_START = 10
+#: DDP's bucket size under the PowerSGD peers: one bucket for any model here (see make_peer)
+POWERSGD_BUCKET_MB = 4096
 
 
 def _powersgd_rank(peer: str) -> int:
@@ -67,13 +69,15 @@ def _init_gloo() -> None:
 
     if dist.is_initialized():
         return
-    addr = os.environ.get("SSF_PEER_ADDR", "127.0.0.1")
-    port = None
+    where = None
     if hvd.rank() == 0:
+        # one host: the loopback; several: rank 0's own address, which the others reach
+        addr = os.environ.get("SSF_PEER_ADDR") or (
+            "127.0.0.1" if hvd.cross_size() == 1 else socket.gethostbyname(socket.gethostname()))
         with socket.socket() as s:
             s.bind((addr, 0))
-            port = s.getsockname()[1]
-    port = hvd.broadcast_object(port, root_rank=0, name="peer.port")
+            where = (addr, s.getsockname()[1])
+    addr, port = hvd.broadcast_object(where, root_rank=0, name="peer.port")
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=hvd.rank(),
                             world_size=hvd.size())
 
@@ -94,8 +98,12 @@ def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     _init_gloo()
-    ddp = DDP(model)
     r = _powersgd_rank(peer)
+    # PowerSGD in one bucket: with DDP's default 25 MB buckets, GPT-2 (torch 2.x, gloo)
+    # stops at its first compressed step with gloo's "Received data size doesn't match
+    # expected size" (2 ranks on one loopback, 2026-11-26); in one bucket it runs. The
+    # bucket only decides when communication starts, not what PowerSGD sends.
+    ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB) if r else DDP(model)
     if r:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 

@@ -162,6 +162,13 @@ class Scheme:
         optimizer compares it across ranks every step (``_DistributedOptimizer``)."""
         return None
 
+    #: True: the scheme calls :meth:`agree` right before it launches the step's collectives
+    #: (all of them at once); the optimizer then sends the agreement at that point, with
+    #: the step's non-finite flags in the same allreduce, instead of an allreduce of its own
+    #: at the first gradient. False: collectives start during backward; the agreement goes
+    #: out with the first gradient and is read before any wait.
+    agrees_at_launch = False
+
     def agree(self) -> None:
         """Reads the step's agreement on :meth:`signature` now, raising as ``synchronize()``
         would where the ranks disagree or one has called ``hvd.join()``. The optimizer
@@ -258,6 +265,7 @@ class WholeGradientScheme(Scheme):
 
     #: gradient dtypes the scheme's collectives can carry
     dtypes = SPARSE_GRAD_DTYPES
+    agrees_at_launch = True  # submit() calls agree() once the last gradient is in
     #: prefix of the scheme's collective names (``Transport``)
     prefix = "whole"
 

@@ -478,6 +478,17 @@ class ResidualMemory:
                     out["steps"][name] = self.rule.steps[key]
         return out
 
+    def rule_views(self):
+        """``(name, {buffer: view}, steps)`` for every registered tensor whose rule state
+        exists: views into the flat buffers, shaped like the tensor (no copies)."""
+        for key, layout in self._layout.items():
+            st = self.rule.state.get(key)
+            if not st or not all(b in st for b in self.rule.buffers):
+                continue
+            steps = self.rule.steps.get(key, 0)
+            for name, lo, hi, shape in layout:
+                yield name, {b: st[b][lo:hi].view(shape) for b in self.rule.buffers}, steps
+
     def load_named_state(self, state: dict, device: torch.device) -> None:
         """Inverse of :meth:`named_state` for the registered keys. A key none of whose
         tensors is in ``state`` starts empty (zero residual, fresh rule state); one with
