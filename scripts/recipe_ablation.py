@@ -26,10 +26,23 @@ Variants (``--variants``):
   the density warm-up of ``--warmup`` steps (default: the package's);
 * ``mask_density``: ``auto``, but Adam's first moment masked by SGD's density rule (only
   while the density in force is below ``1 - beta1``) instead of always;
+* ``shared_v``: an Adam rule that is Adam in the dense limit on P ranks: each rank's own
+  first moment (masked by SGD's density rule), and one second moment for all ranks, of the
+  *averaged* gradient, refreshed every step (``--refresh 1``: a dense allreduce a step in
+  a real job) or at intervals (``--refresh K``, with ``--refresh-dense W``: every step
+  until step W, then gaps doubling up to K, as 0/1 Adam refreshes its variance), floored
+  at what Adam's would hold had the other ranks sent zeros; ``shared_v_mask``: the same,
+  masked always;
+* ``frozen_v``: 1-bit Adam's shape: ``--freeze`` dense Adam steps, then the second moment
+  frozen and the first moment compressed with error feedback (the density warm-up starts
+  after the dense steps);
 * ``auto_min_k``: ``auto`` with the SSFusion planner's accuracy rule
   (``plan.keep_small_dense``): tensors whose top-k at ``--density`` would keep fewer than
   ``--min-k`` elements are averaged dense and stepped by the task's optimizer, as the
   engine steps a plan's dense tensors.
+
+``--model`` (cnn, mlp, mlp_deep, gru) and ``--optimizer`` (sgd, adam: lr 1e-3) choose the
+digits task's model and optimizer, as ``examples/train.py --task`` and ``--optimizer`` do.
 
 Output: one line per run and a mean ± std table per task (``--json`` keeps the runs).
 
@@ -58,7 +71,38 @@ from ssfusion_hvd.plan.cost import nominal_k  # noqa: E402
 from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe  # noqa: E402
 from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule, ResidualMemory  # noqa: E402
 
-VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask", "mask_density", "auto_min_k")
+VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask", "mask_density", "auto_min_k",
+            "shared_v", "frozen_v", "shared_v_mask")
+
+
+class SharedVarianceAdam(AdamRule):
+    """Prototype: local first moment, the second moment shared by every rank (``shared``:
+    key -> [v, steps]); masking by SGD's density rule."""
+
+    buffers = ("exp_avg",)
+
+    def __init__(self, shared, ranks, **kw):
+        super().__init__(**kw)
+        self.shared, self.ranks = shared, ranks
+
+    def apply(self, key, g):
+        st = self._buffers(key, g)
+        if "exp_avg" not in st:
+            st["exp_avg"] = torch.zeros_like(g)
+        m = st["exp_avg"]
+        t = self.steps.get(key, 0) + 1
+        self.steps[key] = t
+        m.mul_(self.beta1).add_(g, alpha=1.0 - self.beta1)
+        v, tv = self.shared[key][:2]
+        # floor: what Adam's v would hold had the other ranks' gradients been zero here
+        v = torch.maximum(v, g.square().mul_((1.0 - self.beta2) / self.ranks ** 2))
+        denom = v.sqrt_().div_((1.0 - self.beta2 ** max(tv, 1)) ** 0.5).add_(self.eps)
+        return torch.div(m, denom).div_(1.0 - self.beta1 ** t)
+
+    def mask(self, key, idx):
+        m = self.state.get(key, {}).get("exp_avg")
+        if m is not None and self.masks(self.beta1):
+            m.index_fill_(0, idx, 0)
 
 
 class DensityMaskedAdam(AdamRule):
@@ -85,6 +129,16 @@ def parse_args(argv=None):
     p.add_argument("--profiling", type=int, default=5,
                    help="dense steps before sparsifying, the zero step included (a planned "
                         "scheme's warmup_steps)")
+    p.add_argument("--model", default="cnn", choices=("cnn", "mlp", "mlp_deep", "gru"),
+                   help="digits task's model")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"), help="digits task's")
+    p.add_argument("--freeze", type=int, default=50, help="frozen_v: dense Adam steps")
+    p.add_argument("--refresh", type=int, default=1,
+                   help="shared_v: the shared second moment is updated every N steps (at most, "
+                        "with --refresh-dense)")
+    p.add_argument("--refresh-dense", type=int, default=0,
+                   help="shared_v: updated every step until this step, then at intervals "
+                        "doubling up to --refresh")
     p.add_argument("--json", default=None)
     p.add_argument("--adam-limit", type=int, default=0, metavar="P",
                    help="measure the Adam rule's dense limit on P ranks instead (see above)")
@@ -119,13 +173,15 @@ def adam_limit(ranks: int, n: int = 10_000, steps: int = 50, seed: int = 0) -> N
               f"{statistics.mean(norms[10:]):.3f}, cosine {statistics.mean(cosines[10:]):.3f}")
 
 
-def make_task(task: str, seed: int, ranks: int):
+def make_task(task: str, seed: int, ranks: int, args=None):
     """(model, per-rank loss(epoch, step), evaluate(), steps per epoch, optimizer kind, lr)."""
     torch.manual_seed(seed)
     if task == "digits":
         train, test = load_digits_split(seed=seed)
         shards = [shard(train, r, ranks) for r in range(ranks)]
-        model, bs = DigitsNet(), 32
+        from ssfusion_hvd.examples.data import DIGITS_MODELS
+        model = DIGITS_MODELS.get(getattr(args, "model", "cnn") if args else "cnn", DigitsNet)()
+        bs = 32
         orders = {}
 
         def loss(r, epoch, s):
@@ -139,6 +195,8 @@ def make_task(task: str, seed: int, ranks: int):
         def evaluate():
             with torch.no_grad():
                 return float((model(test.x).argmax(1) == test.y).float().mean()) * 100
+        if args is not None and args.optimizer == "adam":
+            return model, loss, evaluate, len(shards[0].y) // bs, "adam", 1e-3
         return model, loss, evaluate, len(shards[0].y) // bs, "sgd", 0.05 * ranks
     from ssfusion_hvd.examples import text
 
@@ -156,7 +214,7 @@ def make_task(task: str, seed: int, ranks: int):
 
 def run(task: str, variant: str, seed: int, args) -> dict:
     ranks = args.ranks
-    model, loss, evaluate, steps, kind, lr = make_task(task, seed, ranks)
+    model, loss, evaluate, steps, kind, lr = make_task(task, seed, ranks, args)
     params = list(model.parameters())
     epochs = args.epochs or (10 if task == "digits" else 3)
     warm = 0 if variant == "ef" else args.warmup
@@ -164,7 +222,8 @@ def run(task: str, variant: str, seed: int, args) -> dict:
     opt = (torch.optim.SGD(params, lr=lr, momentum=0.9) if kind == "sgd"
            else torch.optim.Adam(params, lr=lr))
     masking = {"auto": "auto", "mask": True, "nomask": False, "auto_min_k": "auto",
-               "mask_density": "auto"}.get(variant)
+               "mask_density": "auto", "shared_v": "auto", "frozen_v": "auto",
+               "shared_v_mask": True}.get(variant)
     # auto_min_k: what the plan sends dense (decided at the target density, as the planner)
     dense_t = [variant == "auto_min_k" and int(nominal_k(p.numel(), args.density)) < args.min_k
                for p in params]
@@ -178,11 +237,23 @@ def run(task: str, variant: str, seed: int, args) -> dict:
             return None
         return {b: st[b].reshape(-1) for b in buffers}, int(float(st.get("step", 0)))
 
+    shared = {}  # shared_v / frozen_v: key -> [v, steps], seeded from the optimizer
+    refreshes, nxt, gap = set(), 0, 1
+    while nxt < 100_000:  # every step to --refresh-dense, then doubling gaps up to --refresh
+        refreshes.add(nxt)
+        if nxt >= args.refresh_dense:
+            gap = min(args.refresh, gap * 2) if args.refresh_dense else args.refresh
+        nxt += gap if nxt >= args.refresh_dense else 1
+
+    def refresh_at(step):
+        return step in refreshes
     mems = []
     for _ in range(ranks):
         rule = None
         if masking is not None:
             adam = DensityMaskedAdam if variant == "mask_density" else AdamRule
+            if variant in ("shared_v", "frozen_v", "shared_v_mask"):
+                adam = lambda masking: SharedVarianceAdam(shared, ranks, masking=masking)  # noqa: E731
             rule = MomentumRule(0.9, masking=masking) if kind == "sgd" else adam(masking=masking)
         mem = ResidualMemory(rule)
         for i, p in enumerate(params):
@@ -203,9 +274,11 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                 model.zero_grad()
                 loss(r, epoch, s).backward()
                 grads.append([p.grad.detach().clone() for p in params])
-            density = schedule.density_at(t)
+            # frozen_v: the density warm-up starts after its dense Adam steps
+            density = schedule.density_at(t - (args.freeze if variant == "frozen_v" else 0))
             t += 1
-            if variant == "dense" or t <= args.profiling:
+            dense_until = args.freeze if variant == "frozen_v" else args.profiling
+            if variant == "dense" or t <= dense_until:
                 for i, p in enumerate(params):
                     p.grad = sum(g[i] for g in grads) / ranks
                     sent += ranks * p.numel()
@@ -218,6 +291,20 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                 n_dense = ranks * sum(p.numel() for p, d in zip(params, dense_t) if d)
                 sent, total = sent + n_dense, total + n_dense
                 opt.step()
+            if variant in ("shared_v", "frozen_v", "shared_v_mask"):
+                for i, p in enumerate(params):
+                    if str(i) not in shared:
+                        st = opt.state.get(p, {})
+                        shared[str(i)] = [st["exp_avg_sq"].reshape(-1).clone(), int(float(st["step"]))]
+                    if variant != "frozen_v" and refresh_at(t):
+                        # v of the averaged gradient at the refresh steps (every step: the oracle)
+                        gbar = (sum(g[i] for g in grads) / ranks).reshape(-1)
+                        v = shared[str(i)]
+                        gap = max(1, t - v[1]) if len(v) < 3 else t - v[2]
+                        decay = 0.999 ** gap
+                        v[0].mul_(decay).addcmul_(gbar, gbar, value=1 - decay)
+                        v[1] += gap
+                        v[2:] = [t]
             avg = []
             for i, p in enumerate(params):
                 if dense_t[i]:
