@@ -322,17 +322,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._keep is None:
             handle, self._finite = self._finite, None
             known, self._finite_known = self._finite_known, None
-            if known is not None:  # the ranks' flags came with the agreement
-                out = _nonfinite_flag([p.grad for p in self._requires_update
-                                       if p.grad is not None])
-                self._keep = not (known or any(out.tolist()))
-            elif handle is None:
+            if handle is None and known is None:
                 self._keep = True
             else:
                 out = _nonfinite_flag([p.grad for p in self._requires_update
                                        if p.grad is not None])
-                flags = torch.cat([self._transport.wait(handle).to(out.device), out]).tolist()
-                self._keep = not any(flags)
+                # the ranks' flags: carried by the agreement, or their own allreduce
+                ranks = (torch.tensor([known], dtype=out.dtype) if known is not None
+                         else self._transport.wait(handle))
+                self._keep = not any(torch.cat([ranks.to(out.device), out]).tolist())
         return self._keep
 
     def _undo_step(self) -> None:
@@ -588,11 +586,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         tensor's entry holding its rule's state instead of the placeholders: a checkpoint
         that loads into any torch optimizer, Horovod's, or ours with another scheme. New
         entries; the live state keeps its placeholders (nothing stale for a later step)."""
-        index, i = {}, 0
-        for g in self.param_groups:
-            for p in g["params"]:
-                index.setdefault(id(p), i)
-                i += 1
+        # torch numbers the parameters across the groups, in order
+        index = {id(p): i for i, p in enumerate(q for g in self.param_groups for q in g["params"])}
         with torch.no_grad():
             for p, views, steps in self._rule_states():
                 k = index[id(p)]

@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     synchronizes = hasattr(opt, "synchronize")  # Horovod's split step (not DDP's optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
-    n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    n_tensors = len(params)
 
     times, per_iter = [], []
     compute = []  # every step's (forward, backward) on this rank, warm-up steps included
