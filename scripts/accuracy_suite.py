@@ -50,7 +50,8 @@ CELLS = [
     *[(t, "sgd", 0.01, 6, 4) for t in ("mlp", "gru")],
 ]
 #: scheme label -> (scheme, extra train.py arguments)
-VARIANTS = {"uniform": ["--floor", "none"]}
+VARIANTS = {"uniform": ["--floor", "none"], "shared": ["--moments", "shared"],
+            "local": ["--moments", "local"]}
 
 
 def cell_name(cell) -> str:

@@ -72,7 +72,70 @@ from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe  # noqa: E402
 from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule, ResidualMemory  # noqa: E402
 
 VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask", "mask_density", "auto_min_k",
-            "shared_v", "frozen_v", "shared_v_mask")
+            "shared_v", "frozen_v", "shared_v_mask", "ef_age", "ef_age_lazy")
+
+
+class AgedAdam:
+    """Prototype: plain error feedback on gradients, and one Adam state for all ranks,
+    updated from the synchronized sparse average. An element that arrives after ``a``
+    steps in the residual carries about ``a`` steps' worth of gradient: its moments
+    move as ``a`` steps of ``S / a`` would move them (``m <- b1^a m + (1 - b1^a) S/a``),
+    so a burst is not mistaken for a large gradient. Every rank holds the same state (it
+    is computed from what every rank received). At density 1 every age is 1 and this is
+    torch.optim.Adam on the averaged gradient, on any number of ranks. ``lazy``: an
+    element moves only when it arrives, by ``a`` steps of the new update; otherwise
+    every element moves every step by its current ``m / sqrt(v)``."""
+
+    def __init__(self, p, state, lr, betas=(0.9, 0.999), eps=1e-8, lazy=False):
+        self.lr, (self.b1, self.b2), self.eps, self.lazy = lr, betas, eps, lazy
+        self.m = state["exp_avg"].clone()
+        self.v = state["exp_avg_sq"].clone()
+        self.t = int(float(state["step"]))
+        self.age = torch.zeros_like(p)
+
+    @torch.no_grad()
+    def step(self, p, avg):
+        self.t += 1
+        self.age += 1
+        arrived = avg != 0
+        a = self.age[arrived]
+        g = avg[arrived] / a
+        d1, d2 = self.b1 ** a, self.b2 ** a
+        self.m[arrived] = d1 * self.m[arrived] + (1 - d1) * g
+        self.v[arrived] = d2 * self.v[arrived] + (1 - d2) * g * g
+        update = (self.m / (1 - self.b1 ** self.t)) / (
+            (self.v / (1 - self.b2 ** self.t)).sqrt() + self.eps)
+        if self.lazy:
+            update = torch.where(arrived, update * self.age, torch.zeros_like(update))
+        self.age[arrived] = 0
+        p.add_(update, alpha=-self.lr)
+
+
+class AgedMomentum:
+    """SGD with momentum's counterpart of :class:`AgedAdam` (lazy): one velocity for all
+    ranks; an element arriving after ``a`` steps with ``S`` moves by the sum of the ``a``
+    velocities that ``a`` steps of gradient ``S / a`` would have produced, and its
+    velocity becomes the last of them. At density 1 this is torch.optim.SGD."""
+
+    def __init__(self, p, state, lr, momentum=0.9):
+        self.lr, self.mu = lr, momentum
+        self.u = state["momentum_buffer"].clone()
+        self.age = torch.zeros_like(p)
+
+    @torch.no_grad()
+    def step(self, p, avg):
+        self.age += 1
+        arrived = avg != 0
+        a, u0, mu = self.age[arrived], self.u[arrived], self.mu
+        g = avg[arrived] / a
+        ma = mu ** a
+        geo = mu * (1 - ma) / (1 - mu)  # sum_{j=1..a} mu^j
+        moved = u0 * geo + g / (1 - mu) * (a - geo)
+        self.u[arrived] = ma * u0 + g * (1 - ma) / (1 - mu)
+        self.age[arrived] = 0
+        update = torch.zeros_like(p)
+        update[arrived] = moved
+        p.add_(update, alpha=-self.lr)
 
 
 class SharedVarianceAdam(AdamRule):
@@ -237,6 +300,7 @@ def run(task: str, variant: str, seed: int, args) -> dict:
             return None
         return {b: st[b].reshape(-1) for b in buffers}, int(float(st.get("step", 0)))
 
+    aged = {}  # ef_age: parameter index -> AgedAdam, from the optimizer's state
     shared = {}  # shared_v / frozen_v: key -> [v, steps], seeded from the optimizer
     refreshes, nxt, gap = set(), 0, 1
     while nxt < 100_000:  # every step to --refresh-dense, then doubling gaps up to --refresh
@@ -321,7 +385,13 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                     sent += k
                     total += p.numel()
                 avg.append((acc_sum / ranks).view_as(p))
-            if masking is None:  # the optimizer on the sparse average (plain error feedback)
+            if variant in ("ef_age", "ef_age_lazy"):
+                for i, (p, a) in enumerate(zip(params, avg)):
+                    if i not in aged:
+                        aged[i] = (AgedMomentum(p, opt.state[p], lr) if kind == "sgd" else
+                                   AgedAdam(p, opt.state[p], lr, lazy=variant == "ef_age_lazy"))
+                    aged[i].step(p.data, a)
+            elif masking is None:  # the optimizer on the sparse average (plain error feedback)
                 for p, a in zip(params, avg):
                     p.grad = a
                 opt.step()

@@ -25,7 +25,7 @@ from .core.transport import Transport
 
 from .arguments import check_arguments, named_parameters as _named_parameters
 from .consistency import check_same_model
-from .recipe import DEFAULT_MASKING, DEFAULT_WARMUP_STEPS, _zero_step, resolve_recipe
+from .recipe import DEFAULT_MASKING, DEFAULT_MOMENTS, DEFAULT_WARMUP_STEPS, _zero_step, resolve_recipe
 from .registry import SCHEMES
 from .schemes import OutsideTheSet, SyncConfig
 
@@ -549,13 +549,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # with it and is adopted before the next collective (_adopt_broadcast)
             state["param_groups"][0][_SHARED_KEY] = self._shared_state()
         state[_STATE_KEY] = {"scheme": self._scheme_name, "state": self._scheme.state_dict()}
+        shared = self._config.recipe.shared
+        if shared is not None:  # the same on every rank, like the state it moves
+            state[_STATE_KEY]["ages"] = shared.state_dict(self._config.names)
         return state
 
     def _rule_states(self):
         """``(parameter, {buffer: tensor}, steps)`` of every tensor whose optimizer state a
         local rule owns (views into the rules' buffers), in torch's names: SGD's
         ``momentum_buffer`` (the DGC velocity is one), Adam's ``exp_avg``, ``exp_avg_sq``."""
-        if not self._config.recipe.corrects() or not self._scheme.stateful:
+        if not self._config.recipe.owns_state() or not self._scheme.stateful:
             return
         by_name = {n: p for p, n in self._config.names.items()}
         for mem in self._scheme.memories():
@@ -622,7 +625,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _shared_state(self) -> dict:
         recipe = self._config.recipe
-        return {"scheme": self._scheme_name, "recipe": (recipe.kind, recipe.hparams),
+        return {"scheme": self._scheme_name, "recipe": (recipe.kind, recipe.hparams, recipe.moments),
                 "state": self._scheme.shared_state()}
 
     def _adopt_broadcast(self) -> None:
@@ -643,6 +646,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         flag = torch.tensor([int(keep)], dtype=torch.int32)
         all_keep = bool(tr.wait(tr.allreduce(flag, "adopt", op=hvd.Min)).item())
         self._scheme.adopt_shared(shared["state"], keep, all_keep)
+        if not all_keep and self._config.recipe.shared is not None:
+            # a rank that did not keep its residuals has no ages that match them: every
+            # rank starts its ages afresh, so that all of them move the state alike
+            self._config.recipe.shared.reset()
         if keep:  # its rules keep their state: what the broadcast wrote is not theirs
             self._zero_owned()
 
@@ -652,15 +659,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         not this rank's to keep)."""
         old = self._config.recipe
         recipe = resolve_recipe(self, **old.options) if old.options is not None else old
-        if (recipe.kind, recipe.hparams) != (old.kind, old.hparams):
+        if (recipe.kind, recipe.hparams, recipe.moments) != (old.kind, old.hparams, old.moments):
             # the broadcast replaced this rank's hyper-parameters with the root's: the
             # local rules continue with them (their buffers too, if of the same kind)
             recipe.bind(self, self._config.names)
+            if recipe.shared is not None and old.shared is not None and recipe.kind == old.kind:
+                recipe.shared.ages = old.shared.ages
             self._config.recipe = recipe
             for mem in self._scheme.memories():
                 mem.replace_rule(recipe.make_rule())
                 mem.seed_from = recipe.take_state
-        return recipe.kind == old.kind
+        return (recipe.kind, recipe.moments) == (old.kind, old.moments)
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
@@ -693,6 +702,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         if ours is not None:
             self._scheme.load_state_dict(ours["state"])
+        if self._config.recipe.shared is not None:
+            self._config.recipe.shared.load_state_dict(ours and ours.get("ages"), self._config.names)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
@@ -702,7 +713,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          density=0.01, plan=None, profile=None, warmup_steps=5, log_plan=True,
                          momentum_correction="auto", density_warmup_steps=DEFAULT_WARMUP_STEPS,
                          fp32_accumulation=True, momentum_masking=DEFAULT_MASKING,
-                         scheme_options=None, grad_scaler=None):
+                         moments=DEFAULT_MOMENTS, scheme_options=None, grad_scaler=None):
     """Wraps ``optimizer`` so that ``step()`` applies gradients synchronized across workers.
 
     Horovod arguments (same meaning as in ``hvd.DistributedOptimizer``):
@@ -725,18 +736,25 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             exposed as ``opt.plan``.
 
     The training recipe of every sparse scheme (``ssfusion_hvd/recipe.py``, ``docs/recipe.md``):
-        momentum_correction: ``"auto"`` (default): DGC momentum correction with momentum
-            factor masking for ``torch.optim.SGD`` with momentum, local Adam moments with
-            error feedback on the Adam update for ``Adam``/``AdamW``, plain error feedback
-            otherwise (with a warning when that is because the optimizer is not supported).
-            ``True``: the same, but ``ValueError`` where it cannot apply. ``False``: plain
-            error feedback on gradients.
+        momentum_correction: ``"auto"`` (default): the optimizer's momentum is corrected
+            for sparsity (``moments``) for ``torch.optim.SGD`` with momentum and
+            ``Adam``/``AdamW``, plain error feedback otherwise (with a warning when that is
+            because the optimizer is not supported). ``True``: the same, but
+            ``ValueError`` where it cannot apply. ``False``: plain error feedback on
+            gradients, the wrapped optimizer applied to the sparse sum.
+        moments: where the corrected optimizer's state lives. ``"shared"`` (default): in
+            the wrapped optimizer, the same on every rank, moved by the synchronized
+            gradient with each element's age (how many steps it waited in the residuals;
+            exactly SGD / Adam on the averaged gradient at density 1;
+            ``ssfusion_hvd/moments.py``). ``"local"``: DGC's momentum correction, each rank
+            error-compensating its own velocity or Adam update, with momentum factor
+            masking.
         density_warmup_steps: DGC's exponential density warm-up over this many steps
             (default 50; 0: off): 4 stages from density 0.25 down to ``density``.
             ``stats()["density_target"]`` is the density in force.
         fp32_accumulation: float16 gradients are accumulated, selected and decoded in
             float32; only the sent values are float16 (default True).
-        momentum_masking: DGC's momentum factor masking of the local rule: ``"auto"``
+        momentum_masking: DGC's momentum factor masking of ``moments="local"``: ``"auto"``
             (default: SGD while the density in force is below ``1 - momentum``, Adam
             always), ``True`` or ``False``.
 
@@ -758,7 +776,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got "
                          f"{type(grad_scaler).__name__}")
     recipe = resolve_recipe(optimizer, scheme, density, momentum_correction,
-                            density_warmup_steps, fp32_accumulation, momentum_masking)
+                            density_warmup_steps, fp32_accumulation, momentum_masking, moments)
     named = _named_parameters(named_parameters, optimizer.param_groups)
     # the first collective: every rank must wrap the same model, else a clear error everywhere
     name_of = {id(v): k for k, v in named}

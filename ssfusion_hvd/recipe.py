@@ -44,15 +44,22 @@ from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 
+from .moments import SharedMoments
 from .sparsify.memory import AdamRule, GradientRule, LocalRule, MomentumRule, ResidualMemory
 
-__all__ = ["Recipe", "resolve_recipe", "DEFAULT_WARMUP_STEPS", "DEFAULT_MASKING", "WARMUP_START", "WARMUP_STAGES"]
+__all__ = ["Recipe", "resolve_recipe", "DEFAULT_WARMUP_STEPS", "DEFAULT_MASKING", "DEFAULT_MOMENTS",
+           "WARMUP_START", "WARMUP_STAGES"]
 
 #: default ``density_warmup_steps``
 DEFAULT_WARMUP_STEPS = 50
 #: default ``momentum_masking``: "auto" masks only while the density in force is below
 #: ``1 - momentum`` (sparse enough for a sent velocity to be stale; docs/recipe.md)
 DEFAULT_MASKING = "auto"
+#: default ``moments``: "shared" (one optimizer state for all ranks, moved by the
+#: synchronized gradient with each element's age, ssfusion_hvd/moments.py) or "local"
+#: (each rank's own momentum / Adam moments, error-compensated; DGC's correction)
+DEFAULT_MOMENTS = "local"
+MOMENTS = ("shared", "local")
 #: density of the first warm-up stage (DGC: 75 % sparsity) and the number of stages
 WARMUP_START = 0.25
 WARMUP_STAGES = 4
@@ -75,13 +82,22 @@ class Recipe:
     """The resolved recipe of one optimizer (see the module docstring).
 
     ``kind``: ``"none"`` (plain error feedback on gradients), ``"momentum"`` or ``"adam"``.
+    ``moments``: ``"local"`` (each rank's rule) or ``"shared"`` (:attr:`shared` steps the
+    sparsified tensors from the synchronized gradient; the local rule is plain error
+    feedback).
     """
 
     def __init__(self, kind: str, density: float, warmup_steps: int, fp32: bool,
-                 hparams: Optional[dict] = None):
+                 hparams: Optional[dict] = None, moments: str = "local"):
         if kind not in _KINDS:
             raise ValueError(f"unknown recipe kind {kind!r}")
+        if moments not in MOMENTS:
+            raise ValueError(f"unknown moments {moments!r}")
         self.kind = kind
+        self.moments = moments if kind != "none" else "local"
+        #: the shared state's step, or None (local rules, or nothing to correct)
+        self.shared: Optional[SharedMoments] = (
+            SharedMoments(kind, hparams or {}) if self.moments == "shared" else None)
         self.density = float(density)
         self.warmup_steps = int(warmup_steps)
         self.fp32 = bool(fp32)
@@ -112,6 +128,8 @@ class Recipe:
         return torch.float32 if self.fp32 and grad_dtype in (torch.float16, torch.bfloat16) else None
 
     def make_rule(self) -> LocalRule:
+        if self.shared is not None:
+            return GradientRule()
         if self.kind == "momentum":
             return MomentumRule(**self.hparams)
         if self.kind == "adam":
@@ -196,8 +214,14 @@ class Recipe:
 
     # ------------------------------------------------------------------ step
     def corrects(self) -> bool:
-        """True when sparsified tensors carry an update, not a gradient."""
+        """True when ``step()`` steps the sparsified tensors itself (momentum correction,
+        local or shared), not the wrapped optimizer."""
         return self.kind != "none"
+
+    def owns_state(self) -> bool:
+        """True when per-rank local rules hold the sparsified tensors' optimizer state
+        (``moments="local"``); under shared moments it stays in the optimizer's entries."""
+        return self.kind != "none" and self.shared is None
 
     def coupled_decay(self, group: dict) -> float:
         """Weight decay to fold into a sparsified tensor's local gradient (SGD, Adam);
@@ -208,8 +232,9 @@ class Recipe:
 
     @contextmanager
     def step_dense_only(self, optimizer, sparse: Iterable[torch.Tensor]):
-        """Applies ``w -= lr · update`` to the sparsified tensors (AdamW: decoupled decay
-        first), then runs the body with the wrapped optimizer seeing only the other
+        """Steps the sparsified tensors (AdamW: decoupled decay first): ``w -= lr · update``
+        under local rules (``p.grad`` is the synchronized update), the shared moments'
+        step under shared ones (``p.grad`` is the synchronized gradient). Then runs the body with the wrapped optimizer seeing only the other
         tensors: its ``step()`` steps them with its own state and hyper-parameters."""
         sparse = set(sparse) if not isinstance(sparse, (set, frozenset)) else sparse
         if not self.corrects() or not sparse:
@@ -225,7 +250,10 @@ class Recipe:
                     lr = float(g["lr"])
                     if g.get("decoupled_weight_decay", False) and g.get("weight_decay", 0.0):
                         torch._foreach_mul_(mine, 1.0 - lr * float(g["weight_decay"]))
-                    torch._foreach_add_(mine, [p.grad for p in mine], alpha=-lr)
+                    if self.shared is not None:
+                        self.shared.step(optimizer, g, mine)
+                    else:
+                        torch._foreach_add_(mine, [p.grad for p in mine], alpha=-lr)
                 if rest:
                     reduced.append(dict(g, params=rest))
         optimizer.param_groups = reduced
@@ -236,7 +264,8 @@ class Recipe:
 
     def describe(self) -> str:
         hp = ", ".join(f"{k}={v}" for k, v in self.hparams.items())
-        return (f"recipe: correction={self.kind}{f' ({hp})' if hp else ''}, "
+        return (f"recipe: correction={self.kind}{f' ({hp})' if hp else ''}"
+                f"{f', {self.moments} moments' if self.kind != 'none' else ''}, "
                 f"density warm-up {self.warmup_steps} steps, "
                 f"fp32 accumulation {'on' if self.fp32 else 'off'}")
 
@@ -284,7 +313,8 @@ def _momentum_kind(optimizer) -> tuple:
 def resolve_recipe(optimizer, scheme: str, density: float, momentum_correction="auto",
                    density_warmup_steps: int = DEFAULT_WARMUP_STEPS,
                    fp32_accumulation: bool = True,
-                   momentum_masking: bool = DEFAULT_MASKING) -> Recipe:
+                   momentum_masking: bool = DEFAULT_MASKING,
+                   moments: str = DEFAULT_MOMENTS) -> Recipe:
     """Validates the recipe keywords and resolves them for ``optimizer``; raises
     ``ValueError`` (identically on every rank: nothing here is rank-dependent)."""
     if momentum_correction not in ("auto", True, False) or isinstance(momentum_correction, numbers.Number) \
@@ -297,6 +327,8 @@ def resolve_recipe(optimizer, scheme: str, density: float, momentum_correction="
         raise ValueError(f"fp32_accumulation must be True or False, got {fp32_accumulation!r}")
     if momentum_masking != "auto" and not isinstance(momentum_masking, bool):
         raise ValueError(f"momentum_masking must be 'auto', True or False, got {momentum_masking!r}")
+    if moments not in MOMENTS:
+        raise ValueError(f"moments must be one of {MOMENTS}, got {moments!r}")
     kind, hp, why = _momentum_kind(optimizer)
     if momentum_correction is True and kind == "none":
         raise ValueError(f"momentum_correction=True cannot be applied: {why}; pass "
@@ -309,9 +341,10 @@ def resolve_recipe(optimizer, scheme: str, density: float, momentum_correction="
         warnings.warn(f"momentum_correction='auto': {why}; sparse gradients get plain error "
                       "feedback, which converges worse at low density")
     recipe = Recipe(kind, density, density_warmup_steps if scheme != "dense" else 0,
-                    fp32_accumulation, hp)
+                    fp32_accumulation, hp, moments)
     # what re-resolves it after hvd.broadcast_optimizer_state changed the hyper-parameters
     recipe.options = dict(scheme=scheme, density=density, momentum_correction=momentum_correction,
                           density_warmup_steps=density_warmup_steps,
-                          fp32_accumulation=fp32_accumulation, momentum_masking=momentum_masking)
+                          fp32_accumulation=fp32_accumulation, momentum_masking=momentum_masking,
+                          moments=moments)
     return recipe

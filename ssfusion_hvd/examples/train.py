@@ -67,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--momentum-correction", default="auto", choices=("auto", "on", "off"),
                    help="the recipe's local rule: DGC momentum correction (SGD) / local Adam "
                         "moments (Adam); off: plain error feedback (see docs/recipe.md)")
+    p.add_argument("--moments", default=None, choices=("shared", "local"),
+                   help="where the corrected optimizer state lives (default: the package's; "
+                        "docs/recipe.md)")
     p.add_argument("--density-warmup-steps", type=int, default=None,
                    help="the recipe's density warm-up in steps (default: the optimizer's, 50; 0: off)")
     p.add_argument("--seed", type=int, default=0)
@@ -189,6 +192,8 @@ def main(argv=None):
     recipe = {"momentum_correction": {"auto": "auto", "on": True, "off": False}[args.momentum_correction]}
     if args.density_warmup_steps is not None:
         recipe["density_warmup_steps"] = args.density_warmup_steps
+    if args.moments is not None:
+        recipe["moments"] = args.moments
     # --min-k goes to the schemes that take it (the demo's dense comparison run does not)
     options = options_for(args.scheme, min_k=args.min_k, slack=args.slack)
     if args.floor is not None and options_for(args.scheme, floor=0.0):  # a scheme that takes it

@@ -1,0 +1,196 @@
+"""Shared moments: one optimizer state for every rank, moved by what arrives.
+
+The default rule of the sparse schemes (``moments="shared"``, docs/recipe.md §1). Each
+rank error-compensates its plain gradient (plus coupled weight decay); the synchronized
+average is the same on every rank, and it alone moves the wrapped optimizer's own state:
+SGD's ``momentum_buffer``, Adam's ``exp_avg``, ``exp_avg_sq`` and ``step``. So that state
+is identical on every rank, lives where torch keeps it, and is what
+``hvd.broadcast_optimizer_state`` and a checkpoint carry.
+
+The one thing a sparse stream needs that a dense one does not is the *age* of an
+element: how many steps its gradient waited in the residuals before it arrived. An
+element sent every step arrives with one step's gradient; one that waited ``a`` steps
+arrives with about ``a`` of them summed. Fed to Adam as one gradient, such a burst looks
+``a`` times too large to the second moment and the step is mis-scaled by about √a
+(plain error feedback under Adam: docs/recipe.md). Here it is taken for what it is,
+``a`` steps of the mean gradient ``S / a``:
+
+* the moments move as ``a`` such steps would move them
+  (``m ← β1^a·m + (1 − β1^a)·S/a``, and Adam's ``v`` alike with ``(S/a)²``; SGD's
+  velocity the same way with its own recurrence);
+* the parameter moves by the sum of the ``a`` steps those moments give, at once, when the
+  element arrives ("lazy"); an element that has not arrived does not move.
+
+At density 1 every age is 1 and this is exactly ``torch.optim.SGD`` / ``Adam`` / ``AdamW``
+on the averaged gradient, on any number of ranks (``tests/test_moments.py``). The ages
+are the same on every rank (they follow the synchronized tensor), so every rank computes
+the same state without communicating.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+__all__ = ["SharedMoments"]
+
+
+class SharedMoments:
+    """The step of the sparsified tensors under ``moments="shared"``, for one optimizer.
+
+    ``kind``: ``"momentum"`` (``hparams``: momentum, dampening, nesterov) or ``"adam"``
+    (betas, eps). ``ages[p]``: per element of ``p``, the steps since it last arrived
+    (float32, created at ``p``'s first sparse step)."""
+
+    def __init__(self, kind: str, hparams: dict):
+        if kind not in ("momentum", "adam"):
+            raise ValueError(f"shared moments need SGD with momentum or Adam, got {kind!r}")
+        self.kind = kind
+        self.hparams = dict(hparams)
+        self.ages: Dict[torch.Tensor, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, optimizer, group: dict, params: List[torch.Tensor]) -> None:
+        """Steps ``params`` (sparsified tensors of ``group``, ``p.grad`` the synchronized
+        average of this step) and their state in ``optimizer.state``. Decoupled weight
+        decay is the caller's (it applies to every element every step)."""
+        grads = [p.grad.float() for p in params]
+        ages = [self._age(p) for p in params]
+        torch._foreach_add_(ages, 1.0)
+        # 1 where an element arrived this step: every rank sees the same synchronized
+        # tensor, so every rank marks the same elements (an exact zero sum counts as none)
+        arrived = torch._foreach_sign(grads)
+        torch._foreach_abs_(arrived)
+        if self.kind == "adam":
+            update = self._adam(optimizer, group, params, grads, ages, arrived)
+        else:
+            update = self._momentum(optimizer, params, grads, ages, arrived)
+        torch._foreach_mul_(update, arrived)
+        _foreach_add_cast(params, update, -float(group["lr"]))
+        # the arrived elements start waiting again
+        torch._foreach_sub_(arrived, 1.0)
+        torch._foreach_mul_(ages, torch._foreach_neg(arrived))
+
+    def _adam(self, optimizer, group, params, grads, ages, arrived):
+        b1, b2 = self.hparams["betas"]
+        eps = self.hparams["eps"]
+        m, v, steps = [], [], []
+        for p in params:  # the entries torch's Adam would create on its first step
+            st = optimizer.state[p]
+            if st.get("exp_avg") is None:
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] = _step_like(group, p)
+            st["step"] += 1
+            m.append(st["exp_avg"])
+            v.append(st["exp_avg_sq"])
+            steps.append(float(st["step"]))
+        m32, v32 = _as_float(m), _as_float(v)
+        mean = torch._foreach_div(grads, ages)  # the arrived burst as one step's gradient
+        for moment, beta, x in ((m32, b1, mean), (v32, b2, torch._foreach_mul(mean, mean))):
+            # moment += (1 - beta^a)·(x - arrived·moment): a steps of x where it arrived,
+            # unchanged elsewhere (x is 0 there)
+            gain = torch._foreach_pow(beta, ages)
+            torch._foreach_neg_(gain)
+            torch._foreach_add_(gain, 1.0)
+            delta = torch._foreach_mul(moment, arrived)
+            torch._foreach_neg_(delta)
+            torch._foreach_add_(delta, x)
+            torch._foreach_mul_(delta, gain)
+            torch._foreach_add_(moment, delta)
+        _copy_back(m, m32)
+        _copy_back(v, v32)
+        # a·m̂ / (√v̂ + ε): the a steps of Adam's update, taken now
+        denom = torch._foreach_sqrt(v32)
+        torch._foreach_div_(denom, [(1.0 - b2 ** t) ** 0.5 for t in steps])
+        torch._foreach_add_(denom, eps)
+        update = torch._foreach_div(m32, denom)
+        torch._foreach_div_(update, [1.0 - b1 ** t for t in steps])
+        torch._foreach_mul_(update, ages)
+        return update
+
+    def _momentum(self, optimizer, params, grads, ages, arrived):
+        mu = self.hparams["momentum"]
+        damp = self.hparams.get("dampening", 0.0)
+        nesterov = self.hparams.get("nesterov", False)
+        bufs = []
+        for p in params:
+            st = optimizer.state[p]
+            if st.get("momentum_buffer") is None:
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            bufs.append(st["momentum_buffer"])
+        u0 = _as_float(bufs)
+        # a steps of the mean gradient g = S/a, velocity u_j = mu·u_{j-1} + (1 - damp)·g:
+        #   u_a = mu^a·u0 + (1 - damp)·g·(1 - mu^a)/(1 - mu)
+        #   sum_j u_j = u0·geo + (1 - damp)·g·(a - geo)/(1 - mu),  geo = mu·(1 - mu^a)/(1 - mu)
+        mean = torch._foreach_div(grads, ages)
+        decay = torch._foreach_pow(mu, ages)  # mu^a
+        geo = torch._foreach_neg(decay)
+        torch._foreach_add_(geo, 1.0)
+        torch._foreach_mul_(geo, mu / (1.0 - mu))
+        inc = torch._foreach_mul(mean, (1.0 - damp) / (1.0 - mu))
+        moved = torch._foreach_sub(ages, geo)
+        torch._foreach_mul_(moved, inc)
+        torch._foreach_addcmul_(moved, u0, geo)
+        if nesterov:  # each step adds g + mu·u_j
+            torch._foreach_mul_(moved, mu)
+            torch._foreach_add_(moved, grads)
+        # u_a where it arrived, u0 elsewhere: u0 + arrived·(u_a - u0)
+        new = torch._foreach_neg(decay)
+        torch._foreach_add_(new, 1.0)
+        torch._foreach_mul_(new, inc)
+        torch._foreach_addcmul_(new, u0, decay)
+        torch._foreach_sub_(new, u0)
+        torch._foreach_mul_(new, arrived)
+        torch._foreach_add_(u0, new)
+        _copy_back(bufs, u0)
+        return moved
+
+    def _age(self, p: torch.Tensor) -> torch.Tensor:
+        a = self.ages.get(p)
+        if a is None:
+            a = self.ages[p] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return a
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, names: Dict[torch.Tensor, str]) -> dict:
+        return {names[p]: a.clone() for p, a in self.ages.items()}
+
+    def load_state_dict(self, state: Optional[dict], names: Dict[torch.Tensor, str]) -> None:
+        """Ages by parameter name; parameters absent (or of another shape) start at 0."""
+        self.ages = {}
+        for p, n in names.items():
+            a = (state or {}).get(n)
+            if isinstance(a, torch.Tensor) and a.shape == p.shape:
+                self.ages[p] = a.detach().to(device=p.device, dtype=torch.float32).clone()
+
+    def reset(self) -> None:
+        """Every age back to 0, on every rank that calls it (after a resume whose
+        residuals not every rank kept, the ages must still agree)."""
+        self.ages = {}
+
+
+def _step_like(group: dict, p: torch.Tensor) -> torch.Tensor:
+    """Adam's ``step`` entry as torch's Adam creates it for ``group``."""
+    if group.get("capturable", False) or group.get("fused", False):
+        return torch.zeros((), dtype=torch.float32, device=p.device)
+    return torch.tensor(0.0, dtype=torch.float32)
+
+
+def _as_float(ts: List[torch.Tensor]) -> List[torch.Tensor]:
+    return [t if t.dtype == torch.float32 else t.float() for t in ts]
+
+
+def _copy_back(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    for d, s in zip(dst, src):
+        if d is not s:
+            d.copy_(s)
+
+
+def _foreach_add_cast(params, updates, alpha: float) -> None:
+    if all(p.dtype == torch.float32 for p in params):
+        torch._foreach_add_(params, updates, alpha=alpha)
+        return
+    for p, u in zip(params, updates):
+        p.add_(u.to(p.dtype), alpha=alpha)

@@ -1,0 +1,148 @@
+"""Shared moments (``moments="shared"``, ``ssfusion_hvd/moments.py``) on real Horovod
+workers.
+
+* The dense limit: at density 1 on 4 ranks, each rank with its own noisy batches, the
+  run equals ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` stepping one model on the
+  averaged gradient, for a whole-gradient scheme (ZEN) and a planned one.
+* The sparse regime: at density 0.05 every step equals a reference written element by
+  element from the recorded inputs (the synchronized gradient, the optimizer's state and
+  the ages before the step): an element that arrived after ``a`` steps moves the moments
+  as ``a`` steps of ``S / a`` and the parameter by ``a`` steps of the new update; the
+  others do not move. Every rank ends every step bit-identical, state included.
+"""
+import pytest
+import torch
+
+from hvdrun import run_workers
+
+pytestmark = pytest.mark.multiworker
+
+LIMIT = {
+    "zen_adam": dict(scheme="zen", optimizer="adam", density=1.0),
+    "zen_adamw": dict(scheme="zen", optimizer="adamw", density=1.0),
+    "zen_sgd_nesterov": dict(scheme="zen", optimizer="sgd", density=1.0, nesterov=True),
+    "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=1.0, plan="all_sparse"),
+    "planned_sgd": dict(scheme="ssfusion_oi", optimizer="sgd", density=1.0, plan="all_sparse"),
+}
+SPARSE = {
+    "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05, plan="all_sparse",
+                         steps=8),
+    "planned_sgd_damp": dict(scheme="ssfusion_oi", optimizer="sgd_damp", density=0.05,
+                             plan="all_sparse", steps=8),
+    "zen_sgd_nesterov": dict(scheme="zen", optimizer="sgd", density=0.05, nesterov=True, steps=8),
+    "per_tensor_adamw": dict(scheme="per_tensor", optimizer="adamw", density=0.05, steps=8,
+                             density_warmup=3),
+}
+
+
+def _torch_optimizer(group, params):
+    hp = {k: v for k, v in group.items() if k not in ("foreach", "fused", "differentiable",
+                                                       "capturable", "initial_lr")}
+    if "momentum" in hp:
+        return torch.optim.SGD(params, **hp)
+    cls = torch.optim.AdamW if hp.pop("decoupled_weight_decay", False) else torch.optim.Adam
+    return cls(params, **hp)
+
+
+@pytest.fixture(scope="module")
+def limit_runs():
+    return run_workers("workers_moments:record_all", np=4, timeout=300, cases=LIMIT)
+
+
+@pytest.mark.parametrize("name", sorted(LIMIT))
+def test_dense_limit_is_the_optimizer_on_the_averaged_gradient(limit_runs, name):
+    ranks = [r[name] for r in limit_runs]
+    assert ranks[0]["moments"] == "shared"
+    names, group = ranks[0]["names"], ranks[0]["group"]
+    first = ranks[0]["steps"][0]["before"]
+    params = [first[n].clone().requires_grad_(True) for n in names]
+    ref = _torch_optimizer(group, params)
+    sparse_steps = 0
+    for s, st0 in enumerate(ranks[0]["steps"]):
+        sparse_steps += bool(st0["sparse"])
+        for p, n in zip(params, names):
+            # P noisy gradients, averaged (weight decay is the optimizer's, as in torch)
+            p.grad = sum(r["steps"][s]["local"][n] for r in ranks) / len(ranks)
+        ref.step()
+        for r in ranks:
+            for p, n in zip(params, names):
+                torch.testing.assert_close(r["steps"][s]["after"][n], p.detach(), rtol=1e-5,
+                                           atol=1e-6, msg=lambda m: f"{name} step {s} {n}: {m}")
+    assert sparse_steps == len(ranks[0]["steps"]), "every step must go through the sparse path"
+
+
+def _reference(kind, group, w, S, age, state, sparse):
+    """One step of the shared moments for one tensor, element by element."""
+    w, S = w.double().clone(), S.double()
+    age = (age.double() if age is not None else torch.zeros_like(S)) + 1
+    hit = S != 0
+    a = age[hit]
+    g = S[hit] / a
+    lr = group["lr"]
+    if group.get("decoupled_weight_decay"):
+        w.mul_(1 - lr * group["weight_decay"])
+    if kind == "adam":
+        b1, b2 = group["betas"]
+        m = state.get("exp_avg", torch.zeros_like(S)).double().clone()
+        v = state.get("exp_avg_sq", torch.zeros_like(S)).double().clone()
+        t = float(state.get("step", 0)) + 1
+        m[hit] = b1 ** a * m[hit] + (1 - b1 ** a) * g
+        v[hit] = b2 ** a * v[hit] + (1 - b2 ** a) * g * g
+        upd = (m[hit] / (1 - b1 ** t)) / ((v[hit] / (1 - b2 ** t)).sqrt() + group["eps"])
+        w[hit] -= lr * a * upd
+        new = {"exp_avg": m, "exp_avg_sq": v, "step": t}
+    else:
+        mu, damp = group["momentum"], group["dampening"]
+        u = state.get("momentum_buffer", torch.zeros_like(S)).double().clone()
+        moved = torch.zeros_like(a)
+        uj = u[hit].clone()
+        for j in range(int(a.max()) if len(a) else 0):  # the a steps, one by one
+            live = a > j
+            uj = torch.where(live, mu * uj + (1 - damp) * g, uj)
+            moved += torch.where(live, g + mu * uj if group["nesterov"] else uj, torch.zeros_like(uj))
+        u[hit] = uj
+        w[hit] -= lr * moved
+        new = {"momentum_buffer": u}
+    age[hit] = 0
+    return w, new, age
+
+
+@pytest.fixture(scope="module")
+def sparse_runs():
+    return run_workers("workers_moments:record_all", np=2, timeout=300, cases=SPARSE)
+
+
+@pytest.mark.parametrize("name", sorted(SPARSE))
+def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
+    ranks = [r[name] for r in sparse_runs]
+    names, group, kind = ranks[0]["names"], ranks[0]["group"], ranks[0]["kind"]
+    steps = ranks[0]["steps"]
+    late_arrivals = 0
+    for s, st0 in enumerate(steps):
+        for r in ranks[1:]:  # every rank: the same sum, parameters, state and ages
+            st = r["steps"][s]
+            for n in names:
+                assert torch.equal(st["synced"][n], st0["synced"][n]), (name, s, n)
+                assert torch.equal(st["after"][n], st0["after"][n]), (name, s, n)
+                for b, t in st0["own"].get(n, {}).items():
+                    assert torch.equal(torch.as_tensor(st["own"][n][b]), torch.as_tensor(t)), (name, s, n, b)
+            assert st["ages"].keys() == st0["ages"].keys()
+            for n, a in st0["ages"].items():
+                assert torch.equal(st["ages"][n], a), (name, s, n)
+        if s + 1 == len(steps):
+            break
+        nxt = steps[s + 1]
+        for n in st0["sparse"]:
+            age = st0["ages"].get(n)
+            w, state, age_after = _reference(kind, group, st0["before"][n], st0["synced"][n],
+                                             age, st0["own"].get(n, {}), st0["sparse"])
+            late_arrivals += int(((age_after == 0) & ((age if age is not None else 0) > 0)).sum())
+            torch.testing.assert_close(st0["after"][n].double(), w, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name} step {s} {n}: {m}")
+            torch.testing.assert_close(nxt["ages"][n].double(), age_after, rtol=0, atol=0)
+            for b, t in state.items():
+                got = nxt["own"][n][b]
+                torch.testing.assert_close(torch.as_tensor(got).double(), torch.as_tensor(t, dtype=torch.float64),
+                                           rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} step {s} {n} {b}: {m}")
+    assert sum(bool(st["sparse"]) for st in steps) >= 4, name
+    assert late_arrivals > 0, f"{name}: no element arrived after waiting (the ages were not exercised)"
