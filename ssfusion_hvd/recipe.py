@@ -4,8 +4,12 @@ Sparsifying 99 % of every gradient away is only free when the optimizer is told.
 parts, each a keyword of :func:`ssfusion_hvd.DistributedOptimizer`, on by default, the
 same for every sparse scheme:
 
-* **Momentum correction** (``momentum_correction="auto"``). For ``torch.optim.SGD`` with
-  momentum: DGC's correction (Lin et al., ICLR'18): each rank accumulates its local
+* **Momentum correction** (``momentum_correction="auto"``), for ``torch.optim.SGD`` with
+  momentum and ``Adam``/``AdamW``, in one of two forms (``moments``). ``"shared"`` (the
+  default): each rank error-compensates its plain gradient, and the synchronized average
+  moves the wrapped optimizer's own state, the same on every rank, each element taken as
+  the steps it waited in the residuals (:mod:`ssfusion_hvd.moments`); ``p.grad`` is a
+  gradient. ``"local"``: for SGD, DGC's correction (Lin et al., ICLR'18): each rank accumulates its local
   velocity and error-compensates *that*, with momentum factor masking
   (:class:`~ssfusion_hvd.sparsify.memory.MomentumRule`). For ``torch.optim.Adam`` /
   ``AdamW``: each rank keeps Adam's moments of its own gradient and error-compensates the
@@ -13,7 +17,7 @@ same for every sparse scheme:
   (:class:`~ssfusion_hvd.sparsify.memory.AdamRule`). Momentum factor masking
   (``momentum_masking="auto"``): SGD masks only while the density in force is below
   ``1 − momentum`` (in the warm-up's dense stages an element is sent every few steps and
-  masking would throw its momentum away), Adam masks always. Either way the synchronized sum of a
+  masking would throw its momentum away), Adam masks always. Under local rules the synchronized sum of a
   sparsified tensor is already the update direction, so ``step()`` applies it as
   ``w -= lr · update`` (AdamW's decoupled decay first) and the wrapped optimizer steps
   only the tensors that travelled densely, with its own state, exactly as it would
@@ -58,7 +62,7 @@ DEFAULT_MASKING = "auto"
 #: default ``moments``: "shared" (one optimizer state for all ranks, moved by the
 #: synchronized gradient with each element's age, ssfusion_hvd/moments.py) or "local"
 #: (each rank's own momentum / Adam moments, error-compensated; DGC's correction)
-DEFAULT_MOMENTS = "local"
+DEFAULT_MOMENTS = "shared"
 MOMENTS = ("shared", "local")
 #: density of the first warm-up stage (DGC: 75 % sparsity) and the number of stages
 WARMUP_START = 0.25

@@ -67,6 +67,28 @@ def test_resume_the_horovod_way(resumed, scheme, opt, own):
                               for n in saved0 if saved0[n].any())
 
 
+@pytest.mark.parametrize("scheme", ["ssfusion_oi", "zen"])
+def test_resume_with_shared_moments(scheme, tmp_path):
+    """``moments="shared"``: the optimizer state is the same on every rank and lives in
+    torch's entries, the ages in ours. Every rank loading its own checkpoint resumes the
+    uninterrupted run bit for bit (ages included); a rank-0 load followed by the broadcast
+    leaves every rank bit-identical, with the ages restarted on all of them alike."""
+    ranks = run_workers("workers_horovod:resume_cases", np=2, timeout=400, scheme=scheme,
+                        optimizers=["sgd", "adam"], owns=[False, True], ckpt_dir=str(tmp_path),
+                        moments="shared")
+    for kind in ("sgd", "adam"):
+        for own in (False, True):
+            a, b = ranks[0][kind, own], ranks[1][kind, own]
+            _equal_dicts(a["resumed"], b["resumed"])
+            _equal_dicts(a["after_broadcast"][0], b["after_broadcast"][0])
+            assert a["ages"] and a["ages"].keys() == b["ages"].keys()
+            _equal_dicts(a["ages"], b["ages"])
+            if own:
+                _equal_dicts(a["resumed"], a["straight"])
+            else:  # rank 1's residuals restarted from zero: another run than the straight one
+                assert any(not torch.equal(a["resumed"][n], a["straight"][n]) for n in a["resumed"])
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_checkpoint_of_ours_loads_anywhere(optimizer, tmp_path):
     """``state_dict()`` keeps the sparsified tensors' optimizer state where torch keeps it
@@ -91,11 +113,13 @@ def test_checkpoint_of_ours_loads_anywhere(optimizer, tmp_path):
 def test_resume_rank0_equals_explicit_fresh_local_state(tmp_path):
     """Rank 1 without a checkpoint after the broadcast behaves exactly like rank 1
     loading rank 0's checkpoint with every per-rank store removed (residuals, velocity):
-    "start from zero" is what happens, for ssfusion_oi with SGD."""
+    "start from zero" is what happens, for ssfusion_oi with SGD's local rule (the per-rank
+    velocity; shared moments have none: test_resume_with_shared_moments)."""
     a = run_workers("workers_horovod:resume", np=2, timeout=240, scheme="ssfusion_oi",
-                    optimizer="sgd", own=False, ckpt_dir=str(tmp_path))
+                    optimizer="sgd", own=False, ckpt_dir=str(tmp_path), moments="local")
     b = run_workers("workers_horovod:resume", np=2, timeout=240, scheme="ssfusion_oi",
-                    optimizer="sgd", own=False, ckpt_dir=str(tmp_path), strip_rank1=True)
+                    optimizer="sgd", own=False, ckpt_dir=str(tmp_path), strip_rank1=True,
+                    moments="local")
     for r in range(2):
         _equal_dicts(a[r]["resumed"], b[r]["resumed"])
 

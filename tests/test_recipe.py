@@ -193,14 +193,19 @@ def test_recipe_matches_reference(runs, name):
 
 
 def test_checkpoint_restart_is_bit_identical_with_the_recipe(tmp_path):
-    cases = [("ssfusion_oi", "sgd"), ("per_tensor", "adam"), ("zen", "sgd"), ("spardl", "adamw"),
-             ("exdyna", "sgd")]
+    cases = [("ssfusion_oi", "sgd", "local"), ("per_tensor", "adam", "local"),
+             ("zen", "sgd", "local"), ("spardl", "adamw", "local"), ("exdyna", "sgd", "local"),
+             ("ssfusion_oi", "adam", "shared"), ("spardl", "sgd", "shared"),
+             ("exdyna", "adamw", "shared"), ("zen", "sgd", "shared")]
     results = run_workers("workers_recipe:checkpoint_all", np=2, timeout=400, cases=cases,
                           ckpt=str(tmp_path))
     for r in results:
-        for scheme, optimizer in cases:
-            ck = r[f"{scheme}-{optimizer}"]
-            assert ck["rule"] == ("adam" if optimizer.startswith("adam") else "momentum")
-            assert ck["buffers"], (scheme, optimizer)  # the rule's state was in the checkpoint
+        for scheme, optimizer, moments in cases:
+            ck = r[f"{scheme}-{optimizer}-{moments}"]
+            if moments == "local":
+                assert ck["rule"] == ("adam" if optimizer.startswith("adam") else "momentum")
+                assert ck["buffers"], (scheme, optimizer)  # the rule's state was in the checkpoint
+            else:  # the state is torch's (in the checkpoint's optimizer entries); ours: the ages
+                assert not ck["buffers"] and ck["ages"], (scheme, optimizer)
             for n, t in ck["first"].items():
-                assert torch.equal(t, ck["second"][n]), (scheme, optimizer, n)
+                assert torch.equal(t, ck["second"][n]), (scheme, optimizer, moments, n)

@@ -39,8 +39,10 @@ def _optimizer(kind, params, rank_variant=False):
     return getattr(torch.optim, kind)(params, lr=0.01 + 0.01 * r)
 
 
-def _wrap(model, kind, scheme, rank_variant=False):
+def _wrap(model, kind, scheme, rank_variant=False, moments=None):
     kw = {} if scheme == "dense" else dict(SPARSE_KW, profile=_profile())
+    if moments is not None:
+        kw["moments"] = moments
     return ssfusion_hvd.DistributedOptimizer(
         _optimizer(kind, model.parameters(), rank_variant),
         named_parameters=model.named_parameters(), scheme=scheme, **kw)
@@ -68,7 +70,8 @@ def _params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def resume(scheme, optimizer, ckpt_dir, own=False, save_at=6, total=10, strip_rank1=False):
+def resume(scheme, optimizer, ckpt_dir, own=False, save_at=6, total=10, strip_rank1=False,
+           moments=None):
     """Trains ``total`` steps straight, saving at ``save_at`` (rank 0: model and optimizer;
     every rank: its own optimizer state). Then a new model and optimizer (other initial
     weights and per-rank hyper-parameters) resume Horovod's way: rank 0 loads (``own``:
@@ -77,9 +80,9 @@ def resume(scheme, optimizer, ckpt_dir, own=False, save_at=6, total=10, strip_ra
     0's optimizer checkpoint with every per-rank store removed instead of nothing."""
     torch.manual_seed(1234)
     model = Net()
-    opt = _wrap(model, optimizer, scheme)
+    opt = _wrap(model, optimizer, scheme, moments=moments)
     _train_steps(model, opt, range(save_at))
-    path = os.path.join(ckpt_dir, f"{scheme}-{optimizer}-rank{hvd.rank()}.pt")
+    path = os.path.join(ckpt_dir, f"{scheme}-{optimizer}-{moments}-rank{hvd.rank()}.pt")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
     saved_own = _own_state(opt)
     _train_steps(model, opt, range(save_at, total))
@@ -89,9 +92,9 @@ def resume(scheme, optimizer, ckpt_dir, own=False, save_at=6, total=10, strip_ra
 
     torch.manual_seed(99 + hvd.rank())  # other initial weights on every rank
     model = Net()
-    opt = _wrap(model, optimizer, scheme, rank_variant=True)
+    opt = _wrap(model, optimizer, scheme, rank_variant=True, moments=moments)
     if hvd.rank() == 0 or own or strip_rank1:
-        ckpt = torch.load(path if own else os.path.join(ckpt_dir, f"{scheme}-{optimizer}-rank0.pt"),
+        ckpt = torch.load(path if own else os.path.join(ckpt_dir, f"{scheme}-{optimizer}-{moments}-rank0.pt"),
                           weights_only=False)
         if hvd.rank() == 0:
             model.load_state_dict(ckpt["model"])
@@ -109,7 +112,8 @@ def resume(scheme, optimizer, ckpt_dir, own=False, save_at=6, total=10, strip_ra
     return {"straight": straight, "resumed": _params(model), "after_broadcast": after_broadcast,
             "plan": None if opt.plan is None else opt.plan.to_json(), "straight_plan": straight_plan,
             "saved_own": saved_own, "own_after_adopt": own_after_adopt,
-            "recipe": (opt.recipe.kind, opt.recipe.hparams)}
+            "recipe": (opt.recipe.kind, opt.recipe.hparams),
+            "ages": opt.state_dict()["ssfusion"].get("ages")}
 
 
 def fresh_broadcast(scheme, optimizers, steps=5):
@@ -341,9 +345,9 @@ def load_on_rank0_only(scheme, ckpt_dir, save_at=6):
     return None
 
 
-def resume_cases(scheme, optimizers, ckpt_dir, owns=(False,)):
+def resume_cases(scheme, optimizers, ckpt_dir, owns=(False,), moments=None):
     """:func:`resume` for each torch optimizer and each ``own``, in one job."""
-    return {(kind, own): resume(scheme, kind, ckpt_dir, own=own)
+    return {(kind, own): resume(scheme, kind, ckpt_dir, own=own, moments=moments)
             for kind in optimizers for own in owns}
 
 

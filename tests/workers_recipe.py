@@ -33,6 +33,7 @@ def _clone(x):
 
 def record(scheme, optimizer="sgd", steps=6, warmup=2, forced=False, density=0.05, wd=1e-3,
            nesterov=False, masking="auto", density_warmup=3, dtype="float32"):
+    """(the local rules: ``moments="local"``; tests/test_moments.py covers the shared ones)"""
     model = _model(dtype)
     named = sorted(model.named_parameters())
     names = [n for n, _ in named]
@@ -42,7 +43,8 @@ def record(scheme, optimizer="sgd", steps=6, warmup=2, forced=False, density=0.0
     opt = ssfusion_hvd.DistributedOptimizer(
         inner, named_parameters=model.named_parameters(), scheme=scheme, density=density,
         warmup_steps=warmup, profile=profile("topk"), plan=mixed_plan(density) if forced else None,
-        log_plan=False, density_warmup_steps=density_warmup, momentum_masking=masking)
+        log_plan=False, density_warmup_steps=density_warmup, momentum_masking=masking,
+        moments="local")
     loss_fn = nn.CrossEntropyLoss()
     out = []
     for step in range(steps):
@@ -71,7 +73,7 @@ def record_all(cases):
     return {name: record(**kw) for name, kw in cases.items()}
 
 
-def checkpoint(scheme, optimizer, ckpt, save_at=4, total=8):
+def checkpoint(scheme, optimizer, ckpt, moments, save_at=4, total=8):
     """Uninterrupted run saving every rank's (model, optimizer) at ``save_at``, then a new
     model and optimizer resumed from that file: the parameters must match bit for bit."""
     import os
@@ -84,12 +86,13 @@ def checkpoint(scheme, optimizer, ckpt, save_at=4, total=8):
         opt = ssfusion_hvd.DistributedOptimizer(
             OPTIMIZERS[optimizer](model.parameters(), 1e-3, False),
             named_parameters=model.named_parameters(), scheme=scheme, density=0.05,
-            warmup_steps=2, profile=profile("topk"), log_plan=False, density_warmup_steps=6)
+            warmup_steps=2, profile=profile("topk"), log_plan=False, density_warmup_steps=6,
+            moments=moments)
         return model, opt
 
     model, opt = build(None)
     _train_steps(model, opt, range(save_at))
-    path = os.path.join(ckpt, f"{scheme}-{optimizer}-rank{hvd.rank()}.pt")
+    path = os.path.join(ckpt, f"{scheme}-{optimizer}-{moments}-rank{hvd.rank()}.pt")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
     _train_steps(model, opt, range(save_at, total))
     first = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -101,8 +104,9 @@ def checkpoint(scheme, optimizer, ckpt, save_at=4, total=8):
     second = {n: p.detach().clone() for n, p in model2.named_parameters()}
     saved = state["opt"]["ssfusion"]["state"]
     return {"first": first, "second": second, "rule": saved.get("rule"),
-            "buffers": sorted(k for k in ("momentum_buffer", "exp_avg") if saved.get(k))}
+            "buffers": sorted(k for k in ("momentum_buffer", "exp_avg") if saved.get(k)),
+            "ages": sorted(state["opt"]["ssfusion"].get("ages") or ())}
 
 
 def checkpoint_all(cases, ckpt):
-    return {f"{s}-{o}": checkpoint(s, o, ckpt) for s, o in cases}
+    return {f"{s}-{o}-{m}": checkpoint(s, o, ckpt, m) for s, o, m in cases}
