@@ -36,6 +36,11 @@ Variants (``--variants``):
 * ``frozen_v``: 1-bit Adam's shape: ``--freeze`` dense Adam steps, then the second moment
   frozen and the first moment compressed with error feedback (the density warm-up starts
   after the dense steps);
+* ``ef_age`` / ``ef_age_lazy``: plain error feedback on gradients, and one optimizer
+  state for all ranks moved by the sparse average, each element's burst taken as the
+  steps it waited (``AgedAdam``, ``AgedMomentum``): every element moves every step by its
+  held moments (``ef_age``, Adam only), or only when it arrives, by the steps it waited
+  (``ef_age_lazy``, the prototype of the package's ``moments="shared"``);
 * ``auto_min_k``: ``auto`` with the SSFusion planner's accuracy rule
   (``plan.keep_small_dense``): tensors whose top-k at ``--density`` would keep fewer than
   ``--min-k`` elements are averaged dense and stepped by the task's optimizer, as the
