@@ -36,11 +36,14 @@ Variants (``--variants``):
 * ``frozen_v``: 1-bit Adam's shape: ``--freeze`` dense Adam steps, then the second moment
   frozen and the first moment compressed with error feedback (the density warm-up starts
   after the dense steps);
-* ``ef_age`` / ``ef_age_lazy``: plain error feedback on gradients, and one optimizer
-  state for all ranks moved by the sparse average, each element's burst taken as the
-  steps it waited (``AgedAdam``, ``AgedMomentum``): every element moves every step by its
-  held moments (``ef_age``, Adam only), or only when it arrives, by the steps it waited
-  (``ef_age_lazy``, the prototype of the package's ``moments="shared"``);
+* ``ef_age`` / ``ef_age_lazy`` / ``ef_age_tail``: plain error feedback on gradients, and
+  one optimizer state for all ranks moved by the sparse average, each element's burst
+  taken as the steps it waited (``AgedAdam``, ``AgedMomentum``): every element moves every
+  step by its held moments (``ef_age``, Adam only); or only when it arrives, by the steps
+  it waited (``ef_age_lazy``, the package's ``moments="shared"`` until 2026-11-26); or
+  every step by its decaying moments, as the optimizer moves it with a zero gradient, plus
+  at an arrival the gradient part of the steps it waited (``ef_age_tail``, the package's
+  ``moments="shared"`` now);
 * ``auto_min_k``: ``auto`` with the SSFusion planner's accuracy rule
   (``plan.keep_small_dense``): tensors whose top-k at ``--density`` would keep fewer than
   ``--min-k`` elements are averaged dense and stepped by the task's optimizer, as the
@@ -77,7 +80,7 @@ from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe  # noqa: E402
 from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule, ResidualMemory  # noqa: E402
 
 VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask", "mask_density", "auto_min_k",
-            "shared_v", "frozen_v", "shared_v_mask", "ef_age", "ef_age_lazy")
+            "shared_v", "frozen_v", "shared_v_mask", "ef_age", "ef_age_lazy", "ef_age_tail")
 
 
 class AgedAdam:
@@ -91,8 +94,8 @@ class AgedAdam:
     element moves only when it arrives, by ``a`` steps of the new update; otherwise
     every element moves every step by its current ``m / sqrt(v)``."""
 
-    def __init__(self, p, state, lr, betas=(0.9, 0.999), eps=1e-8, lazy=False):
-        self.lr, (self.b1, self.b2), self.eps, self.lazy = lr, betas, eps, lazy
+    def __init__(self, p, state, lr, betas=(0.9, 0.999), eps=1e-8, lazy=False, tail=False):
+        self.lr, (self.b1, self.b2), self.eps, self.lazy, self.tail = lr, betas, eps, lazy, tail
         self.m = state["exp_avg"].clone()
         self.v = state["exp_avg_sq"].clone()
         self.t = int(float(state["step"]))
@@ -103,6 +106,20 @@ class AgedAdam:
         self.t += 1
         self.age += 1
         arrived = avg != 0
+        if self.tail:
+            # the moments decay and move every element every step, as Adam does with a zero
+            # gradient; an arrival adds the a steps of its mean gradient g = S / a
+            b1, b2 = self.b1, self.b2
+            g = torch.where(arrived, avg / self.age, torch.zeros_like(avg))
+            d1, d2 = b1 ** self.age, b2 ** self.age
+            self.m.mul_(b1).add_((1 - d1) * g)
+            self.v.mul_(b2).add_((1 - d2) * g * g)
+            num = self.m + g * (self.age - (1 - d1) / (1 - b1))
+            update = (num / (1 - b1 ** self.t)) / (
+                (self.v / (1 - b2 ** self.t)).sqrt() + self.eps)
+            self.age[arrived] = 0
+            p.add_(update, alpha=-self.lr)
+            return
         a = self.age[arrived]
         g = avg[arrived] / a
         d1, d2 = self.b1 ** a, self.b2 ** a
@@ -122,8 +139,8 @@ class AgedMomentum:
     velocities that ``a`` steps of gradient ``S / a`` would have produced, and its
     velocity becomes the last of them. At density 1 this is torch.optim.SGD."""
 
-    def __init__(self, p, state, lr, momentum=0.9):
-        self.lr, self.mu = lr, momentum
+    def __init__(self, p, state, lr, momentum=0.9, tail=False):
+        self.lr, self.mu, self.tail = lr, momentum, tail
         self.u = state["momentum_buffer"].clone()
         self.age = torch.zeros_like(p)
 
@@ -131,7 +148,22 @@ class AgedMomentum:
     def step(self, p, avg):
         self.age += 1
         arrived = avg != 0
-        a, u0, mu = self.age[arrived], self.u[arrived], self.mu
+        mu = self.mu
+        if self.tail:
+            # the velocity decays and moves every element every step, as dense SGD does with
+            # a zero gradient; an arrival adds the a steps of its mean gradient
+            self.u.mul_(mu)
+            a = self.age[arrived]
+            g = avg[arrived] / a
+            ma = mu ** a
+            geo = mu * (1 - ma) / (1 - mu)
+            update = self.u.clone()
+            update[arrived] += g / (1 - mu) * (a - geo)
+            self.u[arrived] += g * (1 - ma) / (1 - mu)
+            self.age[arrived] = 0
+            p.add_(update, alpha=-self.lr)
+            return
+        a, u0 = self.age[arrived], self.u[arrived]
         g = avg[arrived] / a
         ma = mu ** a
         geo = mu * (1 - ma) / (1 - mu)  # sum_{j=1..a} mu^j
@@ -390,11 +422,13 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                     sent += k
                     total += p.numel()
                 avg.append((acc_sum / ranks).view_as(p))
-            if variant in ("ef_age", "ef_age_lazy"):
+            if variant in ("ef_age", "ef_age_lazy", "ef_age_tail"):
                 for i, (p, a) in enumerate(zip(params, avg)):
                     if i not in aged:
-                        aged[i] = (AgedMomentum(p, opt.state[p], lr) if kind == "sgd" else
-                                   AgedAdam(p, opt.state[p], lr, lazy=variant == "ef_age_lazy"))
+                        aged[i] = (AgedMomentum(p, opt.state[p], lr, tail=variant == "ef_age_tail")
+                                   if kind == "sgd" else
+                                   AgedAdam(p, opt.state[p], lr, lazy=variant == "ef_age_lazy",
+                                            tail=variant == "ef_age_tail"))
                     aged[i].step(p.data, a)
             elif masking is None:  # the optimizer on the sparse average (plain error feedback)
                 for p, a in zip(params, avg):

@@ -13,13 +13,16 @@ element sent every step arrives with one step's gradient; one that waited ``a`` 
 arrives with about ``a`` of them summed. Fed to Adam as one gradient, such a burst looks
 ``a`` times too large to the second moment and the step is mis-scaled by about √a
 (plain error feedback under Adam: docs/recipe.md). Here it is taken for what it is,
-``a`` steps of the mean gradient ``S / a``:
+``a`` steps of the mean gradient ``g = S / a``:
 
-* the moments move as ``a`` such steps would move them
-  (``m ← β1^a·m + (1 − β1^a)·S/a``, and Adam's ``v`` alike with ``(S/a)²``; SGD's
-  velocity the same way with its own recurrence);
-* the parameter moves by the sum of the ``a`` steps those moments give, at once, when the
-  element arrives ("lazy"); an element that has not arrived does not move.
+* every element takes the optimizer's step with a zero gradient, every step: its moments
+  decay and it moves by them, as it would in dense training between gradients (so an
+  element's momentum keeps carrying it while it waits, instead of landing at once at its
+  next arrival);
+* an element that arrives adds the gradient part of ``a`` steps of ``g``: the moments as
+  ``a`` such steps would move them (``m ← β1·m + (1 − β1^a)·g``, Adam's ``v`` alike with
+  ``g²``, SGD's velocity by its own recurrence), and the parameter by what ``g`` would
+  have added to its ``a − 1`` skipped steps on top of this step's.
 
 At density 1 every age is 1 and this is exactly ``torch.optim.SGD`` / ``Adam`` / ``AdamW``
 on the averaged gradient, on any number of ranks (``tests/test_moments.py``). The ages
@@ -58,21 +61,22 @@ class SharedMoments:
         grads = [p.grad.float() for p in params]
         ages = [self._age(p) for p in params]
         torch._foreach_add_(ages, 1.0)
-        # 1 where an element arrived this step: every rank sees the same synchronized
-        # tensor, so every rank marks the same elements (an exact zero sum counts as none)
+        # the arrived burst as one step's gradient, g = S/a; 0 where nothing arrived (every
+        # rank sees the same synchronized tensor, so every rank takes the same elements;
+        # an exact zero sum counts as none)
+        mean = torch._foreach_div(grads, ages)
+        if self.kind == "adam":
+            update = self._adam(optimizer, group, params, mean, ages)
+        else:
+            update = self._momentum(optimizer, params, grads, mean, ages)
+        _foreach_add_cast(params, update, -float(group["lr"]))
+        # the arrived elements start waiting again: age·(1 - |sign S|)
         arrived = torch._foreach_sign(grads)
         torch._foreach_abs_(arrived)
-        if self.kind == "adam":
-            update = self._adam(optimizer, group, params, grads, ages, arrived)
-        else:
-            update = self._momentum(optimizer, params, grads, ages, arrived)
-        torch._foreach_mul_(update, arrived)
-        _foreach_add_cast(params, update, -float(group["lr"]))
-        # the arrived elements start waiting again
         torch._foreach_sub_(arrived, 1.0)
         torch._foreach_mul_(ages, torch._foreach_neg(arrived))
 
-    def _adam(self, optimizer, group, params, grads, ages, arrived):
+    def _adam(self, optimizer, group, params, mean, ages):
         b1, b2 = self.hparams["betas"]
         eps = self.hparams["eps"]
         m, v, steps = [], [], []
@@ -87,30 +91,29 @@ class SharedMoments:
             v.append(st["exp_avg_sq"])
             steps.append(float(st["step"]))
         m32, v32 = _as_float(m), _as_float(v)
-        mean = torch._foreach_div(grads, ages)  # the arrived burst as one step's gradient
-        for moment, beta, x in ((m32, b1, mean), (v32, b2, torch._foreach_mul(mean, mean))):
-            # moment += (1 - beta^a)·(x - arrived·moment): a steps of x where it arrived,
-            # unchanged elsewhere (x is 0 there)
-            gain = torch._foreach_pow(beta, ages)
-            torch._foreach_neg_(gain)
-            torch._foreach_add_(gain, 1.0)
-            delta = torch._foreach_mul(moment, arrived)
-            torch._foreach_neg_(delta)
-            torch._foreach_add_(delta, x)
-            torch._foreach_mul_(delta, gain)
-            torch._foreach_add_(moment, delta)
+        # Every element takes this step's decay (Adam with a zero gradient); an arrived one
+        # adds the gradient part of a steps of g: m ← β1·m + (1 − β1^a)·g, v alike with g²
+        gains1 = _one_minus_pow(b1, ages)
+        for moment, beta, x, gain in ((m32, b1, mean, gains1),
+                                      (v32, b2, torch._foreach_mul(mean, mean),
+                                       _one_minus_pow(b2, ages))):
+            torch._foreach_mul_(moment, beta)
+            torch._foreach_addcmul_(moment, x, gain)
         _copy_back(m, m32)
         _copy_back(v, v32)
-        # a·m̂ / (√v̂ + ε): the a steps of Adam's update, taken now
+        # numerator: this step's m plus what g added to the first moment in the a − 1 steps
+        # the element skipped, g·(a − (1 − β1^a)/(1 − β1)); 0 extra where nothing arrived
+        catch = torch._foreach_div(gains1, -(1.0 - b1))
+        torch._foreach_add_(catch, ages)
+        num = torch._foreach_addcmul(m32, mean, catch)
         denom = torch._foreach_sqrt(v32)
         torch._foreach_div_(denom, [(1.0 - b2 ** t) ** 0.5 for t in steps])
         torch._foreach_add_(denom, eps)
-        update = torch._foreach_div(m32, denom)
-        torch._foreach_div_(update, [1.0 - b1 ** t for t in steps])
-        torch._foreach_mul_(update, ages)
-        return update
+        torch._foreach_div_(num, denom)
+        torch._foreach_div_(num, [1.0 - b1 ** t for t in steps])
+        return num
 
-    def _momentum(self, optimizer, params, grads, ages, arrived):
+    def _momentum(self, optimizer, params, grads, mean, ages):
         mu = self.hparams["momentum"]
         damp = self.hparams.get("dampening", 0.0)
         nesterov = self.hparams.get("nesterov", False)
@@ -120,31 +123,24 @@ class SharedMoments:
             if st.get("momentum_buffer") is None:
                 st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
-        u0 = _as_float(bufs)
-        # a steps of the mean gradient g = S/a, velocity u_j = mu·u_{j-1} + (1 - damp)·g:
-        #   u_a = mu^a·u0 + (1 - damp)·g·(1 - mu^a)/(1 - mu)
-        #   sum_j u_j = u0·geo + (1 - damp)·g·(a - geo)/(1 - mu),  geo = mu·(1 - mu^a)/(1 - mu)
-        mean = torch._foreach_div(grads, ages)
-        decay = torch._foreach_pow(mu, ages)  # mu^a
-        geo = torch._foreach_neg(decay)
-        torch._foreach_add_(geo, 1.0)
-        torch._foreach_mul_(geo, mu / (1.0 - mu))
-        inc = torch._foreach_mul(mean, (1.0 - damp) / (1.0 - mu))
-        moved = torch._foreach_sub(ages, geo)
-        torch._foreach_mul_(moved, inc)
-        torch._foreach_addcmul_(moved, u0, geo)
-        if nesterov:  # each step adds g + mu·u_j
+        u = _as_float(bufs)
+        # Every element takes this step's decay (SGD with a zero gradient); an arrived one
+        # adds the gradient part of a steps of c = (1 − dampening)·g:
+        #   u ← μ·u + c·(1 − μ^a)/(1 − μ)
+        # and moves by u plus what c added to the velocity in the a − 1 steps it skipped,
+        #   c·(a − (1 − μ^a)/(1 − μ))/(1 − μ)
+        c = torch._foreach_mul(mean, 1.0 - damp)
+        gain = _one_minus_pow(mu, ages)
+        torch._foreach_div_(gain, 1.0 - mu)
+        torch._foreach_mul_(u, mu)
+        torch._foreach_addcmul_(u, c, gain)
+        _copy_back(bufs, u)
+        catch = torch._foreach_sub(ages, gain)
+        torch._foreach_div_(catch, 1.0 - mu)
+        moved = torch._foreach_addcmul(u, c, catch)
+        if nesterov:  # each step moves by g + μ·u_j: S = a·g of gradient, μ times the rest
             torch._foreach_mul_(moved, mu)
             torch._foreach_add_(moved, grads)
-        # u_a where it arrived, u0 elsewhere: u0 + arrived·(u_a - u0)
-        new = torch._foreach_neg(decay)
-        torch._foreach_add_(new, 1.0)
-        torch._foreach_mul_(new, inc)
-        torch._foreach_addcmul_(new, u0, decay)
-        torch._foreach_sub_(new, u0)
-        torch._foreach_mul_(new, arrived)
-        torch._foreach_add_(u0, new)
-        _copy_back(bufs, u0)
         return moved
 
     def _age(self, p: torch.Tensor) -> torch.Tensor:
@@ -169,6 +165,14 @@ class SharedMoments:
         """Every age back to 0, on every rank that calls it (after a resume whose
         residuals not every rank kept, the ages must still agree)."""
         self.ages = {}
+
+
+def _one_minus_pow(base: float, ages: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``1 − base^a`` per element."""
+    out = torch._foreach_pow(base, ages)
+    torch._foreach_neg_(out)
+    torch._foreach_add_(out, 1.0)
+    return out
 
 
 def _step_like(group: dict, p: torch.Tensor) -> torch.Tensor:

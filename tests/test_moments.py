@@ -6,9 +6,9 @@ workers.
   averaged gradient, for a whole-gradient scheme (ZEN) and a planned one.
 * The sparse regime: at density 0.05 every step equals a reference written element by
   element from the recorded inputs (the synchronized gradient, the optimizer's state and
-  the ages before the step): an element that arrived after ``a`` steps moves the moments
-  as ``a`` steps of ``S / a`` and the parameter by ``a`` steps of the new update; the
-  others do not move. Every rank ends every step bit-identical, state included.
+  the ages before the step): every element takes the optimizer's step with a zero
+  gradient, and one that arrived after ``a`` steps also gets the gradient part of ``a``
+  steps of ``S / a``. Every rank ends every step bit-identical, state included.
 """
 import pytest
 import torch
@@ -72,37 +72,48 @@ def test_dense_limit_is_the_optimizer_on_the_averaged_gradient(limit_runs, name)
 
 
 def _reference(kind, group, w, S, age, state, sparse):
-    """One step of the shared moments for one tensor, element by element."""
+    """One step of the shared moments for one tensor, element by element: every element
+    takes the optimizer's step with a zero gradient (its moments decay and move it); one
+    that arrived after ``a`` steps also gets the gradient part of ``a`` steps of
+    ``g = S / a``, replayed one step at a time."""
     w, S = w.double().clone(), S.double()
     age = (age.double() if age is not None else torch.zeros_like(S)) + 1
     hit = S != 0
-    a = age[hit]
-    g = S[hit] / a
+    g = torch.where(hit, S / age, torch.zeros_like(S))
+    n = int(age[hit].max()) if bool(hit.any()) else 0
     lr = group["lr"]
     if group.get("decoupled_weight_decay"):
         w.mul_(1 - lr * group["weight_decay"])
     if kind == "adam":
         b1, b2 = group["betas"]
-        m = state.get("exp_avg", torch.zeros_like(S)).double().clone()
-        v = state.get("exp_avg_sq", torch.zeros_like(S)).double().clone()
+        m = state.get("exp_avg", torch.zeros_like(S)).double().clone() * b1
+        v = state.get("exp_avg_sq", torch.zeros_like(S)).double().clone() * b2
         t = float(state.get("step", 0)) + 1
-        m[hit] = b1 ** a * m[hit] + (1 - b1 ** a) * g
-        v[hit] = b2 ** a * v[hit] + (1 - b2 ** a) * g * g
-        upd = (m[hit] / (1 - b1 ** t)) / ((v[hit] / (1 - b2 ** t)).sqrt() + group["eps"])
-        w[hit] -= lr * a * upd
+        gm = torch.zeros_like(S)  # what g added to m after j of the a steps
+        gv = torch.zeros_like(S)
+        gm_sum = torch.zeros_like(S)
+        for j in range(n):
+            live = hit & (age > j)
+            gm = torch.where(live, b1 * gm + (1 - b1) * g, gm)
+            gv = torch.where(live, b2 * gv + (1 - b2) * g * g, gv)
+            gm_sum += torch.where(live, gm, torch.zeros_like(gm))
+        m, v = m + gm, v + gv
+        upd = ((m + gm_sum - gm) / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
+        w -= lr * upd
         new = {"exp_avg": m, "exp_avg_sq": v, "step": t}
     else:
         mu, damp = group["momentum"], group["dampening"]
-        u = state.get("momentum_buffer", torch.zeros_like(S)).double().clone()
-        moved = torch.zeros_like(a)
-        uj = u[hit].clone()
-        for j in range(int(a.max()) if len(a) else 0):  # the a steps, one by one
-            live = a > j
-            uj = torch.where(live, mu * uj + (1 - damp) * g, uj)
-            moved += torch.where(live, g + mu * uj if group["nesterov"] else uj, torch.zeros_like(uj))
-        u[hit] = uj
-        w[hit] -= lr * moved
-        new = {"momentum_buffer": u}
+        tail = state.get("momentum_buffer", torch.zeros_like(S)).double().clone() * mu
+        gu = torch.zeros_like(S)  # what g added to the velocity after j of the a steps
+        moved = tail.clone()
+        for j in range(n):
+            live = hit & (age > j)
+            gu = torch.where(live, mu * gu + (1 - damp) * g, gu)
+            moved += torch.where(live, gu, torch.zeros_like(gu))
+        if group["nesterov"]:  # each of the a steps moves by g + mu·u_j
+            moved = mu * moved + torch.where(hit, g * age, torch.zeros_like(g))
+        w -= lr * moved
+        new = {"momentum_buffer": tail + gu}
     age[hit] = 0
     return w, new, age
 
