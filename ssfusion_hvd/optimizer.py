@@ -8,7 +8,9 @@ and hands each finished gradient to the scheme (``ssfusion_hvd/schemes/``).
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 import sys
 import weakref
 import warnings
@@ -21,7 +23,7 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, global_process_set
 from torch.amp.grad_scaler import OptState
 
-from .core.transport import Transport
+from .core.transport import Transport, numbered_as
 
 from .arguments import check_arguments, named_parameters as _named_parameters
 from .consistency import check_same_model
@@ -128,12 +130,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         self._config = config
         self._scheme_name = scheme
-        # a rank outside the process set makes no collective and steps on its own
-        # gradients, as under Horovod's optimizer: it builds no scheme and no transport
+        self._build_scheme()
         included = bool(config.process_set.included())
-        self._scheme = (SCHEMES[scheme].load() if included else OutsideTheSet)(config)
-        self._scheme.agree = self._finish_check
-        self._scheme.keep_step = self._keep_step
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for p in config.order}
         self._submitted = set()
@@ -148,6 +146,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # the optimizer's own collectives (agreement check, broadcast adoption); optimizers
         # are created in the same order on every rank
         self._transport = Transport(config, "ssfusion.check.") if included else None
+        #: under Horovod elastic, the model check, run at every broadcast adoption (every
+        #: rank, joined or not, runs those together); else DistributedOptimizer ran it once
+        self._model_check = None
         self._check = None  # this step's agreement allreduce (see _submit)
         # the step as a transaction (_begin_step, _end_step): a step whose synchronized
         # gradients are not finite is undone on every rank
@@ -180,6 +181,58 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in self._requires_update:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
             weakref.finalize(self, _remove_hooks, list(self._hook_handles))
+
+    # ------------------------------------------------------------------ world
+    def _build_scheme(self, tag=None) -> None:
+        """The scheme for the process set as it is now. A rank outside the set makes no
+        collective and steps on its own gradients, as under Horovod's optimizer: it builds
+        no scheme and no transport. ``tag``: the name of the transport being replaced."""
+        config = self._config
+        with numbered_as(tag):
+            self._scheme = (SCHEMES[self._scheme_name].load() if config.process_set.included()
+                            else OutsideTheSet)(config)
+        self._scheme.agree = self._finish_check
+        self._scheme.keep_step = self._keep_step
+        self._world = (config.process_set.size(), config.process_set.rank())
+
+    def _follow_world(self) -> None:
+        """Horovod elastic: after a reset the process set may have another size (ranks
+        left or joined) and this rank another rank. Every rank of the new world sees that
+        at the same call (the first ``state_dict``, ``load_state_dict``, backward hook or
+        ``synchronize()`` after the reset) and rebuilds its scheme for it: the planned
+        schemes profile and plan again, ExDyna calibrates again, and every rank starts
+        with empty residuals, which is what a rank that joined has. The optimizer state
+        carries over: the wrapped optimizer's (shared moments' too), and the local rules'
+        through the torch entries their new buffers start from (README, "Elastic")."""
+        ps = self._config.process_set
+        if (ps.size(), ps.rank()) == self._world:
+            return
+        old = self._scheme
+        with torch.no_grad():
+            self._mirror_into_live()  # the local rules' state, where the new ones start from
+        old.close()
+        self._drop_step()
+        self._build_scheme(getattr(getattr(old, "transport", None), "tag", None))
+        if self._transport is not None:
+            with numbered_as(self._transport.tag):
+                self._transport = Transport(self._config, "ssfusion.check.")
+        if self._config.recipe.shared is not None:
+            self._config.recipe.shared.reset()  # the ages went with the residuals
+
+    def _drop_step(self) -> None:
+        """Forgets the step in flight (a checkpoint load, a rebuilt scheme)."""
+        self._scheme.reset()
+        self._check = None
+        self._finite = None
+        self._finite_known = None
+        self._in_step = False
+        self._step_undone = True  # (no step to undo: the state is what was loaded)
+        self._config.recipe.journal = self._journal = None
+        self._submitted.clear()
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
 
     # ------------------------------------------------------------------ hooks
     @property
@@ -241,6 +294,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._submit(p)
 
     def _submit(self, p: torch.Tensor) -> None:
+        if not self._submitted:
+            self._follow_world()
         self._adopt_broadcast()
         if self._check is None:
             self._start_check()
@@ -354,6 +409,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Waits for every gradient's collective; synchronized gradients land in ``p.grad``."""
+        if not self._submitted:
+            self._follow_world()
         self._adopt_broadcast()
         if not self._config.process_set.included():
             self._synchronized = True
@@ -535,6 +592,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state dict plus ``"ssfusion"``: this rank's scheme state
         (plan, iteration, residuals, the local rule's buffers). Residuals differ per rank:
         every rank that should resume exactly saves its own (README, "Checkpoint and resume")."""
+        if not self._submitted:
+            self._follow_world()
         broadcast = self._in_broadcast()
         if broadcast:
             self._mirror_into_live()
@@ -639,6 +698,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             shared = g.pop(_SHARED_KEY, shared)
         if shared is None or not self._config.process_set.included():
             return
+        if self._model_check is not None:
+            # Horovod elastic: the model check runs at every adoption, on every rank (a rank
+            # that joined has not run it yet, and every rank of the new world gets here
+            # together, at its first synchronization after the reset's broadcast)
+            self._model_check()
         # (every rank runs the same scheme and options: checked when it was built)
         keep = self._adopt_recipe() and _same(self._shared_state(), shared)
         # every rank of the set runs this one collective, then all decide alike
@@ -687,18 +751,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               f"the optimizer state carries over, that scheme's residuals "
                               f"and plan do not", stacklevel=2)
             ours = None
-        self._scheme.reset()
-        self._check = None
-        self._finite = None
-        self._finite_known = None
-        self._in_step = False
-        self._step_undone = True  # (no step to undo: the state is the checkpoint's)
-        self._config.recipe.journal = self._journal = None
-        self._submitted.clear()
-        self._synchronized = False
-        self._should_synchronize = True
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
+        self._follow_world()
+        self._drop_step()
         super(self.__class__, self).load_state_dict(state_dict)
         if ours is not None:
             self._scheme.load_state_dict(ours["state"])
@@ -780,9 +834,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     named = _named_parameters(named_parameters, optimizer.param_groups)
     # the first collective: every rank must wrap the same model, else a clear error everywhere
     name_of = {id(v): k for k, v in named}
-    check_same_model(named, [name_of[id(v)] for g in optimizer.param_groups for v in g["params"]
-                             if id(v) in name_of], process_set,
-                     setup=(scheme, sorted(options.items())))
+    check = functools.partial(
+        check_same_model, named, [name_of[id(v)] for g in optimizer.param_groups
+                                  for v in g["params"] if id(v) in name_of], process_set,
+        setup=(scheme, sorted(options.items())))
+    # Under Horovod elastic a rank that joins builds its optimizer while the others are
+    # already past theirs: no collective here, the check runs at the first broadcast
+    # adoption, which every rank of the new world reaches together
+    elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+    if not elastic:
+        check()
     if op == Adasum and hvd.size() > 1:
         if scheme != "dense":
             raise ValueError(f"op=Adasum is only supported with scheme='dense', got {scheme!r}")
@@ -803,4 +864,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped = cls(optimizer.param_groups, config, scheme, backward_passes_per_step, grad_scaler)
     if optimizer.state:
         super(cls, wrapped).load_state_dict(optimizer.state_dict())  # nothing lost
+    if elastic:
+        wrapped._model_check = check
     return wrapped

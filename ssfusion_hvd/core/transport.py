@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+import re
 import time
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Optional, Sequence
 
 import torch
 from horovod.common.util import split_list
@@ -72,6 +74,28 @@ _SPIN = None
 
 #: per-prefix instance counters: the n-th scheme of a kind gets tag "<prefix><n>" on every rank
 _COUNTERS = collections.defaultdict(itertools.count)
+
+
+@contextmanager
+def numbered_as(tag: Optional[str]):
+    """Transports created inside take ``tag``'s number for its prefix (``None``: the next
+    number as usual). A scheme rebuilt for a new world (Horovod elastic) keeps the names
+    it had: a rank that joined numbered its transports from scratch, in the same order as
+    the ranks that rebuild, so their names match."""
+    m = re.fullmatch(r"(.*?)(\d+)", tag) if tag else None
+    if m is None:
+        yield
+        return
+    prefix, n = m.group(1), int(m.group(2))
+    saved = _COUNTERS.get(prefix)
+    _COUNTERS[prefix] = itertools.count(n)
+    try:
+        yield
+    finally:
+        if saved is None:
+            _COUNTERS.pop(prefix, None)
+        else:
+            _COUNTERS[prefix] = saved
 
 
 def _ps(process_set):
