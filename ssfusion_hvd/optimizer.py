@@ -796,11 +796,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             because the optimizer is not supported). ``True``: the same, but
             ``ValueError`` where it cannot apply. ``False``: plain error feedback on
             gradients, the wrapped optimizer applied to the sparse sum.
-        moments: where the corrected optimizer's state lives. ``"shared"``: in
+        moments: where the corrected optimizer's state lives. ``"shared"`` (default): in
             the wrapped optimizer, the same on every rank, moved by the synchronized
             gradient with each element's age (how many steps it waited in the residuals;
             exactly SGD / Adam on the averaged gradient at density 1;
-            ``ssfusion_hvd/moments.py``). ``"local"`` (default): DGC's momentum correction, each rank
+            ``ssfusion_hvd/moments.py``). ``"local"``: DGC's momentum correction, each rank
             error-compensating its own velocity or Adam update, with momentum factor
             masking.
         density_warmup_steps: DGC's exponential density warm-up over this many steps
