@@ -205,7 +205,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         carries over: the wrapped optimizer's (shared moments' too), and the local rules'
         through the torch entries their new buffers start from (README, "Elastic")."""
         ps = self._config.process_set
-        if (ps.size(), ps.rank()) == self._world:
+        try:
+            world = (ps.size(), ps.rank())
+        except ValueError:  # Horovod shut down (a checkpoint saved after the job): no world
+            return
+        if world == self._world:
             return
         old = self._scheme
         with torch.no_grad():
