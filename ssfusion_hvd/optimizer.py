@@ -119,6 +119,15 @@ def _nonfinite_flag(tensors) -> torch.Tensor:
     return torch.stack(norms).isfinite().all().logical_not().to(torch.int32).reshape(1)
 
 
+def _world(process_set):
+    """``(size, rank)`` of ``process_set`` as this rank sees it (rank None outside the
+    set); None once Horovod is shut down (a checkpoint saved after the job)."""
+    try:
+        return process_set.size(), (process_set.rank() if process_set.included() else None)
+    except ValueError:
+        return None
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
@@ -193,7 +202,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                             else OutsideTheSet)(config)
         self._scheme.agree = self._finish_check
         self._scheme.keep_step = self._keep_step
-        self._world = (config.process_set.size(), config.process_set.rank())
+        self._world = _world(config.process_set)
 
     def _follow_world(self) -> None:
         """Horovod elastic: after a reset the process set may have another size (ranks
@@ -204,12 +213,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with empty residuals, which is what a rank that joined has. The optimizer state
         carries over: the wrapped optimizer's (shared moments' too), and the local rules'
         through the torch entries their new buffers start from (README, "Elastic")."""
-        ps = self._config.process_set
-        try:
-            world = (ps.size(), ps.rank())
-        except ValueError:  # Horovod shut down (a checkpoint saved after the job): no world
-            return
-        if world == self._world:
+        world = _world(self._config.process_set)
+        if world is None or world == self._world:
             return
         old = self._scheme
         with torch.no_grad():
