@@ -43,7 +43,10 @@ Variants (``--variants``):
   it waited (``ef_age_lazy``, the package's ``moments="shared"`` until 2026-11-26); or
   every step by its decaying moments, as the optimizer moves it with a zero gradient, plus
   at an arrival the gradient part of the steps it waited (``ef_age_tail``, the package's
-  ``moments="shared"`` now);
+  ``moments="shared"`` now); ``ef_age_tail_q``: ``ef_age_tail`` whose Adam second
+  moment also takes how spiky each rank's sum was (``w·Σg²/S²`` over the ``w`` steps it
+  waited: 1 for a steady gradient, ``w`` for one step's), weighted over the ranks that
+  sent it (measured and rejected, docs/recipe.md §1);
 * ``auto_min_k``: ``auto`` with the SSFusion planner's accuracy rule
   (``plan.keep_small_dense``): tensors whose top-k at ``--density`` would keep fewer than
   ``--min-k`` elements are averaged dense and stepped by the task's optimizer, as the
@@ -80,7 +83,7 @@ from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe  # noqa: E402
 from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule, ResidualMemory  # noqa: E402
 
 VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask", "mask_density", "auto_min_k",
-            "shared_v", "frozen_v", "shared_v_mask", "ef_age", "ef_age_lazy", "ef_age_tail")
+            "shared_v", "frozen_v", "shared_v_mask", "ef_age", "ef_age_lazy", "ef_age_tail", "ef_age_tail_q")
 
 
 class AgedAdam:
@@ -102,7 +105,7 @@ class AgedAdam:
         self.age = torch.zeros_like(p)
 
     @torch.no_grad()
-    def step(self, p, avg):
+    def step(self, p, avg, burst=None):
         self.t += 1
         self.age += 1
         arrived = avg != 0
@@ -113,7 +116,8 @@ class AgedAdam:
             g = torch.where(arrived, avg / self.age, torch.zeros_like(avg))
             d1, d2 = b1 ** self.age, b2 ** self.age
             self.m.mul_(b1).add_((1 - d1) * g)
-            self.v.mul_(b2).add_((1 - d2) * g * g)
+            # burst: how spiky the arrived sums were (1: a steady gradient, a: one step's)
+            self.v.mul_(b2).add_((1 - d2) * g * g * (1 if burst is None else burst))
             num = self.m + g * (self.age - (1 - d1) / (1 - b1))
             update = (num / (1 - b1 ** self.t)) / (
                 (self.v / (1 - b2 ** self.t)).sqrt() + self.eps)
@@ -338,6 +342,7 @@ def run(task: str, variant: str, seed: int, args) -> dict:
         return {b: st[b].reshape(-1) for b in buffers}, int(float(st.get("step", 0)))
 
     aged = {}  # ef_age: parameter index -> AgedAdam, from the optimizer's state
+    sq = {}  # ef_age_tail_q: (rank, parameter index) -> [sum of g², steps] since it sent
     shared = {}  # shared_v / frozen_v: key -> [v, steps], seeded from the optimizer
     refreshes, nxt, gap = set(), 0, 1
     while nxt < 100_000:  # every step to --refresh-dense, then doubling gaps up to --refresh
@@ -407,29 +412,50 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                         v[1] += gap
                         v[2:] = [t]
             avg = []
+            bursts = []
             for i, p in enumerate(params):
                 if dense_t[i]:
                     avg.append(torch.zeros_like(p))
+                    bursts.append(torch.ones(p.numel()))
                     continue
                 k = int(nominal_k(p.numel(), density))
                 acc_sum = torch.zeros(p.numel())
+                b_num, b_den = torch.zeros(p.numel()), torch.zeros(p.numel())
                 for r in range(ranks):
                     mems[r].rule.density = density
                     acc = mems[r].compensate(str(i), grads[r][i])
                     values, idx = ops.topk(acc, k)
                     acc_sum.index_add_(0, idx.long(), values)
+                    if variant == "ef_age_tail_q":
+                        # each rank's burstiness of what it sends: w·Σg² / S² (1 steady, w spike)
+                        q, w = sq.setdefault((r, i), [torch.zeros(p.numel()), torch.zeros(p.numel())])
+                        q.add_(grads[r][i].reshape(-1).square())
+                        w.add_(1)
+                        il = idx.long()
+                        s2 = values.square()
+                        beta = (q[il] * w[il] / s2.clamp_min(1e-30)).clamp(min=1.0)
+                        beta = torch.minimum(beta, w[il])
+                        b_num.index_add_(0, il, s2 * beta)
+                        b_den.index_add_(0, il, s2)
+                        q[il] = 0
+                        w[il] = 0
                     mems[r].update(str(i), acc, idx)
                     sent += k
                     total += p.numel()
                 avg.append((acc_sum / ranks).view_as(p))
-            if variant in ("ef_age", "ef_age_lazy", "ef_age_tail"):
+                bursts.append(torch.where(b_den > 0, b_num / b_den.clamp_min(1e-30),
+                                          torch.ones_like(b_den)))
+            if variant in ("ef_age", "ef_age_lazy", "ef_age_tail", "ef_age_tail_q"):
                 for i, (p, a) in enumerate(zip(params, avg)):
                     if i not in aged:
-                        aged[i] = (AgedMomentum(p, opt.state[p], lr, tail=variant == "ef_age_tail")
+                        aged[i] = (AgedMomentum(p, opt.state[p], lr, tail=variant in ("ef_age_tail", "ef_age_tail_q"))
                                    if kind == "sgd" else
                                    AgedAdam(p, opt.state[p], lr, lazy=variant == "ef_age_lazy",
-                                            tail=variant == "ef_age_tail"))
-                    aged[i].step(p.data, a)
+                                            tail=variant in ("ef_age_tail", "ef_age_tail_q")))
+                    if variant == "ef_age_tail_q" and kind == "adam":
+                        aged[i].step(p.data, a, bursts[i].view_as(p))
+                    else:
+                        aged[i].step(p.data, a)
             elif masking is None:  # the optimizer on the sparse average (plain error feedback)
                 for p, a in zip(params, avg):
                     p.grad = a
