@@ -7,7 +7,8 @@ A worker exits without warning at step 20 (a preempted machine): the job goes on
 rank, from its last commit. At step 30 a new host appears: the job grows back to two
 ranks, the new one synchronized from rank 0. Checked: the job ends (no hang), both ranks
 end with identical, finite parameters, they trained at sizes 2, then 1, then 2, and the
-loss fell. ``scheme="dense"`` ends bit for bit where Horovod's own optimizer does.
+loss fell; the planned schemes profiled and planned again after each resize.
+``scheme="dense"`` ends bit for bit where Horovod's own optimizer does.
 """
 import os
 import socket
@@ -78,6 +79,12 @@ def test_elastic_shrinks_and_grows(tmp_path, scheme):
     # compressed runs of sizes: 2 (start), 1 (after the exit), 2 (after the new host)
     runs = [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s]
     assert runs == [2, 1, 2], f"{scheme}: sizes {sizes}"
+    if scheme.startswith("ssfusion") or scheme in ("per_tensor", "multi_tensor"):
+        # a new world, a new plan: the planned schemes profile again after each resize
+        for i in range(1, len(sizes)):
+            if sizes[i] != sizes[i - 1]:
+                assert a["phases"][i] == "warmup", f"{scheme}: phases {a['phases']}"
+        assert a["phases"][-1] == "planned", f"{scheme}: phases {a['phases']}"
     losses = a["losses"]
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, f"{scheme}: loss {losses}"
 

@@ -56,7 +56,8 @@ def main():
     teacher = torch.Generator().manual_seed(123)
     w_true = torch.randn(16, 4, generator=teacher)
 
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, losses=[], sizes=[])
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, losses=[], sizes=[],
+                                   phases=[])
 
     @hvd.elastic.run
     def train(state):
@@ -71,6 +72,7 @@ def main():
             avg = hvd.allreduce(loss.detach(), name="elastic.loss")
             state.losses.append(float(avg))
             state.sizes.append(hvd.size())
+            state.phases.append(opt.stats().get("phase") if args.scheme != "horovod" else None)
             state.step += 1
             if state.step == args.kill_at and hvd.size() > 1 and host == args.victim:
                 _write_hosts(d, [h for h in _hosts(d) if h != host])
@@ -91,6 +93,7 @@ def main():
     train(state)
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "losses": list(state.losses), "sizes": list(state.sizes),
+                "phases": list(state.phases),
                 "rank": hvd.rank(), "size": hvd.size()}, d / f"result.{host}.pt")
 
 
