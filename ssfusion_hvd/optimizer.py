@@ -616,7 +616,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # root and assigns it on every rank: the root's shared scheme state travels
             # with it and is adopted before the next collective (_adopt_broadcast)
             state["param_groups"][0][_SHARED_KEY] = self._shared_state()
-        state[_STATE_KEY] = {"scheme": self._scheme_name, "state": self._scheme.state_dict()}
+        state[_STATE_KEY] = {"scheme": self._scheme_name, "state": self._scheme.state_dict(),
+                             "size": self._world[0] if self._world else None}
         shared = self._config.recipe.shared
         if shared is not None:  # the same on every rank, like the state it moves
             state[_STATE_KEY]["ages"] = shared.state_dict(self._config.names)
@@ -761,6 +762,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               f"and plan do not", stacklevel=2)
             ours = None
         self._follow_world()
+        size = self._world[0] if self._world else None
+        if ours is not None and ours.get("size") not in (None, size):
+            # written by a job of another size: plans, ZEN's hashing, SparDL's teams and the
+            # residuals' meaning depend on it; the optimizer state carries over as above
+            if self._config.process_set.included() and hvd.rank() == 0:
+                warnings.warn(f"ssfusion_hvd: the checkpoint was written by a job of "
+                              f"{ours['size']} ranks, this one has {size}: the optimizer "
+                              f"state carries over, the scheme's residuals and plan do not "
+                              f"(it profiles and plans again)", stacklevel=2)
+            ours = None
         self._drop_step()
         super(self.__class__, self).load_state_dict(state_dict)
         if ours is not None:

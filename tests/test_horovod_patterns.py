@@ -323,3 +323,32 @@ def test_broadcast_between_different_schemes_fails_on_every_rank():
                and "('per_tensor', [])" in e  # its defaults:
                and "('ssfusion_oi', [('floor', 0.0), ('min_k', 0), ('slack', 0.2)])" in e
                for e in errors), errors
+
+
+# --------------------------------------------------------------------- another job size
+OTHER_SIZE = ["dense", "ssfusion_oi", "zen", "spardl", "exdyna"]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_checkpoint_of_another_job_size(tmp_path, kind):
+    """A checkpoint of a 2-rank job resumed by a 3-rank job (rank 0 loads, then Horovod's
+    broadcasts): the scheme's size-bound state (plan, ZEN's hashing, SparDL's teams,
+    residuals) is left behind with a warning on rank 0, the optimizer state carries over,
+    and the job trains on, every rank identical and finite."""
+    run_workers("workers_horovod:other_size_save", np=2, timeout=240, schemes=OTHER_SIZE,
+                ckpt_dir=str(tmp_path), kind=kind)
+    ranks = run_workers("workers_horovod:other_size_load", np=3, timeout=240,
+                        schemes=OTHER_SIZE, ckpt_dir=str(tmp_path), kind=kind)
+    for scheme in OTHER_SIZE:
+        r0 = ranks[0][scheme]
+        if scheme != "dense":
+            assert r0["warned"], f"{scheme}: no warning about the job size"
+            assert all(not r[scheme]["warned"] for r in ranks[1:])
+        for k, st in r0["loaded"].items():  # the optimizer state carried over
+            for b, v in st.items():
+                for r in ranks:
+                    torch.testing.assert_close(r[scheme]["live"][k][b], v, rtol=0, atol=0)
+        for n, p in r0["params"].items():
+            assert torch.isfinite(p).all(), (scheme, n)
+            for r in ranks[1:]:
+                assert torch.equal(r[scheme]["params"][n], p), (scheme, n)

@@ -551,3 +551,46 @@ def portable(optimizer, ckpt_dir, scheme="zen", first=4, then=4):
         train(model, opt, range(first, first + then))
         out[name] = _params(model)
     return out
+
+
+def other_size_save(schemes, ckpt_dir, kind="sgd"):
+    """Trains 6 steps on every rank, then rank 0 saves its model and optimizer state."""
+    for scheme in schemes:
+        torch.manual_seed(0)
+        model = Net()
+        opt = _wrap(model, kind, scheme)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        _train_steps(model, opt, range(6))
+        if hvd.rank() == 0:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
+                       os.path.join(ckpt_dir, f"{scheme}.pt"))
+    return None
+
+
+def other_size_load(schemes, ckpt_dir, kind="sgd"):
+    """A job of another size resumes from rank 0's checkpoint (Horovod's resume pattern):
+    per scheme, whether rank 0 was warned, the optimizer state against the checkpoint's
+    torch entries after the broadcast, and the parameters after 6 more steps."""
+    import warnings
+
+    out = {}
+    for scheme in schemes:
+        torch.manual_seed(1)
+        model = Net()
+        opt = _wrap(model, kind, scheme)
+        ckpt = torch.load(os.path.join(ckpt_dir, f"{scheme}.pt"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if hvd.rank() == 0:
+                model.load_state_dict(ckpt["model"])
+                opt.load_state_dict(ckpt["opt"])
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        loaded = {k: {b: v.clone() for b, v in st.items() if torch.is_tensor(v)}
+                  for k, st in ckpt["opt"]["state"].items()}
+        live = {k: {b: v.clone() for b, v in st.items() if torch.is_tensor(v)}
+                for k, st in opt.state_dict()["state"].items()}
+        _train_steps(model, opt, range(6, 12))
+        out[scheme] = {"warned": [str(w.message) for w in caught if "ranks" in str(w.message)],
+                       "loaded": loaded, "live": live, "params": _params(model)}
+    return out
