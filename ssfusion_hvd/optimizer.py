@@ -751,26 +751,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             state_dict["param_groups"] = [{k: v for k, v in g.items() if k != _SHARED_KEY}
                                           for g in state_dict["param_groups"]]
         ours = state_dict.pop(_STATE_KEY, None)
-        if ours is not None and ours["scheme"] != self._scheme_name:
-            # the optimizer state itself is in the torch entries (state_dict() writes the
-            # rules' buffers there), where this scheme's rules pick it up; what only the
-            # other scheme could use (its plan, residuals) is left behind
-            if self._config.process_set.included() and hvd.rank() == 0:
-                warnings.warn(f"ssfusion_hvd: the checkpoint was written by scheme "
-                              f"{ours['scheme']!r}, this optimizer runs {self._scheme_name!r}: "
-                              f"the optimizer state carries over, that scheme's residuals "
-                              f"and plan do not", stacklevel=2)
-            ours = None
         self._follow_world()
         size = self._world[0] if self._world else None
-        if ours is not None and ours.get("size") not in (None, size):
-            # written by a job of another size: plans, ZEN's hashing, SparDL's teams and the
-            # residuals' meaning depend on it; the optimizer state carries over as above
+        # The optimizer state itself is in the torch entries (state_dict() writes the rules'
+        # buffers there), where this scheme's rules pick it up. What only the writer's
+        # scheme, or a job of its size, could use (its plan, residuals, ZEN's hashing,
+        # SparDL's teams) is left behind.
+        foreign = None
+        if ours is not None and ours["scheme"] != self._scheme_name:
+            foreign = (f"written by scheme {ours['scheme']!r}, this optimizer runs "
+                       f"{self._scheme_name!r}")
+        elif ours is not None and ours.get("size") not in (None, size):
+            foreign = f"written by a job of {ours['size']} ranks, this one has {size}"
+        if foreign is not None:
             if self._config.process_set.included() and hvd.rank() == 0:
-                warnings.warn(f"ssfusion_hvd: the checkpoint was written by a job of "
-                              f"{ours['size']} ranks, this one has {size}: the optimizer "
+                warnings.warn(f"ssfusion_hvd: the checkpoint was {foreign}: the optimizer "
                               f"state carries over, the scheme's residuals and plan do not "
-                              f"(it profiles and plans again)", stacklevel=2)
+                              f"(a planned scheme profiles and plans again)", stacklevel=2)
             ours = None
         self._drop_step()
         super(self.__class__, self).load_state_dict(state_dict)
