@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import sys
 import weakref
 import warnings
@@ -23,6 +22,7 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, global_process_set
 from torch.amp.grad_scaler import OptState
 
+from .core import transport
 from .core.transport import Transport, numbered_as
 
 from .arguments import check_arguments, named_parameters as _named_parameters
@@ -855,10 +855,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         check_same_model, named, [name_of[id(v)] for g in optimizer.param_groups
                                   for v in g["params"] if id(v) in name_of], process_set,
         setup=(scheme, sorted(options.items())))
-    # Under Horovod elastic a rank that joins builds its optimizer while the others are
-    # already past theirs: no collective here, the check runs at the first broadcast
-    # adoption, which every rank of the new world reaches together
-    elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+    # Under Horovod elastic no collective here (transport.elastic): the check runs at every
+    # broadcast adoption, which every rank of the new world reaches together
+    elastic = transport.elastic()
     if not elastic:
         check()
     if op == Adasum and hvd.size() > 1:

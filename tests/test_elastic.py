@@ -101,3 +101,14 @@ def test_elastic_shared_moments_adam(tmp_path):
     a, b = _run(tmp_path, "ssfusion_oi", ["--optimizer", "adam", "--moments", "shared"])
     for x, y in zip(a["params"], b["params"]):
         assert torch.isfinite(x).all() and torch.equal(x, y)
+
+
+def test_elastic_with_a_given_plan(tmp_path):
+    """``plan=`` on every rank: a rank that joins adopts it without a collective in its
+    constructor (the others are past theirs), and the job grows as with a measured plan."""
+    a, b = _run(tmp_path, "ssfusion_oi", ["--fixed-plan"])
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.isfinite(x).all() and torch.equal(x, y)
+    runs = [s for i, s in enumerate(a["sizes"]) if i == 0 or a["sizes"][i - 1] != s]
+    assert runs == [2, 1, 2], a["sizes"]
+    assert set(a["phases"]) == {"planned"}, a["phases"]

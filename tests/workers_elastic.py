@@ -35,6 +35,8 @@ def main():
     p.add_argument("--grow-at", type=int, default=-1)
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--moments", default="local")
+    p.add_argument("--fixed-plan", action="store_true",
+                   help="every rank hands the same plan (plan=): no profiling, no planning")
     args = p.parse_args()
     d = Path(args.dir)
     host = os.environ.get("HOROVOD_HOSTNAME", "?")
@@ -48,10 +50,19 @@ def main():
     if args.scheme == "horovod":  # the reference: Horovod's own optimizer
         opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
     else:
+        plan = None
+        if args.fixed_plan:  # every tensor sparse, one group
+            from ssfusion_hvd.plan import Group, Plan
+            from ssfusion_hvd.plan.cost import nominal_k
+            named = list(model.named_parameters())
+            sizes = [p.numel() for _, p in named]
+            plan = Plan(args.scheme, [n for n, _ in named], sizes, [Group(0, len(named))],
+                        [True] * len(named), [nominal_k(s, 0.1) for s in sizes],
+                        ["allgather"] * len(named), [False] * len(named), 0.1)
         opt = ssfusion_hvd.DistributedOptimizer(
             inner, named_parameters=model.named_parameters(), scheme=args.scheme,
             density=0.1, warmup_steps=3, density_warmup_steps=0, moments=args.moments,
-            log_plan=False)
+            plan=plan, log_plan=False)
     # a fixed teacher: every rank draws its own batches from the same task
     teacher = torch.Generator().manual_seed(123)
     w_true = torch.randn(16, 4, generator=teacher)

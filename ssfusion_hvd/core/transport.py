@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import re
 import time
 from contextlib import contextmanager
@@ -96,6 +97,13 @@ def numbered_as(tag: Optional[str]):
             _COUNTERS.pop(prefix, None)
         else:
             _COUNTERS[prefix] = saved
+
+
+def elastic() -> bool:
+    """Whether this is a Horovod elastic worker (``horovodrun`` sets ``HOROVOD_ELASTIC``).
+    There a rank that joins builds its optimizer while the others are past theirs, so
+    nothing built at construction may run a collective."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
 def _ps(process_set):

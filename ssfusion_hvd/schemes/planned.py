@@ -21,7 +21,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ..core.transport import Transport
+from ..core.transport import Transport, elastic
 from ..plan import CostModel, Plan, build_plan
 from ..sparsify import make_sparsifier
 from .base import Scheme, SyncConfig
@@ -55,8 +55,14 @@ class PlannedScheme(Scheme):
         self._warmup = WarmupPhase(config, self._trainable, self._device)
         self._engine: Optional[PlannedPhase] = None
         if config.plan is not None:
-            plan = _load(config.plan, Plan)
-            self._adopt(Plan.from_json(self.transport.broadcast_object(plan.to_json(), "plan")))
+            text = _load(config.plan, Plan).to_json()
+            if not elastic():
+                # rank 0's plan everywhere; under elastic no collective here (a joining
+                # rank builds this while the others train): every rank hands its own, and
+                # the per-step agreement (the plan's checksum) raises on every rank if
+                # they differ
+                text = self.transport.broadcast_object(text, "plan")
+            self._adopt(Plan.from_json(text))
 
     @property
     def plan(self) -> Optional[Plan]:
