@@ -55,12 +55,16 @@ from ssfusion_hvd.registry import SCHEMES  # noqa: E402  (display order: the reg
 from ssfusion_hvd.examples.peers import PEERS, POWERSGD_START  # noqa: E402  (what a user would pick instead)
 #: model -> (untimed iterations, timed iterations); sparse schemes profile 5 of the former
 #: (the library's default warmup_steps)
-ITERATIONS = {"gpt2": (6, 7), "resnet": (7, 10), "demo": (7, 30)}
+ITERATIONS = {"gpt2": (6, 7), "resnet": (7, 10), "resnet50": (7, 10), "demo": (7, 30)}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", default="1gbit", help="tc rate of the namespace loopback")
+    p.add_argument("--shaper", choices=("netns", "pace"), default="netns",
+                   help="netns: a namespace whose loopback tc shapes (root; one shared link); "
+                        "pace: each rank behind its own --rate egress link, by the LD_PRELOAD "
+                        "library scripts/pace.c (no root, no tc, no delay; the GPU machines)")
     p.add_argument("--delay", default="100us", help="one-way delay (netem); '0' for none")
     p.add_argument("--models", default="gpt2,resnet,demo")
     p.add_argument("--workers", default="2,4", help="worker counts (one host; with --hosts: H*S)")
@@ -79,6 +83,19 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=0, help="timed iterations (0: per-model default)")
     p.add_argument("--warmup", type=int, default=0, help="untimed iterations (0: per-model default)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per run")
+    p.add_argument("--deadline", type=float, default=0,
+                   help="> 0: start no run once this many seconds have passed (a sweep that "
+                        "must fit a time budget runs in the order given)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="bench.py --device")
+    p.add_argument("--amp", default="none", choices=("none", "float16", "bfloat16"), help="bench.py --amp")
+    p.add_argument("--batch-size", type=int, default=0, help="bench.py --batch-size (0: the model's)")
+    p.add_argument("--seq-len", type=int, default=64, help="bench.py --seq-len (gpt2)")
+    p.add_argument("--warmup-steps", type=int, default=5,
+                   help="bench.py --warmup-steps: the sparse schemes' profiling iterations")
+    p.add_argument("--powersgd-start", type=int, default=POWERSGD_START,
+                   help="bench.py --powersgd-start (the PowerSGD peers' plain steps, untimed)")
+    p.add_argument("--agreement", default="on", choices=("on", "off", "both"),
+                   help="bench.py --agreement; both: every run twice, the A/B of its cost")
     p.add_argument("--out", default=str(REPO / "docs" / "results"))
     p.add_argument("--name", default="e2e", help="file stem of the outputs")
     p.add_argument("--netns", default=f"ssfbench{os.getpid()}", help="namespace name")
@@ -158,6 +175,69 @@ class ShapedNamespace:
         sh("ip", "netns", "del", self.name, check=False)
 
 
+def rate_bytes_per_s(rate: str) -> float:
+    """tc's rate notation (``1gbit``, ``500mbit``, ``100kbit``, ``10mbps``) in bytes per second."""
+    text = rate.strip().lower()
+    units = (("gbit", 1e9 / 8), ("mbit", 1e6 / 8), ("kbit", 1e3 / 8), ("gbps", 1e9),
+             ("mbps", 1e6), ("kbps", 1e3), ("bit", 1 / 8), ("bps", 1.0))
+    for unit, scale in units:
+        if text.endswith(unit):
+            return float(text[:-len(unit)]) * scale
+    raise SystemExit(f"rate {rate!r}: expected e.g. 1gbit, 500mbit")
+
+
+class PacedLinks:
+    """Each rank behind its own egress link of ``rate``: the ranks run in this machine's
+    own network, with scripts/pace.c loaded into each (``LD_PRELOAD``), which lets every
+    TCP byte a rank writes leave at ``rate`` at most. Needs no root, tc or namespace: the
+    shaper of machines that have none (the lent GPU machines run under gVisor, without
+    iproute2). No delay is added; the byte counter is the machine's loopback, which other
+    processes may also use. A context manager, for symmetry with ShapedNamespace."""
+
+    SOURCE = REPO / "scripts" / "pace.c"
+    LIBRARY = REPO / "build" / "pace" / "libssfpace.so"
+
+    def __init__(self, rate: str):
+        self.rate = rate
+        self.bytes_per_s = rate_bytes_per_s(rate)
+        self.shaping = f"pace {rate} per rank (LD_PRELOAD scripts/pace.c, egress, burst 256 KiB)"
+        self.delay_applied = False
+
+    def __enter__(self):
+        lib = self.LIBRARY
+        if not lib.exists() or lib.stat().st_mtime < self.SOURCE.stat().st_mtime:
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            cc = shutil.which("cc") or shutil.which("gcc")
+            if cc is None:
+                raise SystemExit("--shaper pace needs a C compiler (cc) to build scripts/pace.c")
+            r = sh(cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(self.SOURCE), "-ldl",
+                   "-lpthread", check=False)
+            if r.returncode != 0:
+                raise SystemExit(f"building scripts/pace.c failed:\n{r.stderr}")
+        return self
+
+    def env(self) -> dict:
+        return {"LD_PRELOAD": str(self.LIBRARY), "SSF_PACE_BYTES_PER_S": f"{self.bytes_per_s:.0f}"}
+
+    def command(self, argv: list, np: int, controller: str = "gloo", env=None) -> list:
+        """horovodrun on this machine's loopback, every worker started paced."""
+        env = dict(env or {})
+        if controller == "mpi":
+            env.update(MPI_AS_ROOT)
+        worker = ["env", *(f"{k}={v}" for k, v in self.env().items())] + list(argv)
+        return (["env", *(f"{k}={v}" for k, v in env.items()), horovodrun_binary(), "-np", str(np),
+                 "-H", f"localhost:{np}", f"--{controller}"] + worker)
+
+    def measure_link(self) -> dict:
+        return measure_link([], ["env", *(f"{k}={v}" for k, v in self.env().items())], "127.0.0.1")
+
+    def describe(self) -> str:
+        return f"this machine's loopback, each rank paced to {self.rate} (its own link)"
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 # ------------------------------------------------------------------ runs
 _child: subprocess.Popen | None = None
 
@@ -166,30 +246,33 @@ def _on_sigterm(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def setting(args) -> dict:
+def setting(args, agreement: str = "on") -> dict:
     """What distinguishes this call's runs besides (model, workers, scheme)."""
     return {"hosts": args.hosts, "slots": args.slots if args.hosts > 1 else None,
             "controller": args.controller, "hierarchical": args.hierarchical,
-            "min_k": args.min_k}
+            "min_k": args.min_k, "agreement": agreement}
 
 
 def run_key(r: dict) -> tuple:
     return (r["model"], r["workers"], r.get("hosts", 1), r["scheme"], r.get("controller", "gloo"),
-            r.get("hierarchical", False), r.get("min_k"))
+            r.get("hierarchical", False), r.get("min_k"), r.get("agreement", "on"))
 
 
-def run_one(topo, args, model: str, workers: int, scheme: str, logs: Path) -> dict:
+def run_one(topo, args, model: str, workers: int, scheme: str, logs: Path,
+            agreement: str = "on") -> dict:
     global _child
     warmup, iters = ITERATIONS.get(model, (5, 10))
     warmup, iters = args.warmup or warmup, args.iters or iters
+    warmup = max(warmup, args.warmup_steps + 1)  # the timed window starts after planning
     if scheme.startswith("ddp_powersgd"):  # time PowerSGD compressing, not its plain first steps
-        warmup = max(warmup, POWERSGD_START + 1)
-    where = setting(args)
+        warmup = max(warmup, args.powersgd_start + 1)
+    where = setting(args, agreement)
     stem = "-".join([model, str(workers), scheme]
                     + ([f"mink{args.min_k}"] if args.min_k is not None else [])
                     + ([f"{args.hosts}x{args.slots}"] if args.hosts > 1 else [])
                     + ([args.controller] if args.controller != "gloo" else [])
-                    + (["hier"] if args.hierarchical else []))
+                    + (["hier"] if args.hierarchical else [])
+                    + (["noagree"] if agreement == "off" else []))
     tmp = logs / f"{stem}.json"
     tmp.unlink(missing_ok=True)
     env = {"OMP_NUM_THREADS": max(1, (os.cpu_count() or 1) // workers), "HOROVOD_CYCLE_TIME": 1,
@@ -199,7 +282,10 @@ def run_one(topo, args, model: str, workers: int, scheme: str, logs: Path) -> di
     cmd = topo.command([sys.executable, "-m", "ssfusion_hvd.examples.bench", "--model", model,
                         "--scheme", scheme, "--density", str(args.density), "--sparsifier",
                         args.sparsifier, "--warmup", str(warmup), "--iters", str(iters),
-                        "--json", str(tmp)]
+                        "--json", str(tmp), "--device", args.device, "--amp", args.amp,
+                        "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+                        "--warmup-steps", str(args.warmup_steps),
+                        "--powersgd-start", str(args.powersgd_start), "--agreement", agreement]
                        + (["--min-k", str(args.min_k)] if args.min_k is not None else [])
                        + (["--interfaces", "lo,eth0"] if args.hosts > 1 else []),
                        np=workers, controller=args.controller, env=env)
@@ -255,7 +341,8 @@ def variant(r: dict) -> tuple:
 def label(r: dict) -> str:
     ctrl, hier = variant(r)
     extra = ([ctrl] if ctrl != "gloo" else []) + (["hierarchical"] if hier else []) \
-        + ([f"min_k {r['min_k']}"] if r.get("min_k") is not None else [])
+        + ([f"min_k {r['min_k']}"] if r.get("min_k") is not None else []) \
+        + (["no agreement check"] if r.get("agreement", "on") == "off" else [])
     return r["scheme"] + (f" [{', '.join(extra)}]" if extra else "")
 
 
@@ -264,7 +351,7 @@ def group(rows: list, model: str, workers: int, hosts: int = 1) -> list:
     order = {s: i for i, s in enumerate(SCHEMES)}
     return sorted((r for r in rows if r["model"] == model and r["workers"] == workers
                    and r.get("hosts", 1) == hosts),
-                  key=lambda r: (variant(r), order.get(r["scheme"], len(order))))
+                  key=lambda r: (variant(r), order.get(r["scheme"], len(order)), r.get("agreement", "on") == "off"))
 
 
 def topology_name(workers: int, hosts: int) -> str:
@@ -277,7 +364,8 @@ def ratio_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
     mine = group(rows, model, workers, hosts)
     if not mine:
         return ""
-    dense = {variant(r): r for r in mine if r["scheme"] == "dense" and "error" not in r}
+    dense = {variant(r): r for r in mine if r["scheme"] == "dense" and "error" not in r
+             and r.get("agreement", "on") == "on"}
     # one host: every worker's bytes cross the one loopback, counted there; a cluster: the
     # bytes each worker hands to its collectives (rank 0's host counters see only its own)
     volume = "wire MB/iter" if hosts == 1 else "sent MB/iter/worker"
@@ -302,7 +390,31 @@ def ratio_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
 
 def _flat_gloo(rows: list, model: str, workers: int, hosts: int) -> dict:
     return {r["scheme"]: r for r in group(rows, model, workers, hosts)
-            if "error" not in r and variant(r) == ("gloo", False)}
+            if "error" not in r and variant(r) == ("gloo", False) and r.get("agreement", "on") == "on"}
+
+
+def agreement_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
+    """The per-step agreement check's cost: each scheme run with it and without it in the
+    same sweep, as the ratio of median iterations, with each run's spread."""
+    mine = [r for r in group(rows, model, workers, hosts) if "error" not in r]
+    off = {r["scheme"]: r for r in mine if r.get("agreement", "on") == "off"}
+    pairs = [(r, off[r["scheme"]]) for r in mine
+             if r.get("agreement", "on") == "on" and r["scheme"] in off]
+    if not pairs:
+        return ""
+
+    def spread(r: dict) -> str:
+        its = sorted(r["iteration_s_all"])
+        q = lambda f: its[min(len(its) - 1, int(f * len(its)))]  # noqa: E731
+        return f"{1e3 * q(0.25):.1f}-{1e3 * q(0.75):.1f}"
+    lines = [f"Agreement check A/B ({model}, {topology_name(workers, hosts)}; iteration ms, "
+             "median and interquartile range of the timed iterations):\n",
+             "| scheme | with check | without | with / without |", "|---|---:|---:|---:|"]
+    for on, no in pairs:
+        lines.append(f"| {on['scheme']} | {1e3 * on['iteration_s']:.1f} ({spread(on)}) | "
+                     f"{1e3 * no['iteration_s']:.1f} ({spread(no)}) | "
+                     f"{on['iteration_s'] / no['iteration_s']:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def speedups(rows: list, model: str, workers: int, hosts: int = 1) -> dict:
@@ -377,7 +489,7 @@ def cost_table(rows: list, model: str, scheme: str = "ssfusion_oi") -> str:
     """The cost model each ``scheme`` run of ``model`` measured at start-up, in the job's own
     topology and setting: what its planner believed the network costs."""
     mine = sorted((r for r in rows if r["model"] == model and r["scheme"] == scheme
-                   and r.get("cost_model")), key=lambda r: (r["workers"], r.get("hosts", 1), variant(r)))
+                   and r.get("cost_model") and r.get("agreement", "on") == "on"), key=lambda r: (r["workers"], r.get("hosts", 1), variant(r)))
     if not mine:
         return ""
     mib = float(1 << 20)
@@ -416,6 +528,7 @@ def report(doc: dict, out: Path, name: str) -> str:
     for m in models:
         for w, h in topologies:
             parts.append(ratio_table(rows, m, w, h))
+            parts.append(agreement_table(rows, m, w, h))
         parts.append(cost_table(rows, m))
         try:
             plot(rows, m, topologies, out / f"{name}_{m}.png")
@@ -445,6 +558,7 @@ def main(argv=None) -> None:
     # ignored SIGINT, and Python then never raises KeyboardInterrupt
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigterm)
+    started = time.time()
     doc = {"command": "sudo .venv/bin/python scripts/bench_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "rate": args.rate, "delay": args.delay, "density": args.density,
            "sparsifier": args.sparsifier, "environment": environment(), "networks": {}, "runs": []}
@@ -455,6 +569,8 @@ def main(argv=None) -> None:
         doc["networks"] = old.get("networks", {})
     if args.hosts > 1:
         topo_cm = Cluster(args.hosts, args.slots, args.rate, args.delay)
+    elif args.shaper == "pace":
+        topo_cm = PacedLinks(args.rate)
     else:
         topo_cm = ShapedNamespace(args.netns, args.rate, args.delay)
     try:
@@ -463,15 +579,20 @@ def main(argv=None) -> None:
                    "delay_applied": topo.delay_applied, "link": topo.measure_link()}
             doc["networks"][f"{args.hosts}x{args.slots}" if args.hosts > 1 else "1"] = net
             print(f"[bench_e2e] {network_line(net)}", flush=True)
-            for model in models:
-                for w in workers:
-                    for scheme in schemes:
-                        res = run_one(topo, args, model, w, scheme, logs)
-                        doc["runs"] = [r for r in doc["runs"] if run_key(r) != run_key(res)] + [res]
-                        status = res.get("error") or f"{res['samples_per_s']:.2f} samples/s"
-                        print(f"[bench_e2e] {model} x{w} {label(res)}: {status} ({res['run_s']:.0f} s)",
-                              flush=True)
-                        (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
+            agreements = ("on", "off") if args.agreement == "both" else (args.agreement,)
+            # the check is our sparse schemes' (dense and the peers have none to switch off)
+            runs = [(m, w, s, a) for m in models for w in workers for s in schemes for a in agreements
+                    if a == "on" or (s in SCHEMES and s != "dense")]
+            for i, (model, w, scheme, agreement) in enumerate(runs):
+                if args.deadline and time.time() - started > args.deadline:
+                    print(f"[bench_e2e] deadline: {len(runs) - i} runs not started", flush=True)
+                    break
+                res = run_one(topo, args, model, w, scheme, logs, agreement)
+                doc["runs"] = [r for r in doc["runs"] if run_key(r) != run_key(res)] + [res]
+                status = res.get("error") or f"{res['samples_per_s']:.2f} samples/s"
+                print(f"[bench_e2e] {model} x{w} {label(res)}: {status} ({res['run_s']:.0f} s)",
+                      flush=True)
+                (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
     except ClusterError as e:
         raise SystemExit(f"[bench_e2e] {e}")
     except KeyboardInterrupt:

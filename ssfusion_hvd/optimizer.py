@@ -159,6 +159,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         #: rank, joined or not, runs those together); else DistributedOptimizer ran it once
         self._model_check = None
         self._check = None  # this step's agreement allreduce (see _submit)
+        # False only in a measuring run (examples/bench.py --agreement off): what the check
+        # costs. Without it a rank gone astray hangs the job instead of raising.
+        self._agreement = True
         # the step as a transaction (_begin_step, _end_step): a step whose synchronized
         # gradients are not finite is undone on every rank
         self._in_step = False
@@ -454,7 +457,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         its agreement is one allreduce at that point that also carries every rank's
         non-finite flag, the step's one other small collective (:meth:`_agree_at_launch`)."""
         sig = self._scheme.signature()
-        if sig is None:
+        if sig is None or not self._agreement:
             self._check = False
             return
         if self._scheme.agrees_at_launch:

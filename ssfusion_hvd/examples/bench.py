@@ -20,6 +20,7 @@ their collectives carry), as ``opt.stats()`` counts ours.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -30,7 +31,7 @@ import torch
 import ssfusion_hvd
 from ssfusion_hvd.registry import options_for
 from ssfusion_hvd.examples.models import MODELS, build
-from ssfusion_hvd.examples.peers import PEERS, bytes_per_step, make_peer
+from ssfusion_hvd.examples.peers import POWERSGD_START, PEERS, bytes_per_step, make_peer
 
 
 def parse_args(argv=None):
@@ -55,6 +56,17 @@ def parse_args(argv=None):
                         "'Small tensors'); other schemes ignore it")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: each rank on GPU local_rank %% the GPUs visible (ranks may share "
+                        "one); every iteration ends with torch.cuda.synchronize()")
+    p.add_argument("--amp", default="none", choices=("none", "float16", "bfloat16"),
+                   help="autocast the forward pass to this dtype (the model and its gradients "
+                        "stay float32); float16 adds no GradScaler here (a throughput run)")
+    p.add_argument("--powersgd-start", type=int, default=POWERSGD_START,
+                   help="the PowerSGD peers' plain-allreduce steps (keep --warmup above it)")
+    p.add_argument("--agreement", default="on", choices=("on", "off"),
+                   help="off: a measuring switch for the cost of the per-step agreement check; "
+                        "a job without it can hang where a rank goes astray")
     p.add_argument("--json", default=None, help="write the result here (rank 0)")
     p.add_argument("--interfaces", default="lo",
                    help="network interfaces whose sent bytes count as wire bytes (every host's "
@@ -77,10 +89,10 @@ def host_tx_bytes(interfaces=("lo",)) -> int:
     return total
 
 
-def _peer_stats(peer: str, params, step: int) -> dict:
+def _peer_stats(peer: str, params, step: int, start: int) -> dict:
     """A peer's step in ``opt.stats()``'s terms: its payload bytes as an allreduce's, the
     elements they stand for (a float32 element per 4 bytes), nothing waited on apart."""
-    sent = bytes_per_step(peer, params, step)
+    sent = bytes_per_step(peer, params, step, start)
     n = sum(p.numel() for p in params)
     return {"phase": "peer", "allreduce_bytes": sent, "elements_sent": sent / 4, "elements": n,
             "tensors_missing": 0, "nonfinite": 0, "density_target": 1.0}
@@ -97,13 +109,18 @@ def main(argv=None) -> dict:
                          "the timed window must start after planning")
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    model, loss_fn = build(args.model, args.batch_size, args.seq_len, args.seed, rank)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    model, loss_fn = build(args.model, args.batch_size, args.seq_len, args.seed, rank, device)
     batch = args.batch_size or MODELS[args.model][1]
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     peer = args.scheme in PEERS
     forward = None  # the module the loss runs through: the model, or a peer's DDP wrapper
     if peer:
-        forward, opt, _ = make_peer(args.scheme, model, opt, list(model.named_parameters()))
+        forward, opt, _ = make_peer(args.scheme, model, opt, list(model.named_parameters()),
+                                    powersgd_start=args.powersgd_start)
     else:
         opt = ssfusion_hvd.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), scheme=args.scheme,
@@ -111,6 +128,8 @@ def main(argv=None) -> dict:
             log_plan=False, density_warmup_steps=args.density_warmup_steps,
             momentum_correction={"auto": "auto", "on": True, "off": False}[args.momentum_correction],
             scheme_options=options_for(args.scheme, min_k=args.min_k))
+        if args.agreement == "off":
+            opt._agreement = False
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     synchronizes = hasattr(opt, "synchronize")  # Horovod's split step (not DDP's optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -120,6 +139,11 @@ def main(argv=None) -> dict:
     compute = []  # every step's (forward, backward) on this rank, warm-up steps included
     stamps = []   # every timed step's clock readings on this rank (see "stamps_s" below)
     ifaces = tuple(args.interfaces.split(","))
+    autocast = (torch.autocast(device.type, dtype=getattr(torch, args.amp)) if args.amp != "none"
+                else contextlib.nullcontext())
+    # a GPU iteration ends when its kernels have: the optimizer's update is queued, not run,
+    # when step() returns
+    settle = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tx0 = 0
     for step in range(args.warmup + args.iters):
         if step == args.warmup:
@@ -127,7 +151,8 @@ def main(argv=None) -> dict:
             tx0 = host_tx_bytes(ifaces)
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = loss_fn(step, forward)
+        with autocast:
+            loss = loss_fn(step, forward)
         t1 = time.perf_counter()
         loss.backward()  # a DDP peer's allreduces run here, inside its hooks
         t2 = time.perf_counter()
@@ -139,11 +164,12 @@ def main(argv=None) -> dict:
         else:
             t_sync = t2
             opt.step()
+        settle()
         t3 = time.perf_counter()
         compute.append((t1 - t0, t2 - t1))
         if step >= args.warmup:
             times.append(t3 - t0)
-            s = opt.stats() if not peer else _peer_stats(args.scheme, params, step)
+            s = opt.stats() if not peer else _peer_stats(args.scheme, params, step, args.powersgd_start)
             per_iter.append({"forward_s": t1 - t0, "backward_s": t2 - t1, "step_s": t3 - t2,
                              "sync_s": t_sync - t2, "update_s": t3 - t_sync})
             per_iter[-1].update({k: s.get(k, 0) for k in (
@@ -171,6 +197,8 @@ def main(argv=None) -> dict:
     it = statistics.median(slowest)
     med = lambda key: statistics.median(float(r[key]) for r in per_iter)  # noqa: E731
     result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "amp": args.amp, "agreement": args.agreement,
         "model": args.model, "scheme": args.scheme, "sparsifier": args.sparsifier,
         "density": args.density, "workers": size, "batch": batch, "tensors": n_tensors,
         "parameters": sum(p.numel() for p in model.parameters()),

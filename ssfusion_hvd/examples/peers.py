@@ -38,14 +38,15 @@ def _powersgd_rank(peer: str) -> int:
     return int(peer[len("ddp_powersgd"):]) if peer.startswith("ddp_powersgd") else 0
 
 
-def bytes_per_step(peer: str, params: Iterable[torch.Tensor], step: int = POWERSGD_START) -> int:
+def bytes_per_step(peer: str, params: Iterable[torch.Tensor], step: int = POWERSGD_START,
+                   start: int = POWERSGD_START) -> int:
     """Bytes one rank sends at (0-based) step ``step`` under ``peer``: a dense float32
-    allreduce's during PowerSGD's first :data:`POWERSGD_START` steps, else
+    allreduce's during PowerSGD's first ``start`` steps, else
     float32 payloads, float16 for the fp16 peers; PowerSGD sends P (rows x r) and Q
     (cols x r) of each matrix it compresses (torch's rule: a tensor of 2 or more
     dimensions viewed as ``shape[0]`` rows, ``r = min(rows, cols, rank)``, compressed where
     ``2 (rows + cols) r < rows cols``) and every other tensor whole."""
-    rank = _powersgd_rank(peer) if step >= POWERSGD_START else 0
+    rank = _powersgd_rank(peer) if step >= start else 0
     total = 0
     for p in params:
         n = p.numel()
@@ -82,8 +83,8 @@ def _init_gloo() -> None:
                             world_size=hvd.size())
 
 
-def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters
-              ) -> Tuple[torch.nn.Module, object, str]:
+def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
+              powersgd_start: int = POWERSGD_START) -> Tuple[torch.nn.Module, object, str]:
     """``(module to run forward through, optimizer to step, description)`` for ``peer``.
     Every rank starts from rank 0's parameters (DDP broadcasts them; the Horovod peer is
     broadcast by the caller, as for ours)."""
@@ -108,7 +109,7 @@ def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=r,
-                                   start_powerSGD_iter=POWERSGD_START,
+                                   start_powerSGD_iter=powersgd_start,
                                    use_error_feedback=True, warm_start=True)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         what = (f"DDP (gloo) + PowerSGD rank {r} (error feedback, warm start, plain allreduce "

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# SSFusion's case where it exists (issue 33): GPT-2 and ResNet-50 on a lent GPU machine, 2
+# ranks sharing the GPU, each behind its own paced 1 Gbit/s link (scripts/pace.c: the
+# machine has no tc, and runs under gVisor), every scheme beside dense Horovod, Horovod's
+# Compression.fp16 and torch DDP + PowerSGD (rank 4) over gloo on the same links. One
+# command, for one `run` call of at most 600 s (carry .whl; docs/gpu.md):
+#
+#   bash scripts/gpu_e2e.sh OUTDIR        (BUDGET: seconds from the start after which no
+#                                         run starts, default 500)
+#
+# Builds Horovod with CUDA (scripts/gpu_setup.sh) while the extension builds, then runs
+# scripts/bench_e2e.py sweeps in the order of what matters most, each given what is left
+# of the budget; every finished run is already in OUTDIR/e2e_gpu.json when a later one is
+# cut off. bfloat16 autocast; GPT-2 at batch 8 x 1024 tokens per rank, ResNet-50 at 32
+# images of 224x224. The planned schemes profile 3 steps (the default is 5) and PowerSGD
+# compresses from its 4th step: at 1 Gbit/s a dense GPT-2 step takes seconds, and neither
+# changes the steady state that is timed.
+set -uo pipefail
+OUT="${1:-build/gpu-e2e}"
+BUDGET="${BUDGET:-500}"
+PY_SYS="${PYTHON:-python3}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+t0=$SECONDS
+say() { printf '[gpu_e2e %4ds] %s\n' "$((SECONDS - t0))" "$*"; }
+nvidia-smi -L
+# the extension (about 35 s) while Horovod builds (about 95 s): the machine has 16 cores
+( "$PY_SYS" setup.py build_ext --inplace > "$OUT/ext.log" 2>&1; echo $? > "$OUT/ext.rc" ) &
+if ! bash scripts/gpu_setup.sh > "$OUT/setup.log" 2>&1; then
+    tail -n 40 "$OUT/setup.log"; wait; exit 1
+fi
+wait
+grep "built/installed\|cuda_built" "$OUT/setup.log"
+if [[ "$(cat "$OUT/ext.rc")" != 0 ]]; then tail -n 30 "$OUT/ext.log"; exit 1; fi
+say "Horovod and the extension built"
+PY=build/gpu-venv/bin/python
+common=(--shaper pace --rate 1gbit --device cuda --amp bfloat16 --workers 2 --warmup-steps 3
+        --powersgd-start 3 --timeout 150 --out "$OUT" --name e2e_gpu --merge)
+sweep() {  # sweep MODEL SCHEMES [bench_e2e args...]: what is left of the budget, or nothing
+    local left=$((BUDGET - (SECONDS - t0)))
+    if (( left <= 20 )); then say "no time left for $1 ($2)"; return; fi
+    say "$1: $2 (deadline in $left s)"
+    "$PY" scripts/bench_e2e.py "${common[@]}" --models "$1" --schemes "$2" --deadline "$left" "${@:3}" \
+        > "$OUT/sweep-$1-$(date +%s).log" 2>&1
+    grep "^\[bench_e2e\]" "$OUT"/sweep-"$1"-*.log | tail -n 12
+}
+gpt=(--batch-size 8 --seq-len 1024 --warmup 4 --iters 5)
+sweep gpt2 dense,hvd_fp16,ddp_powersgd4,multi_tensor,ssfusion_oi,per_tensor,auto "${gpt[@]}"
+sweep resnet50 dense,hvd_fp16,ddp_powersgd4,multi_tensor,ssfusion_oi --warmup 4 --iters 8
+sweep gpt2 ssfusion,ssfusion_o,ssfusion_i "${gpt[@]}"
+# issue 34: the agreement check's cost, with and without it in one sweep
+sweep gpt2 ssfusion_oi,multi_tensor "${gpt[@]}" --iters 8 --agreement both
+say "done"
+ls -la "$OUT"
