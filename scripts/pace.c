@@ -112,8 +112,9 @@ static int paced(int fd) {
 static void take(size_t n) {
     pthread_mutex_lock(&lock);
     int64_t t = now_ns();
-    /* an idle link banks at most a burst */
-    if (free_at < t - (int64_t)burst_ns) free_at = t - (int64_t)burst_ns;
+    /* free_at: when the link will have sent all it was given (an idle link: now); a write
+     * leaves once what is ahead of its end fits in a burst */
+    if (free_at < t) free_at = t;
     free_at += (int64_t)(n / rate);
     int64_t leave = free_at - (int64_t)burst_ns;
     pthread_mutex_unlock(&lock);

@@ -462,3 +462,55 @@ def test_formula_schemes_pay_the_fixed_cost_once_per_collective_call():
             with_fixed = formulas.iteration_s(s, cost, sizes, 0.01, "dgc", per_collective_s=1e-3)
             assert with_fixed - base == pytest.approx(1e-3 * formulas.collectives(s, p))
     assert formulas.collectives("zen", 1) == 0
+
+
+# ------------------------------------------------------------------ the pacing shaper
+def test_rate_notation():
+    assert bench_e2e.rate_bytes_per_s("1gbit") == 125e6
+    assert bench_e2e.rate_bytes_per_s("500mbit") == 62.5e6
+    assert bench_e2e.rate_bytes_per_s("10mbps") == 10e6
+    with pytest.raises(SystemExit):
+        bench_e2e.rate_bytes_per_s("fast")
+
+
+_PACE_PROBE = r"""
+import os, socket, sys, tempfile, threading, time
+n = int(sys.argv[1])
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+got = []
+def sink():
+    c, _ = srv.accept(); total = 0
+    while True:
+        b = c.recv(1 << 20)
+        if not b: break
+        total += len(b)
+    got.append(total)
+t = threading.Thread(target=sink); t.start()
+c = socket.create_connection(srv.getsockname())
+t0 = time.perf_counter(); c.sendall(b"x" * n); c.close(); t.join()
+socket_s = time.perf_counter() - t0
+with tempfile.TemporaryFile() as f:  # a file is not a socket: never paced
+    t0 = time.perf_counter(); f.write(b"y" * n); f.flush(); os.fsync(f.fileno())
+    file_s = time.perf_counter() - t0
+print(got[0], socket_s, file_s)
+"""
+
+
+def test_pace_holds_a_socket_to_its_rate_and_leaves_files_alone(tmp_path):
+    """scripts/pace.c (bench_e2e --shaper pace): 4 MB over TCP at 80 Mbit/s takes the
+    0.4 s the rate allows (less the 256 KiB burst), every byte arrives, and a file written
+    by the same process is not slowed."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    links = bench_e2e.PacedLinks("80mbit")
+    links.LIBRARY = tmp_path / "libssfpace.so"
+    with links:
+        env = dict(os.environ, **links.env())
+        n = 4_000_000
+        out = subprocess.run([sys.executable, "-c", _PACE_PROBE, str(n)], env=env, check=True,
+                             capture_output=True, text=True, timeout=60).stdout.split()
+    got, socket_s, file_s = int(out[0]), float(out[1]), float(out[2])
+    assert got == n
+    floor = (n - (256 << 10)) / 10e6
+    assert floor <= socket_s < 3 * floor, (socket_s, floor)
+    assert file_s < floor / 4, file_s
