@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# SSFusion's case where it exists (issue 33): GPT-2 and ResNet-50 on a lent GPU machine, 2
-# ranks sharing the GPU, each behind its own paced 1 Gbit/s link (scripts/pace.c: the
+# SSFusion's case where it exists (issue 33): GPT-2 on a lent GPU machine, the ranks
+# sharing the GPU, each behind its own paced 1 Gbit/s link (scripts/pace.c: the
 # machine has no tc, and runs under gVisor), every scheme beside dense Horovod, Horovod's
 # Compression.fp16 and torch DDP + PowerSGD (rank 4) over gloo on the same links. One
 # command, for one `run` call of at most 600 s (carry .whl; docs/gpu.md):
@@ -11,8 +11,9 @@
 # Builds Horovod with CUDA (scripts/gpu_setup.sh) while the extension builds, then runs
 # scripts/bench_e2e.py sweeps in the order of what matters most, each given what is left
 # of the budget; every finished run is already in OUTDIR/e2e_gpu.json when a later one is
-# cut off. bfloat16 autocast; GPT-2 at batch 8 x 1024 tokens per rank, ResNet-50 at 32
-# images of 224x224. The planned schemes profile 3 steps (the default is 5) and PowerSGD
+# cut off. bfloat16 autocast; GPT-2 at batch 8 x 1024 tokens per rank. The first call
+# (2026-11-27, docs/gpu.md) ran 2 ranks at density 0.01 and ResNet-50; this one runs what
+# that left open, most important first. The planned schemes profile 3 steps (the default is 5) and PowerSGD
 # compresses from its 4th step: at 1 Gbit/s a dense GPT-2 step takes seconds, and neither
 # changes the steady state that is timed.
 set -uo pipefail
@@ -45,10 +46,22 @@ sweep() {  # sweep MODEL SCHEMES [bench_e2e args...]: what is left of the budget
     grep "^\[bench_e2e\]" "$OUT"/sweep-"$1"-*.log | tail -n 12
 }
 gpt=(--batch-size 8 --seq-len 1024 --warmup 4 --iters 5)
-sweep gpt2 dense,hvd_fp16,ddp_powersgd4,multi_tensor,ssfusion_oi,per_tensor,auto "${gpt[@]}"
-sweep resnet50 dense,hvd_fp16,ddp_powersgd4,multi_tensor,ssfusion_oi --warmup 4 --iters 8
+pace=(env LD_PRELOAD="$PWD/build/pace/libssfpace.so" SSF_PACE_BYTES_PER_S=125000000)
+# 1. where GPT-2's sparse collective time went on 2026-11-27 (docs/gpu.md): one 10 MB
+#    allgather of host and CUDA tensors, with and without queued GPU work (about 20 s)
+mkdir -p build/pace && cc -O2 -shared -fPIC -o build/pace/libssfpace.so scripts/pace.c -ldl -lpthread
+if [[ -f build/pace/libssfpace.so ]]; then
+    say "collective probe"
+    timeout 90 build/gpu-venv/bin/horovodrun -np 2 -H localhost:2 --gloo "${pace[@]}" "$PY" \
+        scripts/gpu_probe_collectives.py --json "$OUT/probe.json" 2>&1 | grep "probe\]"
+fi
+# 2. ssfusion_oi against PowerSGD at equal bytes: density 0.0037 sends PowerSGD rank 4's
+#    3.7 MB per GPT-2 step (records are 8 bytes an element)
+sweep gpt2 ssfusion_oi,multi_tensor "${gpt[@]}" --density 0.0037 --name e2e_gpu_d0037
+# 3. 4 ranks on the GPU
+sweep gpt2 ssfusion_oi,multi_tensor,ddp_powersgd4,dense "${gpt[@]}" --workers 4 --name e2e_gpu_w4
+# 4. the rest of the SSFusion family; 10 Gbit/s
 sweep gpt2 ssfusion,ssfusion_o,ssfusion_i "${gpt[@]}"
-# issue 34: the agreement check's cost, with and without it in one sweep
-sweep gpt2 ssfusion_oi,multi_tensor "${gpt[@]}" --iters 8 --agreement both
+sweep gpt2 ssfusion_oi,ddp_powersgd4,multi_tensor,dense "${gpt[@]}" --rate 10gbit --name e2e_gpu_10g
 say "done"
 ls -la "$OUT"
