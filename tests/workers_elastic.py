@@ -7,7 +7,8 @@ The hosts the job may use are the lines of ``D/hosts`` (the discovery script pri
 them). At step ``--kill-at`` the worker on host ``--victim`` exits (a preempted
 machine): its host is taken out of the file, and the job goes on with fewer ranks. At step
 ``--grow-at`` rank 0 appends ``D/spare`` (a third local host name) to the file, and the
-job grows. Every worker ends by writing ``D/result.<host>.pt``: its parameters, the losses
+job grows. With ``--replace`` the victim's host is replaced by ``D/spare`` instead: a new
+worker takes its place and the job keeps its size. Every worker ends by writing ``D/result.<host>.pt``: its parameters, the losses
 and the world sizes it trained at.
 """
 import argparse
@@ -33,6 +34,9 @@ def main():
     p.add_argument("--kill-at", type=int, default=-1)
     p.add_argument("--victim", default="127.0.0.1", help="the host whose worker exits")
     p.add_argument("--grow-at", type=int, default=-1)
+    p.add_argument("--replace", action="store_true",
+                   help="at --kill-at the victim's host is replaced by D/spare (a new machine "
+                        "takes the preempted one's place: the job keeps its size)")
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--moments", default="local")
     p.add_argument("--fixed-plan", action="store_true",
@@ -86,16 +90,18 @@ def main():
             state.phases.append(opt.stats().get("phase") if args.scheme != "horovod" else None)
             state.step += 1
             if state.step == args.kill_at and hvd.size() > 1 and host == args.victim:
-                _write_hosts(d, [h for h in _hosts(d) if h != host])
+                spare = [(d / "spare").read_text().strip()] if args.replace else []
+                _write_hosts(d, [h for h in _hosts(d) if h != host] + spare)
                 os._exit(17)  # preempted: no goodbye
             if state.step == args.grow_at and hvd.rank() == 0:
                 spare = (d / "spare").read_text().strip()
                 if spare not in _hosts(d):
                     _write_hosts(d, _hosts(d) + [spare])
             state.commit()
-            if state.step == args.grow_at and hvd.size() == 1:
+            if (state.step == args.grow_at or args.replace) and hvd.size() == 1:
                 # wait here for the driver to add the new host, so the job grows at this
-                # step in every run (check_host_updates raises HostsUpdatedInterrupt)
+                # step in every run (check_host_updates raises HostsUpdatedInterrupt); with
+                # --replace, wherever the lost worker left the job at one rank
                 deadline = time.time() + 90
                 while time.time() < deadline:
                     time.sleep(0.2)
