@@ -46,7 +46,11 @@ Variants (``--variants``):
   ``moments="shared"`` now); ``ef_age_tail_q``: ``ef_age_tail`` whose Adam second
   moment also takes how spiky each rank's sum was (``w·Σg²/S²`` over the ``w`` steps it
   waited: 1 for a steady gradient, ``w`` for one step's), weighted over the ranks that
-  sent it (measured and rejected, docs/recipe.md §1);
+  sent it (measured and rejected, docs/recipe.md §1); ``ef_age_rank``: ``ef_age_tail``
+  with each rank's own wait: a rank's values are caught up as the steps since *it* last
+  sent the element (the package's rule takes the steps since *any* rank did, which is
+  all the receivers of an allreduced sum can know) (``rank_catch_up``); ``ef_age_rank_m``:
+  the same, Adam's second moment as ``ef_age_tail`` has it;
 * ``auto_min_k``: ``auto`` with the SSFusion planner's accuracy rule
   (``plan.keep_small_dense``): tensors whose top-k at ``--density`` would keep fewer than
   ``--min-k`` elements are averaged dense and stepped by the task's optimizer, as the
@@ -83,7 +87,8 @@ from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe  # noqa: E402
 from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule, ResidualMemory  # noqa: E402
 
 VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask", "mask_density", "auto_min_k",
-            "shared_v", "frozen_v", "shared_v_mask", "ef_age", "ef_age_lazy", "ef_age_tail", "ef_age_tail_q")
+            "shared_v", "frozen_v", "shared_v_mask", "ef_age", "ef_age_lazy", "ef_age_tail", "ef_age_tail_q",
+            "ef_age_rank", "ef_age_rank_m")
 
 
 class AgedAdam:
@@ -177,6 +182,61 @@ class AgedMomentum:
         update = torch.zeros_like(p)
         update[arrived] = moved
         p.add_(update, alpha=-self.lr)
+
+
+def rank_catch_up(rule, p, picks, ranks: int, union_v: bool = False) -> None:
+    """``ef_age_rank``: the tail rule with each rank's own wait. ``picks``: per rank, the
+    (indices, values) it sent this step; each rank's values are spread over the steps since
+    *that rank* last sent the element (``rule.ages[r]``), not since anyone did, and caught
+    up as that many steps of their mean. SGD: velocity and movement gain the gradient part
+    of those steps; Adam: the first moment likewise, the second moment the squared mean
+    rate of all contributions over the union's wait (its tail rule); ``union_v``
+    (``ef_age_rank_m``): Adam's second moment as the tail rule has it, the sum over the
+    union's wait, ``(1 − β2^a)·(S/a)²``."""
+    if not hasattr(rule, "ages"):
+        rule.ages = [torch.zeros(p.numel()) for _ in range(ranks)]
+    for a in rule.ages:
+        a += 1
+    flat = p.data.view(-1)
+    if isinstance(rule, AgedMomentum):
+        mu = rule.mu
+        u = rule.u.view(-1)
+        u.mul_(mu)
+        update = u.clone()
+        for r, (idx, vals) in enumerate(picks):
+            a = rule.ages[r][idx]
+            c = vals / (ranks * a)
+            ma = mu ** a
+            update.index_add_(0, idx, c / (1 - mu) * (a - mu * (1 - ma) / (1 - mu)))
+            u.index_add_(0, idx, c * (1 - ma) / (1 - mu))
+            rule.ages[r][idx] = 0
+        flat.add_(update, alpha=-rule.lr)
+        return
+    b1, b2 = rule.b1, rule.b2
+    rule.t += 1
+    rule.age += 1
+    m, v = rule.m.view(-1), rule.v.view(-1)
+    rate = torch.zeros_like(m)   # the contributions' mean gradient per step
+    extra = torch.zeros_like(m)  # the gradient part of the first moment over the waits
+    m.mul_(b1)
+    for r, (idx, vals) in enumerate(picks):
+        a = rule.ages[r][idx]
+        g = vals / (ranks * a)
+        rate.index_add_(0, idx, g)
+        m.index_add_(0, idx, (1 - b1 ** a) * g)
+        extra.index_add_(0, idx, g * (a - (1 - b1 ** a) / (1 - b1)))
+        rule.ages[r][idx] = 0
+    arrived = rate != 0
+    age = rule.age.view(-1)
+    if union_v:
+        total = torch.zeros_like(m)
+        for idx, vals in picks:
+            total.index_add_(0, idx, vals / ranks)
+        rate = total / age
+    v.mul_(b2).add_(torch.where(arrived, (1 - b2 ** age) * rate * rate, torch.zeros_like(rate)))
+    age[arrived] = 0
+    update = ((m + extra) / (1 - b1 ** rule.t)) / ((v / (1 - b2 ** rule.t)).sqrt() + rule.eps)
+    flat.add_(update, alpha=-rule.lr)
 
 
 class SharedVarianceAdam(AdamRule):
@@ -413,6 +473,7 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                         v[2:] = [t]
             avg = []
             bursts = []
+            picks = {}  # ef_age_rank: parameter index -> per rank (indices, values)
             for i, p in enumerate(params):
                 if dense_t[i]:
                     avg.append(torch.zeros_like(p))
@@ -439,20 +500,25 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                         b_den.index_add_(0, il, s2)
                         q[il] = 0
                         w[il] = 0
+                    if variant in ("ef_age_rank", "ef_age_rank_m"):
+                        picks.setdefault(i, []).append((idx.long(), values.clone()))
                     mems[r].update(str(i), acc, idx)
                     sent += k
                     total += p.numel()
                 avg.append((acc_sum / ranks).view_as(p))
                 bursts.append(torch.where(b_den > 0, b_num / b_den.clamp_min(1e-30),
                                           torch.ones_like(b_den)))
-            if variant in ("ef_age", "ef_age_lazy", "ef_age_tail", "ef_age_tail_q"):
+            if variant in ("ef_age", "ef_age_lazy", "ef_age_tail", "ef_age_tail_q", "ef_age_rank",
+                           "ef_age_rank_m"):
+                tail = variant in ("ef_age_tail", "ef_age_tail_q", "ef_age_rank", "ef_age_rank_m")
                 for i, (p, a) in enumerate(zip(params, avg)):
                     if i not in aged:
-                        aged[i] = (AgedMomentum(p, opt.state[p], lr, tail=variant in ("ef_age_tail", "ef_age_tail_q"))
-                                   if kind == "sgd" else
-                                   AgedAdam(p, opt.state[p], lr, lazy=variant == "ef_age_lazy",
-                                            tail=variant in ("ef_age_tail", "ef_age_tail_q")))
-                    if variant == "ef_age_tail_q" and kind == "adam":
+                        aged[i] = (AgedMomentum(p, opt.state[p], lr, tail=tail) if kind == "sgd" else
+                                   AgedAdam(p, opt.state[p], lr, lazy=variant == "ef_age_lazy", tail=tail))
+                    if variant in ("ef_age_rank", "ef_age_rank_m"):
+                        if not dense_t[i]:
+                            rank_catch_up(aged[i], p, picks[i], ranks, variant == "ef_age_rank_m")
+                    elif variant == "ef_age_tail_q" and kind == "adam":
                         aged[i].step(p.data, a, bursts[i].view_as(p))
                     else:
                         aged[i].step(p.data, a)
