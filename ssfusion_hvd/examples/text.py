@@ -60,7 +60,7 @@ class TextSplit:
     def batch(self, size: int, generator: torch.Generator):
         """``size`` random windows: (inputs, next-byte targets), each ``(size, block)``."""
         start = torch.randint(len(self.data) - self.block - 1, (size,), generator=generator)
-        idx = start[:, None] + torch.arange(self.block + 1)
+        idx = (start[:, None] + torch.arange(self.block + 1)).to(self.data.device)
         win = self.data[idx]
         return win[:, :-1], win[:, 1:]
 

@@ -17,6 +17,8 @@ ranks, the task's metric, and samples/s (all ranks' samples over the epoch's wal
 then what the scheme sent in its last iteration (``opt.stats()``). With ``--json`` every
 step's ``opt.stats()`` is read (which resolves device counters: a measuring run) so that
 each epoch also reports the tensor missing rate (tensors that sent nothing / tensors).
+``--device cuda`` trains on the GPU (each rank on GPU ``local_rank`` modulo those visible;
+Horovod must be built with CUDA: ``scripts/gpu_setup.sh``), ``--amp`` autocasts there.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 import ssfusion_hvd
 from ssfusion_hvd.registry import options_for
-from ssfusion_hvd.examples.data import DIGITS_MODELS, load_digits_split, shard
+from ssfusion_hvd.examples.data import DIGITS_MODELS, Split, load_digits_split, shard
 from ssfusion_hvd.examples.peers import PEERS, bytes_per_step, make_peer
 
 TASKS = (*DIGITS_MODELS, "lm", "code")
@@ -96,6 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--init-scale", type=float, default=2.0 ** 16,
                    help="--amp float16: GradScaler's initial scale (a large one overflows the "
                         "first steps, which the optimizer then skips)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: each rank on GPU local_rank %% the GPUs visible (ranks may share "
+                        "one); the data set is moved there whole")
     p.add_argument("--json", default=None, help="write per-epoch metrics here (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p.parse_args(argv)
@@ -117,13 +122,14 @@ class Task:
     forward: list = None
 
 
-def digits_task(args, rank: int, size: int) -> Task:
+def digits_task(args, rank: int, size: int, device=torch.device("cpu")) -> Task:
     train, test = load_digits_split(seed=args.seed)
     mine = shard(train, rank, size)
     steps = args.steps or len(mine.y) // args.batch_size
     if steps == 0:
         raise SystemExit(f"batch size {args.batch_size} exceeds the shard of {len(mine.y)} samples")
-    model = DIGITS_MODELS[args.task]()
+    mine, test = (Split(d.x.to(device), d.y.to(device)) for d in (mine, test))
+    model = DIGITS_MODELS[args.task]().to(device)
     if args.optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=args.lr or ADAM_LR)
     else:
@@ -137,7 +143,7 @@ def digits_task(args, rank: int, size: int) -> Task:
             orders.clear()
             g = torch.Generator().manual_seed(args.seed * 1000 + epoch * 10 + rank)
             orders[epoch] = torch.randperm(len(mine.y), generator=g)
-        idx = orders[epoch][(s * args.batch_size) % len(mine.y):][:args.batch_size]
+        idx = orders[epoch][(s * args.batch_size) % len(mine.y):][:args.batch_size].to(device)
         return F.cross_entropy(forward[0](mine.x[idx]), mine.y[idx])
 
     def evaluate() -> float:
@@ -151,7 +157,7 @@ def digits_task(args, rank: int, size: int) -> Task:
                 f"{type(opt).__name__}", held_out=len(test.y), forward=forward)
 
 
-def lm_task(args, rank: int, size: int) -> Task:
+def lm_task(args, rank: int, size: int, device=torch.device("cpu")) -> Task:
     from ssfusion_hvd.examples import text
 
     if args.task == "code":  # the harder task: stdlib source, a deeper model
@@ -160,6 +166,8 @@ def lm_task(args, rank: int, size: int) -> Task:
     else:
         train, valid = text.load_text_split()
         model = text.lm_model()
+    model.to(device)
+    train, valid = (text.TextSplit(d.data.to(device), d.block) for d in (train, valid))
     opt = torch.optim.Adam(model.parameters(), lr=args.lr or DEFAULTS[args.task][1])
     gens = {}
     forward = [model]
@@ -186,8 +194,12 @@ def main(argv=None):
     args.batch_size = args.batch_size or batch
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     torch.manual_seed(args.seed)
-    task = (digits_task if args.task in DIGITS_MODELS else lm_task)(args, rank, size)
+    task = (digits_task if args.task in DIGITS_MODELS else lm_task)(args, rank, size, device)
     model, steps = task.model, task.steps
     recipe = {"momentum_correction": {"auto": "auto", "on": True, "off": False}[args.momentum_correction]}
     if args.density_warmup_steps is not None:
@@ -198,10 +210,10 @@ def main(argv=None):
     options = options_for(args.scheme, min_k=args.min_k, slack=args.slack)
     if args.floor is not None and options_for(args.scheme, floor=0.0):  # a scheme that takes it
         options = dict(options or {}, floor=None if args.floor == "none" else float(args.floor))
-    # mixed precision as users train: CPU autocast (the examples run on the CPU) and, for
-    # float16, a GradScaler the optimizer is told about up front (README, "Mixed precision")
-    scaler = (torch.amp.GradScaler("cpu", init_scale=args.init_scale) if args.amp == "float16"
-              else None)
+    # mixed precision as users train: autocast on the device and, for float16, a
+    # GradScaler the optimizer is told about up front (README, "Mixed precision")
+    scaler = (torch.amp.GradScaler(device.type, init_scale=args.init_scale)
+              if args.amp == "float16" else None)
     peer = args.scheme in PEERS
     if peer:  # what a user would run instead (DDP broadcasts rank 0's parameters itself)
         task.forward[0], opt, peer_what = make_peer(args.scheme, model, task.optimizer,
@@ -247,12 +259,12 @@ def main(argv=None):
         bar = tqdm(total=args.epochs * steps, unit="step", file=sys.stderr, mininterval=1.0, leave=False)
     history = []
     for epoch in range(1, args.epochs + 1):
-        loss_sum = torch.zeros(1)
+        loss_sum = torch.zeros(1, device=device)
         missing = sent = elements = sent_bytes = 0
         start = time.perf_counter()
         for s in range(steps):
             opt.zero_grad()
-            with (torch.autocast("cpu", dtype=getattr(torch, args.amp)) if args.amp != "none"
+            with (torch.autocast(device.type, dtype=getattr(torch, args.amp)) if args.amp != "none"
                   else contextlib.nullcontext()):
                 loss = task.loss(epoch, s)
             if scaler is None:
