@@ -124,46 +124,38 @@ static void take(size_t n) {
     }
 }
 
-/* Gives back the time of bytes reserved but not taken by the socket. */
-static void refund(size_t reserved, ssize_t sent) {
+/* Gives back the time of bytes reserved but not taken by the socket; returns the write's
+ * result with its errno as the write left it. */
+static ssize_t settle(size_t reserved, ssize_t sent) {
     size_t unsent = sent < 0 ? reserved : reserved - (size_t)sent;
-    if (!unsent) return;
+    if (!unsent) return sent;
+    int saved = errno;
     pthread_mutex_lock(&lock);
     free_at -= (int64_t)(unsent / rate);
     pthread_mutex_unlock(&lock);
+    errno = saved;
+    return sent;
 }
 
 ssize_t write(int fd, const void *buf, size_t n) {
     if (!paced(fd) || n == 0) return real_write(fd, buf, n);
     if (n > chunk) n = chunk;
     take(n);
-    ssize_t r = real_write(fd, buf, n);
-    int saved = errno;
-    refund(n, r);
-    errno = saved;
-    return r;
+    return settle(n, real_write(fd, buf, n));
 }
 
 ssize_t send(int fd, const void *buf, size_t n, int flags) {
     if (!paced(fd) || n == 0) return real_send(fd, buf, n, flags);
     if (n > chunk) n = chunk;
     take(n);
-    ssize_t r = real_send(fd, buf, n, flags);
-    int saved = errno;
-    refund(n, r);
-    errno = saved;
-    return r;
+    return settle(n, real_send(fd, buf, n, flags));
 }
 
 ssize_t sendto(int fd, const void *buf, size_t n, int flags, const struct sockaddr *to, socklen_t tl) {
     if (!paced(fd) || n == 0) return real_sendto(fd, buf, n, flags, to, tl);
     if (n > chunk) n = chunk;
     take(n);
-    ssize_t r = real_sendto(fd, buf, n, flags, to, tl);
-    int saved = errno;
-    refund(n, r);
-    errno = saved;
-    return r;
+    return settle(n, real_sendto(fd, buf, n, flags, to, tl));
 }
 
 /* The first entries of iov that hold at most `chunk` bytes, the last one cut: written to
@@ -189,11 +181,7 @@ ssize_t writev(int fd, const struct iovec *iov, int cnt) {
     int k = trim(iov, cnt, cut, &n);
     if (n == 0) return real_writev(fd, iov, cnt);
     take(n);
-    ssize_t r = real_writev(fd, cut, k);
-    int saved = errno;
-    refund(n, r);
-    errno = saved;
-    return r;
+    return settle(n, real_writev(fd, cut, k));
 }
 
 ssize_t sendmsg(int fd, const struct msghdr *msg, int flags) {
@@ -206,11 +194,7 @@ ssize_t sendmsg(int fd, const struct msghdr *msg, int flags) {
     m.msg_iov = cut;
     m.msg_iovlen = k;
     take(n);
-    ssize_t r = real_sendmsg(fd, &m, flags);
-    int saved = errno;
-    refund(n, r);
-    errno = saved;
-    return r;
+    return settle(n, real_sendmsg(fd, &m, flags));
 }
 
 int close(int fd) {

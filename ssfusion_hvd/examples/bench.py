@@ -30,7 +30,7 @@ import torch
 
 import ssfusion_hvd
 from ssfusion_hvd.registry import options_for
-from ssfusion_hvd.examples.models import MODELS, build
+from ssfusion_hvd.examples.models import MODELS, build, rank_device
 from ssfusion_hvd.examples.peers import POWERSGD_START, PEERS, bytes_per_step, make_peer
 
 
@@ -109,10 +109,7 @@ def main(argv=None) -> dict:
                          "the timed window must start after planning")
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = rank_device(args.device, hvd.local_rank())
     model, loss_fn = build(args.model, args.batch_size, args.seq_len, args.seed, rank, device)
     batch = args.batch_size or MODELS[args.model][1]
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

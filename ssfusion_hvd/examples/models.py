@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ssfusion_hvd.examples.data import DigitsNet
 
-__all__ = ["MODELS", "ResNet18", "ResNet50", "build"]
+__all__ = ["MODELS", "ResNet18", "ResNet50", "build", "rank_device"]
 
 
 class _Basic(nn.Module):
@@ -148,6 +148,16 @@ MODELS: dict = {
     "resnet50": (lambda b, t, s, r, d: _images(ResNet50(), (3, 224, 224), 1000, b, s, r, d), 32),
     "demo": (lambda b, t, s, r, d: _images(DigitsNet(), (1, 8, 8), 10, b, s, r, d), 32),
 }
+
+
+def rank_device(kind: str, local_rank: int) -> torch.device:
+    """This rank's device for ``--device kind``: the CPU, or GPU ``local_rank`` modulo the
+    GPUs visible (ranks of one host may share one), made current."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def build(name: str, batch: int = 0, seq_len: int = 64, seed: int = 0, rank: int = 0,

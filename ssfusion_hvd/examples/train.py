@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import ssfusion_hvd
 from ssfusion_hvd.registry import options_for
 from ssfusion_hvd.examples.data import DIGITS_MODELS, Split, load_digits_split, shard
+from ssfusion_hvd.examples.models import rank_device
 from ssfusion_hvd.examples.peers import PEERS, bytes_per_step, make_peer
 
 TASKS = (*DIGITS_MODELS, "lm", "code")
@@ -194,10 +195,7 @@ def main(argv=None):
     args.batch_size = args.batch_size or batch
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = rank_device(args.device, hvd.local_rank())
     torch.manual_seed(args.seed)
     task = (digits_task if args.task in DIGITS_MODELS else lm_task)(args, rank, size, device)
     model, steps = task.model, task.steps
