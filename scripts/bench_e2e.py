@@ -51,6 +51,7 @@ from cluster import (  # noqa: E402
     measure_link,
     shape,
 )
+from ssfusion_hvd.plan import CostModel, Plan, simulate  # noqa: E402
 from ssfusion_hvd.registry import SCHEMES  # noqa: E402  (display order: the registry's)
 from ssfusion_hvd.examples.peers import PEERS, POWERSGD_START  # noqa: E402  (what a user would pick instead)
 #: model -> (untimed iterations, timed iterations); sparse schemes profile 5 of the former
@@ -358,6 +359,26 @@ def topology_name(workers: int, hosts: int) -> str:
     return f"{workers} workers" + (f" on {hosts} hosts x {workers // hosts} slots" if hosts > 1 else "")
 
 
+def prediction(run: dict) -> float | None:
+    """Simulated seconds per iteration of the run's plan on the cost model it measured at
+    start-up, at the density in force in the timed iterations (None: no plan of ours)."""
+    if not run.get("plan") or not run.get("cost_model"):
+        return None
+    plan = Plan.from_json(json.dumps(run["plan"]))
+    cost = CostModel.from_json(json.dumps(run["cost_model"]))
+    plan = plan.at_density(run.get("density_target", plan.density))
+    return simulate(plan, cost).iteration_s
+
+
+def plan_label(run: dict) -> str:
+    """Which plan a run used: the scheme that planned it (auto: the one it chose) and its
+    sparse tensors; "-" for runs without a plan of ours (dense, the peers)."""
+    plan = run.get("plan")
+    if not plan:
+        return "-"
+    return f"{plan['scheme']}, {sum(plan['sparse'])}/{len(plan['sparse'])} sparse"
+
+
 def ratio_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
     """One markdown table: the runs of (model, workers, hosts), each against the dense run of
     the same controller and collective setting."""
@@ -371,12 +392,14 @@ def ratio_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
     volume = "wire MB/iter" if hosts == 1 else "sent MB/iter/worker"
     head = (f"**{model}, {topology_name(workers, hosts)}**\n\n"
             "| scheme | samples/s | x dense | iteration ms | comm window % | blocked % | "
-            f"{volume} | density | missing rate |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            f"{volume} | density | missing rate | plan | predicted ms |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     lines = [head]
     for r in mine:
         if "error" in r:
-            lines.append(f"| {label(r)} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {label(r)} | failed: {r['error']} | | | | | | | | | |")
             continue
+        pred = prediction(r)
         d = dense.get(variant(r))
         x = f"{r['samples_per_s'] / d['samples_per_s']:.2f}x" if d else "n/a"
         it = r["iteration_s"]
@@ -384,7 +407,8 @@ def ratio_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
             f"| {label(r)} | {r['samples_per_s']:.2f} | {x} | {1e3 * it:.0f} | "
             f"{100 * min(r['communicate_s'] / it, 1):.0f} | {100 * r['wait_share']:.0f} | "
             f"{(r['wire_bytes'] if hosts == 1 else r['payload_bytes']) / 1e6:.1f} | "
-            f"{r['achieved_density']:.4f} | {r['missing_rate']:.3f} |")
+            f"{r['achieved_density']:.4f} | {r['missing_rate']:.3f} | {plan_label(r)} | "
+            f"{'-' if pred is None else format(1e3 * pred, '.0f')} |")
     return "\n".join(lines) + "\n"
 
 

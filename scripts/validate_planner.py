@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from ssfusion_hvd.plan import CostModel, Plan, simulate  # noqa: E402
+from bench_e2e import prediction  # noqa: E402  (the simulator on a run's own plan and costs)
 from ssfusion_hvd.registry import PLANNERS  # noqa: E402
 
 #: the schemes whose plan our engine runs (dense is Horovod's optimizer: no plan)
@@ -51,17 +51,6 @@ def parse_args(argv=None):
     p.add_argument("bench_args", nargs=argparse.REMAINDER,
                    help="-- further bench_e2e.py options (e.g. --hosts 2 --slots 2)")
     return p.parse_args(argv)
-
-
-def prediction(run: dict) -> float | None:
-    """Simulated seconds per iteration of the run's plan on its own cost model, at the
-    density in force during the timed iterations."""
-    if not run.get("plan") or not run.get("cost_model"):
-        return None
-    plan = Plan.from_json(json.dumps(run["plan"]))
-    cost = CostModel.from_json(json.dumps(run["cost_model"]))
-    plan = plan.at_density(run.get("density_target", plan.density))
-    return simulate(plan, cost).iteration_s
 
 
 def measurement(run: dict) -> float:

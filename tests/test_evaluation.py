@@ -117,6 +117,12 @@ def test_planner_validation_compares_the_simulated_plan_with_the_measured_step(t
     assert "| 0.80 | +22 % | 12 |" in period
     assert "median |error| 20.0 % over 1 schemes (OUTSIDE 15 %); 1 of 1 predictions inside " \
            "the measured spread; the measurements' own median |drift| 22.2 %" in text
+    # the throughput table says which plan each run used and what it predicted, beside it
+    e2e = bench_e2e.ratio_table([_row("m", 4, "dense", 5.0), run], "m", 4)
+    sparse = sum(run["plan"]["sparse"])
+    assert f"| ssfusion_oi, {sparse}/3 sparse | {1e3 * want:.0f} |" in e2e
+    assert e2e.splitlines()[-1].startswith("| ssfusion_oi |")
+    assert "| dense | 5.00 | 1.00x |" in e2e and "| - | - |" in e2e
 
 
 def test_convergence_table_mean_std_and_difference_to_dense():
