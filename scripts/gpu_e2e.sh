@@ -72,5 +72,8 @@ sweep gpt2 ssfusion_oi,multi_tensor,ddp_powersgd4,dense "${gpt[@]}" --workers 4 
 # 5. the rest of the SSFusion family; 10 Gbit/s
 sweep gpt2 ssfusion,ssfusion_o,ssfusion_i "${gpt[@]}"
 sweep gpt2 ssfusion_oi,ddp_powersgd4,multi_tensor,dense "${gpt[@]}" --rate 10gbit --name e2e_gpu_10g
+# 6. issue 34: the agreement check's cost on GPT-2, every sparse scheme run with and without
+#    it in one sweep (the ResNet-50 A/B of 2026-11-27 was within run-to-run noise)
+sweep gpt2 ssfusion_oi,multi_tensor,per_tensor "${gpt[@]}" --iters 8 --agreement both --name e2e_gpu_ab
 say "done"
 ls -la "$OUT"
