@@ -10,7 +10,9 @@ it, otherwise reported as not applied), then for every (model, workers, scheme) 
 ``horovodrun --gloo`` inside the namespace on ``python -m ssfusion_hvd.examples.bench``.
 All worker traffic stays on the namespace's loopback; note that this is one shared link:
 the workers share ``--rate`` between them, like hosts behind one slow uplink, rather than
-each having a link of its own.
+each having a link of its own. ``--shaper pace`` needs neither root nor ``tc``: each rank
+is put behind its own ``--rate`` egress link by ``scripts/pace.c`` (``LD_PRELOAD``), as on
+the lent GPU machines (``docs/gpu.md``).
 
 ``--hosts H --slots S`` runs every job on a ``scripts/cluster.py`` cluster instead: H
 namespaced hosts with S ranks each, each host with its own ``--rate`` link, launched over
@@ -334,6 +336,11 @@ def environment() -> dict:
 
 
 # ------------------------------------------------------------------ report
+def checked(r: dict) -> bool:
+    """Whether a run had the per-step agreement check (runs before --agreement all did)."""
+    return r.get("agreement", "on") == "on"
+
+
 def variant(r: dict) -> tuple:
     """(controller, hierarchical) of a run; runs before these fields existed were Gloo, flat."""
     return r.get("controller", "gloo"), bool(r.get("hierarchical", False))
@@ -343,7 +350,7 @@ def label(r: dict) -> str:
     ctrl, hier = variant(r)
     extra = ([ctrl] if ctrl != "gloo" else []) + (["hierarchical"] if hier else []) \
         + ([f"min_k {r['min_k']}"] if r.get("min_k") is not None else []) \
-        + (["no agreement check"] if r.get("agreement", "on") == "off" else [])
+        + (["no agreement check"] if not checked(r) else [])
     return r["scheme"] + (f" [{', '.join(extra)}]" if extra else "")
 
 
@@ -352,7 +359,7 @@ def group(rows: list, model: str, workers: int, hosts: int = 1) -> list:
     order = {s: i for i, s in enumerate(SCHEMES)}
     return sorted((r for r in rows if r["model"] == model and r["workers"] == workers
                    and r.get("hosts", 1) == hosts),
-                  key=lambda r: (variant(r), order.get(r["scheme"], len(order)), r.get("agreement", "on") == "off"))
+                  key=lambda r: (variant(r), order.get(r["scheme"], len(order)), not checked(r)))
 
 
 def topology_name(workers: int, hosts: int) -> str:
@@ -386,7 +393,7 @@ def ratio_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
     if not mine:
         return ""
     dense = {variant(r): r for r in mine if r["scheme"] == "dense" and "error" not in r
-             and r.get("agreement", "on") == "on"}
+             and checked(r)}
     # one host: every worker's bytes cross the one loopback, counted there; a cluster: the
     # bytes each worker hands to its collectives (rank 0's host counters see only its own)
     volume = "wire MB/iter" if hosts == 1 else "sent MB/iter/worker"
@@ -414,16 +421,16 @@ def ratio_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
 
 def _flat_gloo(rows: list, model: str, workers: int, hosts: int) -> dict:
     return {r["scheme"]: r for r in group(rows, model, workers, hosts)
-            if "error" not in r and variant(r) == ("gloo", False) and r.get("agreement", "on") == "on"}
+            if "error" not in r and variant(r) == ("gloo", False) and checked(r)}
 
 
 def agreement_table(rows: list, model: str, workers: int, hosts: int = 1) -> str:
     """The per-step agreement check's cost: each scheme run with it and without it in the
     same sweep, as the ratio of median iterations, with each run's spread."""
     mine = [r for r in group(rows, model, workers, hosts) if "error" not in r]
-    off = {r["scheme"]: r for r in mine if r.get("agreement", "on") == "off"}
+    off = {r["scheme"]: r for r in mine if not checked(r)}
     pairs = [(r, off[r["scheme"]]) for r in mine
-             if r.get("agreement", "on") == "on" and r["scheme"] in off]
+             if checked(r) and r["scheme"] in off]
     if not pairs:
         return ""
 
@@ -513,7 +520,7 @@ def cost_table(rows: list, model: str, scheme: str = "ssfusion_oi") -> str:
     """The cost model each ``scheme`` run of ``model`` measured at start-up, in the job's own
     topology and setting: what its planner believed the network costs."""
     mine = sorted((r for r in rows if r["model"] == model and r["scheme"] == scheme
-                   and r.get("cost_model") and r.get("agreement", "on") == "on"), key=lambda r: (r["workers"], r.get("hosts", 1), variant(r)))
+                   and r.get("cost_model") and checked(r)), key=lambda r: (r["workers"], r.get("hosts", 1), variant(r)))
     if not mine:
         return ""
     mib = float(1 << 20)

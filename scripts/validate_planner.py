@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_e2e import prediction  # noqa: E402  (the simulator on a run's own plan and costs)
+import bench_e2e  # noqa: E402  (runs the sweep; prediction(): the simulator on a run's own plan and costs)
 from ssfusion_hvd.registry import PLANNERS  # noqa: E402
 
 #: the schemes whose plan our engine runs (dense is Horovod's optimizer: no plan)
@@ -74,7 +74,7 @@ def rows(runs: list) -> list[dict]:
     for r in runs:
         if "error" in r or r["scheme"] not in VALIDATED:
             continue
-        pred = prediction(r)
+        pred = bench_e2e.prediction(r)
         if pred is None:
             continue
         meas = measurement(r)
@@ -165,8 +165,6 @@ def main(argv=None) -> int:
     out = Path(args.out)
     source = Path(args.source) if args.source else out / f"{args.name}.json"
     if not args.source:
-        import bench_e2e
-
         extra = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
         bench_e2e.main(["--models", args.models, "--workers", args.workers, "--schemes",
                         ",".join(VALIDATED), "--name", args.name, "--out", str(out), *extra])

@@ -8,8 +8,8 @@ them). At step ``--kill-at`` the worker on host ``--victim`` exits (a preempted
 machine): its host is taken out of the file, and the job goes on with fewer ranks. At step
 ``--grow-at`` rank 0 appends ``D/spare`` (a third local host name) to the file, and the
 job grows. With ``--replace`` the victim's host is replaced by ``D/spare`` instead: a new
-worker takes its place and the job keeps its size. Every worker ends by writing ``D/result.<host>.pt``: its parameters, the losses
-and the world sizes it trained at.
+worker takes its place and the job gets its size back. Every worker ends by writing
+``D/result.<host>.pt``: its parameters, the losses and the world sizes it trained at.
 """
 import argparse
 import os
