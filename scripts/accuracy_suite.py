@@ -17,7 +17,9 @@ layers of 128, and a GRU reading the rows), the digits CNN, and the byte-level G
 
 Scheme labels are ``scheme`` or ``scheme/variant``: ``ssfusion_oi/uniform`` is
 ssfusion_oi with every tensor at its own k (``scheme_options={"floor": None}``, the
-paper's per-tensor density) instead of the group budget; ``ssfusion_oi/slack=0.2`` and
+paper's per-tensor density) instead of the group budget; ``ssfusion_oi/waits`` (and
+``/nowaits``) with each sender's wait on the wire (``scheme_options["waits"]``) or
+without it; ``ssfusion_oi/slack=0.2`` and
 ``ssfusion_oi/floor=0.5`` set ``scheme_options`` ``slack`` and ``floor``.
 
 Output: ``<out>/<name>.json`` (every run, rewritten after each; ``--merge`` keeps the
@@ -47,11 +49,12 @@ CELLS = [
     *[(t, "adam", 0.01, 6, 2) for t in ("mlp", "gru")],
     ("lm", "adam", 0.01, 3, 2),
     *[(t, "sgd", 0.01, 20, 2) for t in ("mlp", "mlp_deep", "gru")],
-    *[(t, "sgd", 0.01, 6, 4) for t in ("mlp", "gru")],
+    *[(t, "sgd", 0.01, 6, 4) for t in ("mlp", "gru", "digits")],
 ]
 #: scheme label -> (scheme, extra train.py arguments)
 VARIANTS = {"uniform": ["--floor", "none"], "shared": ["--moments", "shared"],
-            "local": ["--moments", "local"]}
+            "local": ["--moments", "local"], "waits": ["--waits", "on"],
+            "nowaits": ["--waits", "off"]}
 
 
 def cell_name(cell) -> str:

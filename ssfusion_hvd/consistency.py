@@ -98,7 +98,8 @@ def mismatch_message(signatures, ranks=None) -> str | None:
 
 def check_same_model(named, declared_names, process_set=None, setup=None) -> None:
     """Raises ``ValueError`` on every rank of ``process_set`` unless all built the same model
-    (and, when given, the same ``setup``: scheme name and options, plain values).
+    (and, when given, the same ``setup``: scheme name and options, the wrapped optimizer's
+    family and the ``moments`` argument; plain values).
 
     One allgather over ``process_set`` (``None``: the global one); nothing when the set has a
     single rank or this rank is not in it. See :func:`model_signature` for what is compared.
@@ -121,6 +122,7 @@ def check_same_model(named, declared_names, process_set=None, setup=None) -> Non
             message = (f"the optimizer's setup differs across ranks: rank{'s' if len(differ) > 1 else ''} "
                        f"{', '.join(map(str, differ))} run {gathered[ranks.index(differ[0])][1]!r}, "
                        f"rank {ranks[0]} runs {gathered[0][1]!r}. Every rank must pass the same "
-                       f"scheme and scheme_options to ssfusion_hvd.DistributedOptimizer.")
+                       f"scheme, scheme_options, kind of optimizer and moments to "
+                       f"ssfusion_hvd.DistributedOptimizer.")
     if message is not None:
         raise ValueError(message)

@@ -28,6 +28,14 @@ At density 1 every age is 1 and this is exactly ``torch.optim.SGD`` / ``Adam`` /
 on the averaged gradient, on any number of ranks (``tests/test_moments.py``). The ages
 are the same on every rank (they follow the synchronized tensor), so every rank computes
 the same state without communicating.
+
+The union's age is the shortest wait of the senders: on P ranks an element one rank sends
+every step while the others hold it for 50 arrives with age 1, and SGD's velocity takes
+the 50-step burst as one step's gradient. With ``scheme_options={"waits": True}`` the
+planned schemes carry each sender's own wait beside its entry (one byte) and their decode
+hands :meth:`SharedMoments.step` the velocity's share of what arrived
+(``Σ_r v_r·ψ(a_r) / Σ_r v_r``, :func:`fresh_share`), which it uses instead of the union's
+(``docs/design.md``, "Each sender's wait"). Adam keeps the union's age.
 """
 from __future__ import annotations
 
@@ -35,7 +43,18 @@ from typing import Dict, List, Optional
 
 import torch
 
-__all__ = ["SharedMoments"]
+__all__ = ["SharedMoments", "fresh_share"]
+
+
+def fresh_share(momentum: float, a):
+    """ψ(a) = (1 − μ^a) / (a·(1 − μ)): of ``a`` steps of one gradient, the share that
+    reaches SGD's velocity within those steps (1 at a = 1, about 1/(a·(1 − μ)) for long
+    waits); the rest moved the parameter through the velocity on the way. A number or a
+    tensor of waits."""
+    mu = float(momentum)
+    if isinstance(a, torch.Tensor):
+        return (1.0 - torch.pow(mu, a)) / (a * (1.0 - mu))
+    return (1.0 - mu ** a) / (a * (1.0 - mu))
 
 
 class SharedMoments:
@@ -54,27 +73,50 @@ class SharedMoments:
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, optimizer, group: dict, params: List[torch.Tensor]) -> None:
+    def step(self, optimizer, group: dict, params: List[torch.Tensor],
+             shares: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> None:
         """Steps ``params`` (sparsified tensors of ``group``, ``p.grad`` the synchronized
         average of this step) and their state in ``optimizer.state``. Decoupled weight
-        decay is the caller's (it applies to every element every step)."""
+        decay is the caller's (it applies to every element every step).
+
+        ``shares`` (SGD only): for tensors whose wire carried each sender's wait, the
+        velocity's share of this step's gradient per element (:func:`fresh_share` of
+        the senders' waits, weighted by their values; the scheme's decode computes it),
+        used instead of the share of the union's age."""
         grads = [p.grad.float() for p in params]
-        ages = [self._age(p) for p in params]
-        torch._foreach_add_(ages, 1.0)
-        # the arrived burst as one step's gradient, g = S/a; 0 where nothing arrived (every
-        # rank sees the same synchronized tensor, so every rank takes the same elements;
-        # an exact zero sum counts as none)
-        mean = torch._foreach_div(grads, ages)
-        if self.kind == "adam":
-            update = self._adam(optimizer, group, params, mean, ages)
+        shares = shares or {}
+        if self.kind == "adam" or not shares:
+            aged, by_age = params, grads
         else:
-            update = self._momentum(optimizer, params, grads, mean, ages)
+            aged = [p for p in params if p not in shares]
+            by_age = [g for p, g in zip(params, grads) if p not in shares]
+        ages = [self._age(p) for p in aged]
+        if ages:
+            torch._foreach_add_(ages, 1.0)
+        if self.kind == "adam":
+            # the arrived burst as one step's gradient, g = S/a; 0 where nothing arrived
+            # (every rank sees the same synchronized tensor, so every rank takes the same
+            # elements; an exact zero sum counts as none)
+            update = self._adam(optimizer, group, params, torch._foreach_div(grads, ages), ages)
+        else:
+            share = iter(self.fresh_shares(ages) if ages else [])
+            update = self._momentum(optimizer, params, grads,
+                                    [shares[p] if p in shares else next(share) for p in params])
         _foreach_add_cast(params, update, -float(group["lr"]))
         # the arrived elements start waiting again: age·(1 - |sign S|)
-        arrived = torch._foreach_sign(grads)
-        torch._foreach_abs_(arrived)
-        torch._foreach_sub_(arrived, 1.0)
-        torch._foreach_mul_(ages, torch._foreach_neg(arrived))
+        if ages:
+            arrived = torch._foreach_sign(by_age)
+            torch._foreach_abs_(arrived)
+            torch._foreach_sub_(arrived, 1.0)
+            torch._foreach_mul_(ages, torch._foreach_neg(arrived))
+
+    def fresh_shares(self, ages: List[torch.Tensor]) -> List[torch.Tensor]:
+        """:func:`fresh_share` of each element's age (SGD's momentum)."""
+        mu = self.hparams["momentum"]
+        out = _one_minus_pow(mu, ages)
+        torch._foreach_div_(out, ages)
+        torch._foreach_div_(out, 1.0 - mu)
+        return out
 
     def _adam(self, optimizer, group, params, mean, ages):
         b1, b2 = self.hparams["betas"]
@@ -113,7 +155,7 @@ class SharedMoments:
         torch._foreach_div_(num, [1.0 - b1 ** t for t in steps])
         return num
 
-    def _momentum(self, optimizer, params, grads, mean, ages):
+    def _momentum(self, optimizer, params, grads, shares):
         mu = self.hparams["momentum"]
         damp = self.hparams.get("dampening", 0.0)
         nesterov = self.hparams.get("nesterov", False)
@@ -124,20 +166,19 @@ class SharedMoments:
                 st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
         u = _as_float(bufs)
-        # Every element takes this step's decay (SGD with a zero gradient); an arrived one
-        # adds the gradient part of a steps of c = (1 − dampening)·g:
-        #   u ← μ·u + c·(1 − μ^a)/(1 − μ)
-        # and moves by u plus what c added to the velocity in the a − 1 steps it skipped,
-        #   c·(a − (1 − μ^a)/(1 − μ))/(1 − μ)
-        c = torch._foreach_mul(mean, 1.0 - damp)
-        gain = _one_minus_pow(mu, ages)
-        torch._foreach_div_(gain, 1.0 - mu)
+        # Every element takes this step's decay (SGD with a zero gradient). What arrived,
+        # c = (1 − dampening)·S, is a steps of c/a (per sender, its own a): in those steps
+        # it added c·ψ to the velocity (ψ: the fresh share), and moved the parameter by
+        # what it added to the velocity in the steps before this one, c·(1 − ψ)/(1 − μ).
+        #   u ← μ·u + c·ψ,  moved = u + c·(1 − ψ)/(1 − μ)
+        # Every gradient so moves the parameter by c/(1 − μ) in all, as in dense training.
+        c = torch._foreach_mul(grads, 1.0 - damp)
         torch._foreach_mul_(u, mu)
-        torch._foreach_addcmul_(u, c, gain)
+        torch._foreach_addcmul_(u, c, shares)
         _copy_back(bufs, u)
-        catch = torch._foreach_sub(ages, gain)
-        torch._foreach_div_(catch, 1.0 - mu)
-        moved = torch._foreach_addcmul(u, c, catch)
+        rest = torch._foreach_mul(shares, -1.0 / (1.0 - mu))
+        torch._foreach_add_(rest, 1.0 / (1.0 - mu))
+        moved = torch._foreach_addcmul(u, c, rest)
         if nesterov:  # each step moves by g + μ·u_j: S = a·g of gradient, μ times the rest
             torch._foreach_mul_(moved, mu)
             torch._foreach_add_(moved, grads)

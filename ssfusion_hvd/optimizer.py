@@ -559,7 +559,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 return None
         # sparsified tensors under momentum correction hold an update, applied here; the
         # wrapped optimizer steps the others (recipe.py)
-        with self._config.recipe.step_dense_only(self, self._scheme.sparse_params()):
+        with self._config.recipe.step_dense_only(self, self._scheme.sparse_params(),
+                                                 self._scheme.shares()):
             return super(self.__class__, self).step(closure)
 
     def _meet_scaler(self, scaler) -> None:
@@ -857,7 +858,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     check = functools.partial(
         check_same_model, named, [name_of[id(v)] for g in optimizer.param_groups
                                   for v in g["params"] if id(v) in name_of], process_set,
-        setup=(scheme, sorted(options.items())))
+        # (what shapes the wire: scheme_options["waits"] is read with these two)
+        setup=(scheme, sorted(options.items()), recipe.family, moments))
     # Under Horovod elastic no collective here (transport.elastic): the check runs at every
     # broadcast adoption, which every rank of the new world reaches together
     elastic = transport.elastic()

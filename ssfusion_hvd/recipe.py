@@ -109,6 +109,9 @@ class Recipe:
         self.fp32 = bool(fp32)
         self.hparams = dict(hparams or {})
         self.options: Optional[dict] = None  # resolve_recipe's arguments (set by it)
+        #: the wrapped optimizer's family ("sgd", "adam", "other"), by class alone: the
+        #: same on every rank whatever its hyper-parameters (set by resolve_recipe)
+        self.family = "other"
         self._optimizer = None
         self._names: Dict[str, torch.Tensor] = {}
 
@@ -237,11 +240,13 @@ class Recipe:
         return float(group.get("weight_decay", 0.0))
 
     @contextmanager
-    def step_dense_only(self, optimizer, sparse: Iterable[torch.Tensor]):
+    def step_dense_only(self, optimizer, sparse: Iterable[torch.Tensor], shares=None):
         """Steps the sparsified tensors (AdamW: decoupled decay first): ``w -= lr · update``
         under local rules (``p.grad`` is the synchronized update), the shared moments'
-        step under shared ones (``p.grad`` is the synchronized gradient). Then runs the body with the wrapped optimizer seeing only the other
-        tensors: its ``step()`` steps them with its own state and hyper-parameters."""
+        step under shared ones (``p.grad`` is the synchronized gradient; ``shares``: the
+        scheme's, ``Scheme.shares``). Then runs the body with the wrapped optimizer seeing
+        only the other tensors: its ``step()`` steps them with its own state and
+        hyper-parameters."""
         sparse = set(sparse) if not isinstance(sparse, (set, frozenset)) else sparse
         if not self.corrects() or not sparse:
             yield
@@ -257,7 +262,7 @@ class Recipe:
                     if g.get("decoupled_weight_decay", False) and g.get("weight_decay", 0.0):
                         torch._foreach_mul_(mine, 1.0 - lr * float(g["weight_decay"]))
                     if self.shared is not None:
-                        self.shared.step(optimizer, g, mine)
+                        self.shared.step(optimizer, g, mine, shares)
                     else:
                         torch._foreach_add_(mine, [p.grad for p in mine], alpha=-lr)
                 if rest:
@@ -348,6 +353,8 @@ def resolve_recipe(optimizer, scheme: str, density: float, momentum_correction="
                       "feedback, which converges worse at low density")
     recipe = Recipe(kind, density, density_warmup_steps if scheme != "dense" else 0,
                     fp32_accumulation, hp, moments)
+    recipe.family = ("sgd" if isinstance(optimizer, torch.optim.SGD) else
+                     "adam" if isinstance(optimizer, torch.optim.Adam) else "other")
     # what re-resolves it after hvd.broadcast_optimizer_state changed the hyper-parameters
     recipe.options = dict(scheme=scheme, density=density, momentum_correction=momentum_correction,
                           density_warmup_steps=density_warmup_steps,

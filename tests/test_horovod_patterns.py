@@ -67,21 +67,25 @@ def test_resume_the_horovod_way(resumed, scheme, opt, own):
                               for n in saved0 if saved0[n].any())
 
 
-@pytest.mark.parametrize("scheme", ["ssfusion_oi", "zen"])
+@pytest.mark.parametrize("scheme", ["ssfusion_oi", "zen", "ssfusion_oi+waits"])
 def test_resume_with_shared_moments(scheme, tmp_path):
     """``moments="shared"``: the optimizer state is the same on every rank and lives in
     torch's entries, the ages in ours. Every rank loading its own checkpoint resumes the
-    uninterrupted run bit for bit (ages included); a rank-0 load followed by the broadcast
-    leaves every rank bit-identical, with the ages restarted on all of them alike."""
+    uninterrupted run bit for bit (ages included, and with ``waits`` each rank's waits,
+    saved with its residuals); a rank-0 load followed by the broadcast leaves every rank
+    bit-identical, with the ages restarted on all of them alike."""
+    scheme, _, waits = scheme.partition("+")
     ranks = run_workers("workers_horovod:resume_cases", np=2, timeout=400, scheme=scheme,
                         optimizers=["sgd", "adam"], owns=[False, True], ckpt_dir=str(tmp_path),
-                        moments="shared")
+                        moments="shared", options={"waits": True} if waits else None)
     for kind in ("sgd", "adam"):
         for own in (False, True):
             a, b = ranks[0][kind, own], ranks[1][kind, own]
             _equal_dicts(a["resumed"], b["resumed"])
             _equal_dicts(a["after_broadcast"][0], b["after_broadcast"][0])
-            assert a["ages"] and a["ages"].keys() == b["ages"].keys()
+            # (SGD with waits: the senders' waits, per rank, replace the shared ages)
+            assert bool(a["ages"]) != (kind == "sgd" and bool(waits))
+            assert a["ages"].keys() == b["ages"].keys()
             _equal_dicts(a["ages"], b["ages"])
             if own:
                 _equal_dicts(a["resumed"], a["straight"])

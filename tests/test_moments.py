@@ -8,7 +8,9 @@ workers.
   element from the recorded inputs (the synchronized gradient, the optimizer's state and
   the ages before the step): every element takes the optimizer's step with a zero
   gradient, and one that arrived after ``a`` steps also gets the gradient part of ``a``
-  steps of ``S / a``. Every rank ends every step bit-identical, state included.
+  steps of ``S / a``. With each sender's wait on the wire (``waits``), the reference
+  replays every rank's own burst from its recorded residual, gradient and wait. Every
+  rank ends every step bit-identical, state included.
 """
 import pytest
 import torch
@@ -23,6 +25,8 @@ LIMIT = {
     "zen_sgd_nesterov": dict(scheme="zen", optimizer="sgd", density=1.0, nesterov=True),
     "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=1.0, plan="all_sparse"),
     "planned_sgd": dict(scheme="ssfusion_oi", optimizer="sgd", density=1.0, plan="all_sparse"),
+    "planned_sgd_waits": dict(scheme="ssfusion_oi", optimizer="sgd", density=1.0,
+                              plan="all_sparse", waits=True),
 }
 SPARSE = {
     "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05, plan="all_sparse",
@@ -32,6 +36,10 @@ SPARSE = {
     "zen_sgd_nesterov": dict(scheme="zen", optimizer="sgd", density=0.05, nesterov=True, steps=8),
     "per_tensor_adamw": dict(scheme="per_tensor", optimizer="adamw", density=0.05, steps=8,
                              density_warmup=3),
+    "planned_sgd_waits": dict(scheme="ssfusion_oi", optimizer="sgd", density=0.05,
+                              plan="all_sparse", steps=8, waits=True),
+    "multi_tensor_sgd_waits": dict(scheme="multi_tensor", optimizer="sgd_damp", density=0.05,
+                                   steps=8, waits=True, density_warmup=3),
 }
 
 
@@ -102,20 +110,48 @@ def _reference(kind, group, w, S, age, state, sparse):
         w -= lr * upd
         new = {"exp_avg": m, "exp_avg_sq": v, "step": t}
     else:
-        mu, damp = group["momentum"], group["dampening"]
-        tail = state.get("momentum_buffer", torch.zeros_like(S)).double().clone() * mu
-        gu = torch.zeros_like(S)  # what g added to the velocity after j of the a steps
-        moved = tail.clone()
-        for j in range(n):
-            live = hit & (age > j)
-            gu = torch.where(live, mu * gu + (1 - damp) * g, gu)
-            moved += torch.where(live, gu, torch.zeros_like(gu))
-        if group["nesterov"]:  # each of the a steps moves by g + mu·u_j
-            moved = mu * moved + torch.where(hit, g * age, torch.zeros_like(g))
-        w -= lr * moved
-        new = {"momentum_buffer": tail + gu}
+        w, new = _momentum_reference(group, w, [(S, age)], state)
     age[hit] = 0
     return w, new, age
+
+
+def _momentum_reference(group, w, sources, state):
+    """SGD's step for one tensor, element by element, from ``sources``: per sender, what
+    it added to the average and the steps it waited, ``(S_r, a_r)`` (the union's age is
+    one source: the sum and its age). Each burst is replayed as ``a_r`` steps of
+    ``S_r / a_r``, on top of this step's decay of the velocity; the replays add up."""
+    mu, damp = group["momentum"], group["dampening"]
+    tail = state.get("momentum_buffer", torch.zeros_like(w)).double().clone() * mu
+    moved, added, total = tail.clone(), torch.zeros_like(tail), torch.zeros_like(tail)
+    for S_r, a_r in sources:
+        S_r, a_r = S_r.double(), a_r.double()
+        hit = S_r != 0
+        g = torch.where(hit, S_r / a_r, torch.zeros_like(S_r))
+        gu = torch.zeros_like(S_r)  # what g added to the velocity after j of the a steps
+        for j in range(int(a_r[hit].max()) if bool(hit.any()) else 0):
+            live = hit & (a_r > j)
+            gu = torch.where(live, mu * gu + (1 - damp) * g, gu)
+            moved += torch.where(live, gu, torch.zeros_like(gu))
+        added += gu
+        total += S_r
+    if group["nesterov"]:  # each of the a steps moves by g + mu·u_j
+        moved = mu * moved + total
+    return w - group["lr"] * moved, {"momentum_buffer": tail + added}
+
+
+def _senders(ranks, s, n, group):
+    """Per rank, what it added to the average of tensor ``n`` at step ``s`` and the steps
+    it waited for it: its error-compensated gradient (residual, own gradient, coupled
+    weight decay) where it sent (its wait is 0 after the step), over P."""
+    out = []
+    for r in ranks:
+        st, nxt = r["steps"][s], r["steps"][s + 1]
+        local = st["local"][n] + group["weight_decay"] * st["before"][n]
+        acc = st["residuals"].get(n, torch.zeros_like(local)) + local
+        sent = nxt["waits"][n] == 0
+        waited = st["waits"].get(n, torch.zeros_like(local, dtype=torch.int32)) + 1
+        out.append((torch.where(sent, acc, torch.zeros_like(acc)) / len(ranks), waited))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +164,7 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
     ranks = [r[name] for r in sparse_runs]
     names, group, kind = ranks[0]["names"], ranks[0]["group"], ranks[0]["kind"]
     steps = ranks[0]["steps"]
-    late_arrivals = 0
+    late_arrivals = mixed_waits = 0
     for s, st0 in enumerate(steps):
         for r in ranks[1:]:  # every rank: the same sum, parameters, state and ages
             st = r["steps"][s]
@@ -144,16 +180,26 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
             break
         nxt = steps[s + 1]
         for n in st0["sparse"]:
-            age = st0["ages"].get(n)
-            w, state, age_after = _reference(kind, group, st0["before"][n], st0["synced"][n],
-                                             age, st0["own"].get(n, {}), st0["sparse"])
-            late_arrivals += int(((age_after == 0) & ((age if age is not None else 0) > 0)).sum())
+            if "waits" in name:  # each sender's own burst
+                senders = _senders(ranks, s, n, group)
+                w, state = _momentum_reference(group, st0["before"][n].double(), senders,
+                                               st0["own"].get(n, {}))
+                late_arrivals += sum(int(((S != 0) & (a > 1)).sum()) for S, a in senders)
+                # the senders' waits differ where the union's age would have been wrong
+                differ = (senders[0][1] != senders[1][1]) & (senders[0][0] != 0) & (senders[1][0] != 0)
+                mixed_waits += int(differ.sum())
+            else:
+                age = st0["ages"].get(n)
+                w, state, age_after = _reference(kind, group, st0["before"][n], st0["synced"][n],
+                                                 age, st0["own"].get(n, {}), st0["sparse"])
+                late_arrivals += int(((age_after == 0) & ((age if age is not None else 0) > 0)).sum())
+                torch.testing.assert_close(nxt["ages"][n].double(), age_after, rtol=0, atol=0)
             torch.testing.assert_close(st0["after"][n].double(), w, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name} step {s} {n}: {m}")
-            torch.testing.assert_close(nxt["ages"][n].double(), age_after, rtol=0, atol=0)
             for b, t in state.items():
                 got = nxt["own"][n][b]
                 torch.testing.assert_close(torch.as_tensor(got).double(), torch.as_tensor(t, dtype=torch.float64),
                                            rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} step {s} {n} {b}: {m}")
     assert sum(bool(st["sparse"]) for st in steps) >= 4, name
     assert late_arrivals > 0, f"{name}: no element arrived after waiting (the ages were not exercised)"
+    assert "waits" not in name or mixed_waits > 0, f"{name}: no element two senders sent after different waits"

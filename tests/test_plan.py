@@ -1,5 +1,6 @@
 """Planner unit tests: simulator on hand-computed timelines, density-aware compensation,
 offloading, scheme builders, JSON, the plan table, the models and the CLI."""
+import dataclasses
 import json
 import math
 
@@ -159,6 +160,22 @@ def test_decode_runs_after_backward_group_by_group():
     # a sparse group's decode touches its output and the P gathered records: 400 + 4 x 8 B
     sparse = plan([100], [(0, 1)], [True], [1])
     assert decode_bytes(sparse, 0, 4, 4) == 432
+    # entries that carry their sender's wait (scheme_options["waits"]): 9 B each
+    assert decode_bytes(sparse, 0, 4, 4, entry_extra=1) == 436
+
+
+def test_the_wait_byte_lengthens_the_sparse_allgather():
+    """A cost model with ``entry_extra=1`` (the planned schemes' ``waits``) charges a
+    sparse entry its value, its index and one byte: the allgather of 50 + 10 entries
+    takes 60 x 9 B instead of 60 x 8 B; dense tensors are unchanged."""
+    p = _with(plan([1000, 200, 30], [(0, 3)], [True, True, False], [50, 10, 30],
+                   [ALLGATHER] * 3), "topk")
+    plain = _model([1.0] * 3, ag=(0.0, 1 / 1024))
+    waits = dataclasses.replace(plain, entry_extra=1)
+    assert waits.entry_size(1000) == plain.entry_size(1000) + 1 == 9
+    g0, g1 = simulate(p, plain).groups[0], simulate(p, waits).groups[0]
+    assert (g0.ag_end - g0.ag_start) * 1024 == pytest.approx(60 * 8 + 30 * 4)
+    assert (g1.ag_end - g1.ag_start) * 1024 == pytest.approx(60 * 9 + 30 * 4)
 
 
 def test_the_link_runs_collectives_in_submission_order():

@@ -39,10 +39,12 @@ def _optimizer(kind, params, rank_variant=False):
     return getattr(torch.optim, kind)(params, lr=0.01 + 0.01 * r)
 
 
-def _wrap(model, kind, scheme, rank_variant=False, moments=None):
+def _wrap(model, kind, scheme, rank_variant=False, moments=None, options=None):
     kw = {} if scheme == "dense" else dict(SPARSE_KW, profile=_profile())
     if moments is not None:
         kw["moments"] = moments
+    if options is not None:
+        kw["scheme_options"] = options
     return ssfusion_hvd.DistributedOptimizer(
         _optimizer(kind, model.parameters(), rank_variant),
         named_parameters=model.named_parameters(), scheme=scheme, **kw)
@@ -71,7 +73,7 @@ def _params(model):
 
 
 def resume(scheme, optimizer, ckpt_dir, own=False, save_at=6, total=10, strip_rank1=False,
-           moments=None):
+           moments=None, options=None):
     """Trains ``total`` steps straight, saving at ``save_at`` (rank 0: model and optimizer;
     every rank: its own optimizer state). Then a new model and optimizer (other initial
     weights and per-rank hyper-parameters) resume Horovod's way: rank 0 loads (``own``:
@@ -80,7 +82,7 @@ def resume(scheme, optimizer, ckpt_dir, own=False, save_at=6, total=10, strip_ra
     0's optimizer checkpoint with every per-rank store removed instead of nothing."""
     torch.manual_seed(1234)
     model = Net()
-    opt = _wrap(model, optimizer, scheme, moments=moments)
+    opt = _wrap(model, optimizer, scheme, moments=moments, options=options)
     _train_steps(model, opt, range(save_at))
     path = os.path.join(ckpt_dir, f"{scheme}-{optimizer}-{moments}-rank{hvd.rank()}.pt")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
@@ -92,7 +94,7 @@ def resume(scheme, optimizer, ckpt_dir, own=False, save_at=6, total=10, strip_ra
 
     torch.manual_seed(99 + hvd.rank())  # other initial weights on every rank
     model = Net()
-    opt = _wrap(model, optimizer, scheme, rank_variant=True, moments=moments)
+    opt = _wrap(model, optimizer, scheme, rank_variant=True, moments=moments, options=options)
     if hvd.rank() == 0 or own or strip_rank1:
         ckpt = torch.load(path if own else os.path.join(ckpt_dir, f"{scheme}-{optimizer}-{moments}-rank0.pt"),
                           weights_only=False)
@@ -345,9 +347,9 @@ def load_on_rank0_only(scheme, ckpt_dir, save_at=6):
     return None
 
 
-def resume_cases(scheme, optimizers, ckpt_dir, owns=(False,), moments=None):
+def resume_cases(scheme, optimizers, ckpt_dir, owns=(False,), moments=None, options=None):
     """:func:`resume` for each torch optimizer and each ``own``, in one job."""
-    return {(kind, own): resume(scheme, kind, ckpt_dir, own=own, moments=moments)
+    return {(kind, own): resume(scheme, kind, ckpt_dir, own=own, moments=moments, options=options)
             for kind in optimizers for own in owns}
 
 

@@ -1,8 +1,8 @@
 """Worker functions for tests/test_moments.py (run on every Horovod rank).
 
 Shared moments (``moments="shared"``): every rank records, per step, the parameters, the
-wrapped optimizer's state and the ages before the step, its own gradient on its own
-batch, the synchronized gradient, the names of the tensors sparsified, and the
+wrapped optimizer's state, the ages, its residuals and waits before the step, its own
+gradient on its own batch, the synchronized gradient, the names of the tensors sparsified, and the
 parameters after ``step()``.
 """
 import horovod.torch as hvd
@@ -28,7 +28,7 @@ class TanhNet(nn.Module):
 
 
 def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=1e-3,
-           nesterov=False):
+           nesterov=False, waits=False):
     torch.manual_seed(7)  # identical initial weights on every rank
     model = TanhNet()
     named = sorted(model.named_parameters())
@@ -45,13 +45,17 @@ def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=
     opt = ssfusion_hvd.DistributedOptimizer(
         inner, named_parameters=model.named_parameters(), scheme=scheme, density=density,
         warmup_steps=2, profile=profile("topk"), plan=plan, log_plan=False,
-        density_warmup_steps=density_warmup, moments="shared")
+        density_warmup_steps=density_warmup, moments="shared",
+        scheme_options={"waits": True} if waits else None)
     out = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * hvd.rank() + step)  # noisy: a batch per rank
         x, y = torch.randn(16, 12, generator=g), torch.randint(0, 3, (16,), generator=g)
         opt.zero_grad()
-        ages = _clone(opt.state_dict()["ssfusion"].get("ages", {}))
+        ours = opt.state_dict()["ssfusion"]
+        ages = _clone(ours.get("ages", {}))
+        # this rank's residuals and each element's wait since it last sent it
+        mine = {k: _clone(ours["state"].get(k, {})) for k in ("residuals", "waits")}
         own = {name_of[p]: _clone(dict(s)) for p, s in opt.state.items()}
         before = {n: p.detach().clone() for n, p in named}
         # the gradient before the hooks: they fold coupled weight decay into p.grad
@@ -63,7 +67,7 @@ def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=
         sparse = sorted(name_of[p] for p in opt._scheme.sparse_params())
         with opt.skip_synchronize():
             opt.step()
-        out.append({"ages": ages, "own": own, "before": before, "local": local,
+        out.append({"ages": ages, "own": own, "before": before, "local": local, **mine,
                     "synced": synced, "sparse": sparse,
                     "after": {n: p.detach().clone() for n, p in named}})
     group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}

@@ -178,6 +178,11 @@ def options_cases():
         "min_k_baseline": ("per_tensor", {"min_k": 8}),
         "min_k_differs": ("auto", {"min_k": 32 if rank == 0 else 0}),
         "min_k_same": ("ssfusion", {"min_k": 0}),
+        # each sender's wait on the wire: every planned scheme takes it, as a bool
+        "waits_bad": ("multi_tensor", {"waits": 1}),
+        "waits_zen": ("zen", {"waits": True}),
+        "waits_differs": ("ssfusion_oi", {"waits": rank == 0}),
+        "waits_same": ("per_tensor", {"waits": True}),
     }
     messages = {}
     for case, (scheme, options) in cases.items():

@@ -28,6 +28,11 @@ A part whose sparsifiers select the same indices on every rank (random-k: its se
 shared) sends ``capacity`` values and no indices; decode sums them over the ranks at the
 positions this rank selected.
 
+With ``waits`` (SGD's shared moments, ``scheme_options={"waits": True}``) a part's record
+is followed by one byte per entry, its sender's wait (``core/wire.wait_codes``), and the
+decode also computes :attr:`SparsePart.share`, the velocity's share of what arrived
+(``docs/design.md``, "Each sender's wait").
+
 Sparsifiers that return fewer than ``capacity`` elements are padded with zero values at
 distinct *sink* positions past the end of the staged data, so decoding (a scatter-add of P
 chunks, which needs distinct indices within a chunk) stays one kernel call and the sink is
@@ -50,8 +55,10 @@ from typing import List, Optional, Sequence
 import torch
 
 from .. import ops
+from ..moments import fresh_share
 from ..sparsify import ResidualMemory, Sparsifier
 from .layout import views
+from .wire import code_waits, wait_codes
 
 __all__ = ["DensePart", "SparsePart", "GroupBuffers", "SelectionResult", "nonfinite_count",
            "unpack"]
@@ -64,6 +71,7 @@ class SelectionResult:
     values: torch.Tensor
     indices: torch.Tensor
     per_tensor: Optional[List[int]] = None  # elements selected per tensor, when known on host
+    waits: Optional[torch.Tensor] = None  # this rank's wait per entry, where the wire carries it
 
 
 def unpack(part, gathered: torch.Tensor, nranks: int, record_len: int,
@@ -86,6 +94,12 @@ def _scaled_copy(out: torch.Tensor, part, grads: List[torch.Tensor],
         out.mul_(postscale)
     torch._foreach_copy_(grads, part.out_views)
     return out
+
+
+def fresh_table(momentum: float, device) -> torch.Tensor:
+    """ψ of every wait code (:func:`~ssfusion_hvd.moments.fresh_share` of the wait it
+    stands for) at ``momentum``: a :class:`SparsePart`'s :attr:`~SparsePart.fresh`."""
+    return fresh_share(momentum, code_waits()).to(device=device, dtype=torch.float32)
 
 
 def nonfinite_count(decoded: torch.Tensor) -> int:
@@ -162,7 +176,8 @@ class SparsePart:
     def __init__(self, key: str, tensors: Sequence[int], shapes: Sequence[torch.Size],
                  ks: Sequence[int], mode: str, sparsifiers: Sequence[Sparsifier], offset: int,
                  dtype: torch.dtype, device: torch.device, stage_device: torch.device | None = None,
-                 acc_dtype: torch.dtype | None = None, floors: Sequence[int] | None = None):
+                 acc_dtype: torch.dtype | None = None, floors: Sequence[int] | None = None,
+                 waits: bool = False):
         if mode not in ("segmented", "group", "per_tensor", "buffer"):
             raise ValueError(f"unknown sparse part mode {mode!r}")
         self.key = key
@@ -198,6 +213,21 @@ class SparsePart:
         self.shared_indices = all(sp.shared_indices for sp in self.sparsifiers)
         self.length = self.capacity if self.shared_indices else \
             ops.record_numel(self.capacity, dtype, self.idx_dtype)
+        #: each entry carries its sender's wait (one byte after the record), from which the
+        #: decode computes :attr:`share`. Not for shared indices: every rank sends the same
+        #: elements, so the union's age is every sender's wait.
+        self.waits = bool(waits) and not self.shared_indices
+        #: ψ of each wait code (``moments.fresh_share`` at the momentum in force), float32
+        #: on the decode's device: set by the owner before a decode (:func:`fresh_table`)
+        self.fresh: Optional[torch.Tensor] = None
+        if self.waits:
+            self._codes_at = offset + self.length
+            self._code_span = -(-self.capacity // torch.empty(0, dtype=dtype).element_size())
+            self.length += self._code_span
+            #: the velocity's share of the arrived sum, at the positions the last decode
+            #: touched (finite everywhere; where nothing arrived the gradient is 0)
+            self.share = torch.zeros(self.numel + self.capacity, dtype=torch.float32, device=device)
+            self.share_views = views(self.share, shapes)
         self._sent_indices: Optional[torch.Tensor] = None
         stage_device = device if stage_device is None else stage_device
         pin = stage_device.type == "cpu" and device.type == "cuda" and torch.cuda.is_available()
@@ -232,9 +262,15 @@ class SparsePart:
             elif self.mode == "buffer" and self.sparsifiers[0].exact_topk:
                 got = memory.select_topk_tensors(self.key, grads, self.ks[0], wire_dtype=self.dtype)
             if got is not None:
-                return SelectionResult(got[0], got[1], self._counts())
+                return self._sent(memory, SelectionResult(got[0], got[1], self._counts()))
         self.stage_grads(grads)
         return self.select(memory)
+
+    def _sent(self, memory: ResidualMemory, result: SelectionResult) -> SelectionResult:
+        """``result``, with this rank's wait per entry where the wire carries it."""
+        if self.waits:
+            result.waits = memory.sent_waits(self.key, result.indices)
+        return result
 
     def _group_k(self) -> Optional[int]:
         """The budget of a group part (its tensors' k summed; ``_ks`` holds the floors),
@@ -250,6 +286,9 @@ class SparsePart:
         """Error feedback around the selection: acc = grad + residual; what is not sent
         becomes the new residual (``ResidualMemory``: bit-exact bookkeeping). Exact top-k
         (segmented, or over the buffer) runs fused with the error feedback, one kernel."""
+        return self._sent(memory, self._select(memory))
+
+    def _select(self, memory: ResidualMemory) -> SelectionResult:
         if self.mode in ("segmented", "group"):
             values, indices = memory.select_topk(self.key, self.stage, self._group_k(),
                                                  offsets=self._offsets, ks=self._ks,
@@ -281,9 +320,12 @@ class SparsePart:
         if count > self.capacity:
             raise RuntimeError(f"part {self.key}: selection of {count} exceeds its capacity "
                                f"{self.capacity}")
+        waits = result.waits
         if count < self.capacity:
             values = torch.cat([values, values.new_zeros(self.capacity - count)])
             indices = torch.cat([indices, self._sink[count:]])
+            if waits is not None:
+                waits = torch.cat([waits, waits.new_ones(self.capacity - count)])
         if prescale != 1.0:
             values = values * prescale
         values, indices = values.to(send.device, send.dtype), indices.to(send.device)
@@ -292,6 +334,12 @@ class SparsePart:
             self._sent_indices = indices
             return
         end = ops.pack(values, indices, send, self.offset)
+        if self.waits:
+            end = self._codes_at + self._code_span
+            codes = send.view(torch.uint8)[self._codes_at * send.element_size():
+                                           end * send.element_size()]
+            codes[:self.capacity].copy_(wait_codes(waits.to(send.device)))
+            codes[self.capacity:].zero_()
         if end != self.offset + self.length:
             raise RuntimeError(f"part {self.key}: record ends at {end}, its slot at "
                                f"{self.offset + self.length}")
@@ -309,7 +357,35 @@ class SparsePart:
         else:
             ops.scatter_add_chunks(self.out, gathered, nranks, self.offset, self.capacity,
                                    self.idx_dtype)
+            self._decode_shares(gathered, nranks, record_len)
         return self.out[:self.numel]
+
+    def _decode_shares(self, gathered: torch.Tensor, nranks: int, record_len: int) -> None:
+        """:attr:`share` at the positions the records touch: ``Σ_r v_r·ψ(a_r) / Σ_r v_r``
+        over the ranks' entries there (ψ: ``moments.fresh_share`` of the sender's wait),
+        0 where they sum to exactly 0. Reads the sums from ``out``, so it runs after the
+        records were added into it and before they are scaled or delivered. A ratio, so
+        the optimizer's step may rescale the gradient first (a loss scale, clipping).
+        O(P·capacity), no pass over the part; the weighted values are added one rank at a
+        time (a record's indices are distinct), so the sums run in rank order and every
+        rank gets the same bits, on a GPU too."""
+        if not self.waits:
+            return
+        rows = gathered.view(nranks, record_len)
+        vspan, ispan = ops.record_spans(self.capacity, self.dtype, self.idx_dtype)
+        values = rows[:, self.offset:self.offset + self.capacity]
+        at = self.offset + vspan
+        idx = rows[:, at:at + ispan].clone().view(self.idx_dtype)[:, :self.capacity].long()
+        codes = rows[:, self._codes_at:self._codes_at + self._code_span].contiguous()
+        weighted = self.fresh[codes.view(torch.uint8)[:, :self.capacity].long()] * values
+        self.share.index_fill_(0, idx.reshape(-1), 0.0)
+        for r in range(nranks):
+            self.share.index_add_(0, idx[r], weighted[r])
+        idx = idx.reshape(-1)
+        sums = self.out.index_select(0, idx).float()
+        weighted = self.share.index_select(0, idx)
+        self.share.index_copy_(0, idx, torch.where(sums != 0, weighted / sums,
+                                                   torch.zeros_like(sums)))
 
     def _direct(self, grads: List[torch.Tensor], nranks: int) -> bool:
         """Whether the records are delivered straight into ``grads``: the part has indices,
@@ -345,6 +421,7 @@ class SparsePart:
             self._out_zero = False  # until the records are out of it again
             ops.scatter_add_chunks(self.out, gathered, nranks, self.offset, self.capacity,
                                    self.idx_dtype)
+            self._decode_shares(gathered, nranks, record_len)
             count = ops.deliver_chunks(self.out, grads, gathered, nranks, self.offset,
                                        self.capacity, self.idx_dtype, postscale)
             self._out_zero = True
@@ -389,19 +466,22 @@ class GroupBuffers:
 
 
 def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload_device=None,
-                key_prefix: str = "g", acc_dtype: torch.dtype | None = None) -> GroupBuffers:
+                key_prefix: str = "g", acc_dtype: torch.dtype | None = None,
+                waits: bool = False) -> GroupBuffers:
     """The buffers of ``plan.groups[index]``.
 
     ``shapes`` are the gradient shapes in plan order; ``new_sparsifier(key, i)`` returns the
     sparsifier instance for tensor ``i`` (or for a fusion buffer, with ``i = None``).
     Offloaded tensors (SSFusion-O) get a sparse part each, staged on ``offload_device``.
+    ``waits``: the sparse parts' entries carry their sender's wait (:class:`SparsePart`).
     """
     g = plan.groups[index]
     members = list(g.indices())
     if g.buffer_k is not None:  # multi-tensor: one top-k over the whole fusion buffer
         key = f"{key_prefix}{index}"
         part = SparsePart(key, members, [shapes[i] for i in members], [g.buffer_k], "buffer",
-                          [new_sparsifier(key, None)], 0, dtype, device, acc_dtype=acc_dtype)
+                          [new_sparsifier(key, None)], 0, dtype, device, acc_dtype=acc_dtype,
+                          waits=waits)
         send = torch.empty(part.length, dtype=dtype, device=device)
         return GroupBuffers(index, members, [], None, [], [part], send)
     ar = [i for i in members if not plan.sparse[i] and plan.collective[i] == "allreduce"]
@@ -431,7 +511,7 @@ def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload
             mode, floors = "group", plan.floors(tensors)  # (one tensor: its own k either way)
         part = SparsePart(key, tensors, [shapes[i] for i in tensors], [plan.k[i] for i in tensors],
                           mode, sps, offset, dtype, device, stage_device=on, acc_dtype=acc_dtype,
-                          floors=floors)
+                          floors=floors, waits=waits)
         parts.append(part)
         if on is not None:
             offloaded.append(part)

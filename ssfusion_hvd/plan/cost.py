@@ -141,6 +141,9 @@ class CostModel(JsonFile):
         forward_s: forward time ``A`` (a constant of Cupcake Eq. 1; never changes a plan).
         decode: ``(α_d, β_d)`` of one group's decode, seconds and seconds per byte touched.
         shared_cores: the offload worker runs on the cores backward uses (a CPU-only job).
+        entry_extra: bytes a planned scheme's sparse entry carries beside its value and
+            index (1 with ``scheme_options["waits"]``, the sender's wait; 0 otherwise).
+            Not measured: what the scheme puts on the wire, set for the plan it builds.
     """
 
     world_size: int
@@ -153,6 +156,7 @@ class CostModel(JsonFile):
     notes: dict[str, str] = field(default_factory=dict)
     decode: tuple[float, float] = (0.0, 0.0)
     shared_cores: bool = False
+    entry_extra: int = 0
 
     def __post_init__(self) -> None:
         self.decode = tuple(map(float, self.decode))
@@ -166,6 +170,11 @@ class CostModel(JsonFile):
         self.backward_s = tuple(map(float, self.backward_s))
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+
+    def entry_size(self, numel) -> int:
+        """Bytes of one sparse entry of a planned scheme's tensor (or fusion buffer) of
+        ``numel`` elements: value, index (:func:`index_size`) and :attr:`entry_extra`."""
+        return self.element_size + index_size(numel) + self.entry_extra
 
     # -- the affine costs --------------------------------------------------------------
     def allreduce_s(self, nbytes: float) -> float:

@@ -35,7 +35,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-from .cost import SEGMENTED_SPARSIFIERS, CostModel, index_size, nominal_k
+from .cost import SEGMENTED_SPARSIFIERS, CostModel, nominal_k
 from .plan import ALLGATHER, ALLREDUCE, Group, Plan
 from .timeline import link_start
 
@@ -87,12 +87,12 @@ def _interval_bytes(sizes: np.ndarray, cost: CostModel, sparsification: str, den
         def sent(e: int) -> np.ndarray:
             elems = cum_elems[e + 1:] - cum_elems[e]
             idx = np.where(elems < 2**31, 4, 8)  # index width follows the buffer length
-            return nominal_k(elems, density) * (es + idx)
+            return nominal_k(elems, density) * (es + idx + cost.entry_extra)
         return sent, cost.allgather
     if sparsification == "per_tensor":
         k = nominal_k(sizes, density)
-        idx = np.array([index_size(n) for n in sizes], dtype=np.int64)
-        per_tensor, fit = k * (es + idx), cost.allgather
+        entry = np.array([cost.entry_size(n) for n in sizes], dtype=np.int64)
+        per_tensor, fit = k * entry, cost.allgather
     else:
         per_tensor, fit = sizes * es, cost.allreduce
     cum_bytes = np.concatenate(([0], np.cumsum(per_tensor)))

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from .cost import SEGMENTED_SPARSIFIERS, CostModel, index_size, nominal_k
+from .cost import SEGMENTED_SPARSIFIERS, CostModel, nominal_k
 from .plan import ALLGATHER, ALLREDUCE, Plan
 from .timeline import _run
 
@@ -104,13 +104,13 @@ def select_sparsified(plan: Plan, cost: CostModel, scheme: str = "ssfusion") -> 
                 + cost.select_s(plan.sparsifier, "gpu", [plan.sizes[i] * es for i in chosen])
             for i in sorted(idx, key=lambda j: (plan.sizes[j], j)):
                 cut = saved(i, remaining)
-                dense_extra = plan.sizes[i] * es - k[i] * (es + index_size(plan.sizes[i]))
+                dense_extra = plan.sizes[i] * es - k[i] * cost.entry_size(plan.sizes[i])
                 if compute <= prev_comm or beta_ag * dense_extra > cut:
                     break
                 sparse[i], k[i] = False, plan.sizes[i]
                 remaining, compute = remaining - 1, compute - cut
         prev_comm = cost.allgather_s(sum(
-            k[i] * (es + index_size(plan.sizes[i])) if sparse[i] else plan.sizes[i] * es for i in idx))
+            k[i] * cost.entry_size(plan.sizes[i]) if sparse[i] else plan.sizes[i] * es for i in idx))
     selected = _replace(plan, scheme, sparse=sparse, k=k)
     return compensate_density(selected, cost)
 
@@ -132,7 +132,7 @@ def wire_time(plan: Plan, cost: CostModel) -> float:
     t = 0.0
     for n, sp, k, coll in zip(plan.sizes, plan.sparse, plan.k, plan.collective):
         if sp:
-            t += b_ag * k * (es + index_size(n))
+            t += b_ag * k * cost.entry_size(n)
         else:
             t += (b_ar if coll == ALLREDUCE else b_ag) * n * es
     return t
@@ -143,7 +143,7 @@ def wire_budget(plan: Plan, cost: CostModel) -> float:
     density-aware compensation holds ``plan`` to."""
     _, b_ag = _betas(cost)
     es = cost.element_size
-    return sum(b_ag * int(nominal_k(n, plan.density)) * (es + index_size(n)) for n in plan.sizes)
+    return sum(b_ag * int(nominal_k(n, plan.density)) * cost.entry_size(n) for n in plan.sizes)
 
 
 def _common_k(sizes, sparse, cost: CostModel, available: float):
@@ -154,7 +154,7 @@ def _common_k(sizes, sparse, cost: CostModel, available: float):
     sizes = np.asarray(sizes, dtype=np.int64)
     sparse = np.asarray(sparse, dtype=bool)
     n = sizes[sparse]
-    per = b_ag * np.asarray([es + index_size(int(x)) for x in n], dtype=np.float64)
+    per = b_ag * np.asarray([cost.entry_size(int(x)) for x in n], dtype=np.float64)
     dens = max(available, 0.0) / float((per * n).sum())
     quota = np.minimum(n * dens, n.astype(np.float64))
     k = np.floor(quota).astype(np.int64)

@@ -80,31 +80,34 @@ class Timeline:
     groups: tuple[GroupTimeline, ...]
 
 
-def wire_bytes(plan: Plan, i: int, element_size: int) -> int:
-    """Bytes tensor ``i`` puts into its collective: dense values, or k values + k indices."""
+def wire_bytes(plan: Plan, i: int, element_size: int, entry_extra: int = 0) -> int:
+    """Bytes tensor ``i`` puts into its collective: dense values, or k entries of a
+    value, an index and ``entry_extra`` bytes (``CostModel.entry_extra``)."""
     if not plan.sparse[i]:
         return plan.sizes[i] * element_size
-    return plan.k[i] * (element_size + index_size(plan.sizes[i]))
+    return plan.k[i] * (element_size + index_size(plan.sizes[i]) + entry_extra)
 
 
-def _group_bytes(plan: Plan, gi: int, es: int) -> tuple[int, int]:
+def _group_bytes(plan: Plan, gi: int, es: int, extra: int = 0) -> tuple[int, int]:
     """(allreduce bytes, allgather bytes) one worker contributes for group ``gi``."""
     g = plan.groups[gi]
     if g.buffer_k is not None:
         elems = sum(plan.sizes[g.start:g.end])
-        return 0, g.buffer_k * (es + index_size(elems))
+        return 0, g.buffer_k * (es + index_size(elems) + extra)
     ar = sum(plan.sizes[i] * es for i in g.indices() if plan.collective[i] == ALLREDUCE)
-    ag = sum(wire_bytes(plan, i, es) for i in g.indices() if plan.collective[i] != ALLREDUCE)
+    ag = sum(wire_bytes(plan, i, es, extra) for i in g.indices()
+             if plan.collective[i] != ALLREDUCE)
     return ar, ag
 
 
-def decode_bytes(plan: Plan, gi: int, es: int, world_size: int) -> int:
+def decode_bytes(plan: Plan, gi: int, es: int, world_size: int, entry_extra: int = 0) -> int:
     """Bytes group ``gi``'s decode touches: its output (every tensor of the group, written
     once: copied from the allreduce, summed, or, sparse, zeroed and then written where the
     records point) plus the ``world_size`` gathered records it reads (a sparse part's are
     read twice, to add them and to deliver what they touched; counted once, β prices it)."""
     g = plan.groups[gi]
-    return sum(plan.sizes[g.start:g.end]) * es + world_size * _group_bytes(plan, gi, es)[1]
+    return (sum(plan.sizes[g.start:g.end]) * es
+            + world_size * _group_bytes(plan, gi, es, entry_extra)[1])
 
 
 def link_start(cost: CostModel, check: bool = True) -> float:
@@ -135,7 +138,7 @@ def _run(plan: Plan, cost: CostModel, decide_offload: bool,
         start = compute
         window_end = start + sum(bwd[g.start:g.end])  # SSFusion-O: the group's backward window
         ar_left = sum(1 for i in g.indices() if plan.collective[i] == ALLREDUCE)
-        ar_bytes, ag_bytes = _group_bytes(plan, gi, es)
+        ar_bytes, ag_bytes = _group_bytes(plan, gi, es, cost.entry_extra)
         inline, worker_end = [], None
         packed = 0  # bytes packed when the group is complete (dense allgather part, stages)
         ready = start
@@ -175,7 +178,7 @@ def _run(plan: Plan, cost: CostModel, decide_offload: bool,
     link = link_start(cost, check)
     comm: dict = {}
     for t, _, gi, kind in sorted(submits):
-        ar_bytes, ag_bytes = _group_bytes(plan, gi, es)
+        ar_bytes, ag_bytes = _group_bytes(plan, gi, es, cost.entry_extra)
         begin = max(t, link)
         link = begin + (cost.allreduce_s(ar_bytes) if kind == "ar" else cost.allgather_s(ag_bytes))
         comm[gi, kind] = (begin, link)
@@ -186,7 +189,7 @@ def _run(plan: Plan, cost: CostModel, decide_offload: bool,
         ar_start, ar_end = comm.get((gi, "ar"), (None, None))
         ag_start, ag_end = comm.get((gi, "ag"), (None, None))
         done = max(t for t in (ar_end, ag_end, decoded) if t is not None)
-        decoded = done + cost.decode_s(decode_bytes(plan, gi, es, cost.world_size))
+        decoded = done + cost.decode_s(decode_bytes(plan, gi, es, cost.world_size, cost.entry_extra))
         out.append(GroupTimeline(start, backward_end, ready, ar_start, ar_end, ag_start, ag_end,
                                  decoded))
     timeline = Timeline(max(decoded, cpu), compute, cpu, tuple(out))

@@ -135,6 +135,12 @@ class Scheme:
         their ``p.grad`` holds a synchronized update, which ``step()`` applies itself."""
         return frozenset()
 
+    def shares(self) -> dict:
+        """Per sparsified parameter whose wire carried each sender's wait, the velocity's
+        share of what arrived in the last finished step (``moments.SharedMoments.step``);
+        empty for a scheme without them."""
+        return {}
+
     def reset(self) -> None:
         """Forget submitted-but-unfinished work (used by ``load_state_dict``)."""
 

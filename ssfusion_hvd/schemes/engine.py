@@ -29,8 +29,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..arguments import SPARSE_GRAD_DTYPES
-from ..core.buffers import (DensePart, GroupBuffers, SparsePart, build_group, nonfinite_count,
-                            unpack)
+from ..core.buffers import (DensePart, GroupBuffers, SparsePart, build_group, fresh_table,
+                            nonfinite_count, unpack)
 from ..core.layout import views
 from ..core.offload import OffloadWorker
 from ..core.stats import StepStats
@@ -49,7 +49,7 @@ class PlannedPhase:
     (key: its name) or of a fusion buffer (key: its part's)."""
 
     def __init__(self, plan: Plan, params: Sequence[torch.Tensor], config, transport: Transport,
-                 sparsifier_for: Callable, iteration: int, name: str):
+                 sparsifier_for: Callable, iteration: int, name: str, waits: bool = False):
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
             raise ValueError(f"scheme {name!r} needs every gradient in one dtype on one "
@@ -71,6 +71,13 @@ class PlannedPhase:
         self._sparsifier_for = lambda key, i: sparsifier_for(key if i is None else plan.names[i])
         self._prescale, self._postscale = transport.scales()
         self.memory = config.recipe.make_memory(self.dtype)
+        # each sender's wait on the wire, for SGD's shared moments (docs/design.md, "Each
+        # sender's wait"); the decode's table follows the momentum in force (_fresh)
+        self._waits = waits
+        self._fresh: Optional[tuple] = None  # (momentum, its table)
+        #: per sparsified parameter whose wire carried the senders' waits, the velocity's
+        #: share of what arrived in the last decode (the shared moments' step reads it)
+        self.shares: Dict[torch.Tensor, torch.Tensor] = {}
         self.primed = False
         self._worker: Optional[OffloadWorker] = None
         self._stage: Optional[int] = None
@@ -106,10 +113,15 @@ class PlannedPhase:
         self.groups = [build_group(gi, active, shapes, self.dtype, self.device,
                                    self._sparsifier_for,
                                    offload_device=torch.device("cpu") if offload else None,
-                                   acc_dtype=self.memory.acc_dtype(self.dtype))
+                                   acc_dtype=self.memory.acc_dtype(self.dtype),
+                                   waits=self._waits)
                        for gi in range(len(active.groups))]
         self._sparse = [part for gb in self.groups for part in gb.parts
                         if isinstance(part, SparsePart)]
+        # this stage's share views; :attr:`shares` moves to them at the stage's first decode
+        # (the scheme enters the next stage before step() has read the last one's)
+        self._stage_shares = {self.params[i]: view for part in self._sparse if part.waits
+                              for i, view in zip(part.tensors, part.share_views)}
         for part in self._sparse:
             self.memory.register(part.key, [active.names[i] for i in part.tensors],
                                  [shapes[i] for i in part.tensors], part.stage.device)
@@ -196,6 +208,8 @@ class PlannedPhase:
         t_wait = time.perf_counter()
         cfg, tr = self.config, self.transport
         outputs = []
+        if self._waits:
+            self._set_fresh()
         for gb in self.groups:
             ar, ag = self._pending[gb.index]
             if isinstance(ag, Future):
@@ -213,9 +227,20 @@ class PlannedPhase:
                     outputs.append(unpack(part, gathered, nranks, gb.record_len,
                                           [self.params[i].grad for i in part.tensors],
                                           self._postscale))
+        self.shares = self._stage_shares
         stats = self._stats(iteration, outputs).timed(self._t_first, t_wait, time.perf_counter())
         self.reset()
         return stats
+
+    def _set_fresh(self) -> None:
+        """The decode's ψ table at the momentum the shared moments step with now (a
+        broadcast may have replaced the hyper-parameters since the parts were built)."""
+        recipe = self.config.recipe
+        mu = float(recipe.hparams.get("momentum", 0.0))
+        if self._fresh is None or self._fresh[0] != mu:
+            self._fresh = (mu, fresh_table(mu, self.device) if 0.0 < mu < 1.0 else None)
+        for part in self._sparse:
+            part.fresh = self._fresh[1]
 
     def _stats(self, iteration: int, outputs) -> StepStats:
         results = [self._results[part.key] for part in self._sparse]

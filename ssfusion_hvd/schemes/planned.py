@@ -15,6 +15,7 @@ the cost model, the transport. A subclass only names its planner.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import zlib
 from typing import Dict, Optional
@@ -24,7 +25,7 @@ import torch
 from ..core.transport import Transport, elastic
 from ..plan import CostModel, Plan, build_plan
 from ..sparsify import make_sparsifier
-from .base import Scheme, SyncConfig
+from .base import Option, Scheme, SyncConfig
 from .engine import PlannedPhase
 from .warmup import WarmupPhase
 
@@ -40,6 +41,11 @@ class PlannedScheme(Scheme):
 
     name = "planned"
     planner = ""  # scheme name understood by ssfusion_hvd.plan.build_plan
+    options = {
+        # each sparse entry carries its sender's wait (1 byte), for SGD's shared moments;
+        # opt-in: docs/results.md §2b (4 workers: better on two models, worse on one)
+        "waits": Option(False, lambda v: isinstance(v, bool), "True or False"),
+    }
 
     def __init__(self, config: SyncConfig):
         super().__init__(config)
@@ -89,7 +95,19 @@ class PlannedScheme(Scheme):
         self.close()
         self._sparsifiers = {}
         self._engine = PlannedPhase(plan, params, self.config, self.transport,
-                                    self._sparsifier_for, self._iteration, self.name)
+                                    self._sparsifier_for, self._iteration, self.name,
+                                    waits=self._carries_waits())
+
+    def _carries_waits(self) -> bool:
+        """Whether the sparse entries carry their sender's wait: ``scheme_options["waits"]``
+        with SGD under ``moments="shared"`` (the only rule that reads them). It shapes the
+        allgather, so it is decided from what every rank agrees on (the options, the
+        optimizer's class and the ``moments`` argument: ``check_same_model``'s setup), not
+        from hyper-parameters a broadcast may still replace (an SGD without momentum
+        carries them unread)."""
+        recipe = self.config.recipe
+        return (bool(self.opts["waits"]) and recipe.family == "sgd"
+                and (recipe.options or {}).get("moments") == "shared")
 
     def _sparsifier_for(self, key: str):
         """The sparsifier of a tensor (its name) or a fusion buffer (its part key): one
@@ -105,6 +123,9 @@ class PlannedScheme(Scheme):
         """End of warm-up: measure, plan on rank 0, broadcast (all ranks call this together)."""
         cfg = self.config
         order, self.cost = self._warmup.measure()
+        if self._carries_waits():
+            # the plan prices the wire it will run on: a byte more per sparse entry
+            self.cost = dataclasses.replace(self.cost, entry_extra=1)
         text = None
         if self.transport.rank == 0:
             text = build_plan(self.planner, [p.numel() for p in order], self.cost, cfg.density,
@@ -120,6 +141,9 @@ class PlannedScheme(Scheme):
 
     def sparse_params(self) -> frozenset:
         return self._last_sparse
+
+    def shares(self) -> dict:
+        return {} if self._engine is None or not self._last_sparse else self._engine.shares
 
     def submit(self, p: torch.Tensor) -> None:
         self._phase.submit(p)

@@ -32,6 +32,11 @@ Options (``scheme_options=``), all five:
   the planner takes the plan with the largest shared budgets (one group, or the fastest
   plan's groups without offloading) that the simulator predicts within this share of the
   fastest candidate (``plan/schemes.py: _larger_budgets``). 0: the fastest candidate.
+* ``waits`` (default False; every planned scheme takes it): each sparse entry carries its
+  sender's wait, one byte, and SGD's shared moments catch each rank's value up over its
+  own wait instead of the union's (``docs/design.md``, "Each sender's wait";
+  ``docs/results.md`` §2b has the measurements: better with 4 workers on two models,
+  neutral with 2, worse on a model whose dense training is itself unstable).
 * ``min_k`` (default 0, the paper's planner): a tensor whose top-k at the target density
   would keep fewer elements is sent dense (``plan.keep_small_dense``: norms and biases with
   e.g. 32). Opt-in: the live example jobs measured no accuracy gain from it
@@ -52,6 +57,7 @@ class _SSFusionFamily(PlannedScheme):
     """What the five share: their ``scheme_options``."""
 
     options = {
+        **PlannedScheme.options,
         "min_k": Option(DEFAULT_MIN_K, is_int(0), "an int >= 0 (0: every tensor may be sparsified)"),
         "floor": Option(DEFAULT_GROUP_FLOOR, _is_floor,
                         "None (each tensor its own k) or a share in [0, 1] (the group budget)"),

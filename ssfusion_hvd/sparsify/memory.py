@@ -242,6 +242,10 @@ class ResidualMemory:
         #: registered key's rule state starts (the recipe hands over the wrapped
         #: optimizer's state of tensors that were synchronized densely until now)
         self.seed_from: Optional[Callable] = None
+        #: per key, the clock of :meth:`sent_waits` and each element's clock reading when
+        #: this rank last sent it (int32; keys whose wire carries waits only)
+        self.clock: Dict[str, int] = {}
+        self.sent_at: Dict[str, torch.Tensor] = {}
         self._saved = None  # checkpoint(): the state before the step in flight
         self._shadow: Dict[tuple, torch.Tensor] = {}  # checkpoint()'s copies, reused
 
@@ -402,10 +406,32 @@ class ResidualMemory:
         self.residuals[key] = residual
         self.rule.mask(key, sent.long())
 
+    def sent_waits(self, key: str, indices: torch.Tensor) -> torch.Tensor:
+        """How many steps of gradient each of ``indices`` carries as this rank sends it:
+        the steps since this rank last sent it (1 when it was sent the step before), int32,
+        on the indices' device; from now on they wait again. Call once per selection of
+        ``key``, after it (its residual exists then). An element never sent has waited
+        since the key's first call, or since the checkpoint it was loaded from said.
+
+        This is each sender's own wait, which the shared moments need for SGD's momentum
+        on more than two ranks (``docs/design.md``, "Each sender's wait"); the union's age
+        that every receiver can compute is the shortest of them."""
+        clock = self.clock[key] = self.clock.get(key, 0) + 1
+        last = self.sent_at.get(key)
+        if last is None:
+            last = self.sent_at[key] = torch.zeros(self.residuals[key].numel(), dtype=torch.int32,
+                                                   device=indices.device)
+        idx = indices.long()
+        waits = clock - last.index_select(0, idx)
+        last.index_fill_(0, idx, clock)
+        return waits
+
     # ------------------------------------------------------------------ step transaction
     def _live(self):
-        """Every state tensor, keyed ``(store, key)``: residuals and the rule's buffers."""
+        """Every state tensor, keyed ``(store, key)``: residuals, the rule's buffers and the
+        send clocks."""
         out = {("residual", k): t for k, t in self.residuals.items()}
+        out.update({("sent_at", k): t for k, t in self.sent_at.items()})
         for key, st in self.rule.state.items():
             out.update({(b, key): t for b, t in st.items()})
         return out
@@ -429,7 +455,7 @@ class ResidualMemory:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
         self._saved = (dict(self.residuals), {k: dict(st) for k, st in self.rule.state.items()},
-                       dict(self.rule.steps), live)
+                       dict(self.rule.steps), dict(self.sent_at), dict(self.clock), live)
 
     def restore(self) -> None:
         """Back to the last :meth:`checkpoint` (valid until the next one, so a step can
@@ -437,12 +463,13 @@ class ResidualMemory:
         some) holding the same values; keys a step created are gone."""
         if self._saved is None:
             return
-        residuals, state, steps, live = self._saved
+        residuals, state, steps, sent_at, clock, live = self._saved
         names = list(live)
         if names:
             with torch.no_grad():
                 torch._foreach_copy_([live[n] for n in names], [self._shadow[n] for n in names])
         self.residuals, self.rule.state, self.rule.steps = residuals, state, steps
+        self.sent_at, self.clock = sent_at, clock
         self._saved = None  # (once: the shadows are the state now)
 
     def rescale(self, c) -> None:
@@ -451,7 +478,7 @@ class ResidualMemory:
         this is exact): each tensor times ``c ** power`` (:attr:`LocalRule.units`)."""
         by_power: Dict[int, List[torch.Tensor]] = {}
         for (store, _), t in self._live().items():
-            power = self.rule.units.get(store, 1)
+            power = 0 if store == "sent_at" else self.rule.units.get(store, 1)
             if power:
                 by_power.setdefault(power, []).append(t)
         with torch.no_grad():
@@ -461,11 +488,16 @@ class ResidualMemory:
     # ------------------------------------------------------------------ state
     def named_state(self) -> dict:
         """Residuals and rule buffers split per parameter name (clones), plus the rule's
-        step count per name; only keys given to :meth:`register` are saved."""
-        out = {"rule": self.rule.name, "residuals": {}, "steps": {}}
+        step count per name, and where a key keeps them, each element's wait so far
+        (:meth:`sent_waits`); only keys given to :meth:`register` are saved."""
+        out = {"rule": self.rule.name, "residuals": {}, "steps": {}, "waits": {}}
         for b in self.rule.buffers:
             out[b] = {}
         for key, layout in self._layout.items():
+            if key in self.sent_at:  # a wait is the clock's distance from the last send
+                waited = self.clock[key] - self.sent_at[key]
+                for name, lo, hi, shape in layout:
+                    out["waits"][name] = waited[lo:hi].view(shape).clone()
             stores = [("residuals", self.residuals.get(key))]
             stores += [(b, self.rule.state.get(key, {}).get(b)) for b in self.rule.buffers]
             for store, flat in stores:
@@ -498,6 +530,7 @@ class ResidualMemory:
                              f"optimizer {self.rule.name!r} (see momentum_correction)")
         self.residuals = {}
         self.rule.state, self.rule.steps = {}, {}
+        self.sent_at, self.clock = {}, {}
         for key, layout in self._layout.items():
             names = [n for n, *_ in layout]
             dev = self._device.get(key) or device
@@ -516,6 +549,10 @@ class ResidualMemory:
             r = joined("residuals")
             if r is not None:
                 self.residuals[key] = r.to(dev, self.acc_dtype(r.dtype))
+                w = joined("waits")  # (they go with the residuals they describe)
+                if w is not None:
+                    self.clock[key] = 0
+                    self.sent_at[key] = w.to(dev, torch.int32).neg_()
             bufs = {b: joined(b) for b in self.rule.buffers}
             if self.rule.buffers and all(v is not None for v in bufs.values()):
                 self.rule.state[key] = {b: v.to(dev, self.acc_dtype(v.dtype))

@@ -1,0 +1,217 @@
+"""Each sender's wait on the wire (``scheme_options={"waits": True}``, docs/design.md,
+"Each sender's wait"), piece by piece in one process:
+
+* the one-byte code of a wait;
+* the wait a rank's memory counts per element, through a skipped step and a checkpoint;
+* the decode's share ``Σ_r v_r·ψ(a_r) / Σ_r v_r`` against one written from the records
+  in float64, for every part mode, wire dtype and both decode paths, the gradients bit
+  for bit those of the same part without waits;
+* the shared moments' SGD step given that share against a replay of every sender's
+  burst one step at a time.
+
+``tests/test_moments.py`` runs the whole of it on Horovod workers.
+"""
+import pytest
+import torch
+
+from ssfusion_hvd.core import buffers
+from ssfusion_hvd.core.buffers import SelectionResult, SparsePart, fresh_table, unpack
+from ssfusion_hvd.core.wire import WAIT_EXACT, WAIT_MAX, code_waits, wait_codes
+from ssfusion_hvd.moments import SharedMoments, fresh_share
+from ssfusion_hvd.sparsify import ResidualMemory, make_sparsifier
+
+MU = 0.9
+SHAPES = [torch.Size([30, 20]), torch.Size([1]), torch.Size([5, 7]), torch.Size([200])]
+KS = [24, 1, 6, 10]
+OFFSET = 3  # a dense part's values before the sparse part
+
+
+def test_wait_codes_are_exact_to_16_then_within_2_percent():
+    waits = torch.arange(1, 3 * WAIT_MAX)
+    codes = wait_codes(waits)
+    back = code_waits()[codes.long()]
+    exact = waits <= WAIT_EXACT
+    assert torch.equal(back[exact], waits[exact].double())
+    inside = waits <= WAIT_MAX
+    assert float(((back - waits) / waits)[inside].abs().max()) < 0.02
+    assert torch.equal(codes[~inside], torch.full_like(codes[~inside], 255))  # saturates
+    assert bool((codes[1:].long() >= codes[:-1].long()).all())  # monotone
+
+
+def test_sent_waits_count_each_elements_steps_through_undo_and_checkpoint():
+    mem = ResidualMemory()
+    mem.register("g0.s", ["a", "b"], [torch.Size([4]), torch.Size([2])])
+    grad = torch.zeros(6)
+
+    def send(idx):
+        mem.select_topk("g0.s", grad, 0)  # creates the residual; which k does not matter
+        return mem.sent_waits("g0.s", torch.tensor(idx)).tolist()
+
+    assert send([0, 5]) == [1, 1]  # first step: one step of gradient each
+    assert send([0]) == [1]
+    assert send([1, 5]) == [3, 2]  # 1 never sent: 3 steps; 5 last sent at step 1
+    mem.checkpoint()
+    assert send([1, 2]) == [1, 4]
+    mem.restore()  # the step never happened: the same answer again
+    assert send([1, 2]) == [1, 4]
+    saved = mem.named_state()
+    # steps since each element's last send, after 4 steps
+    assert saved["waits"]["a"].tolist() == [2, 0, 0, 4] and saved["waits"]["b"].tolist() == [4, 1]
+    fresh = ResidualMemory()
+    fresh.register("g0.s", ["a", "b"], [torch.Size([4]), torch.Size([2])])
+    fresh.load_named_state(saved, torch.device("cpu"))
+    fresh.select_topk("g0.s", grad, 0)
+    assert fresh.sent_waits("g0.s", torch.tensor([0, 3, 4, 5])).tolist() == [3, 5, 5, 2]
+    # residuals dropped (e.g. another rank's plan adopted): the waits go with them
+    fresh.load_named_state({"residuals": {}}, torch.device("cpu"))
+    fresh.select_topk("g0.s", grad, 0)
+    assert fresh.sent_waits("g0.s", torch.tensor([0])).tolist() == [1]
+
+
+def _part(mode, dtype, acc, waits):
+    part = _new_part(mode, dtype, acc, waits)
+    part.fresh = fresh_table(MU, "cpu")  # the momentum in force (the engine sets it)
+    return part
+
+
+def _new_part(mode, dtype, acc, waits):
+    dev = torch.device("cpu")
+    if mode == "buffer":
+        return SparsePart("g0.s", range(len(SHAPES)), SHAPES, [sum(KS)], "buffer",
+                          [make_sparsifier("topk")], OFFSET, dtype, dev, acc_dtype=acc, waits=waits)
+    sps = [make_sparsifier("topk" if mode != "per_tensor" else "dgc", **(
+        {} if mode != "per_tensor" else {"seed": 3})) for _ in SHAPES]
+    floors = [1] * len(SHAPES) if mode == "group" else None
+    return SparsePart("g0.s", range(len(SHAPES)), SHAPES, KS, mode, sps, OFFSET, dtype, dev,
+                      acc_dtype=acc, floors=floors, waits=waits)
+
+
+def _records(part, nranks, seed):
+    """Every rank's selection (distinct positions, a few records short of capacity so
+    they pad into the sink, values that cancel somewhere across ranks) and its waits."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(nranks):
+        k = part.capacity - r % 2
+        idx = torch.randperm(part.numel, generator=g)[:k].sort().values
+        idx[0] = 7  # every rank sends position 7 ...
+        idx = idx.unique()
+        vals = torch.randn(idx.numel(), generator=g).to(part.dtype)
+        vals[0] = [1.5, -1.5, 0.0][min(r, 2)]  # ... and it sums to exactly 0
+        waits = torch.randint(1, 40, (idx.numel(),), generator=g, dtype=torch.int32)
+        waits[1] = 300 + r  # beyond the exact codes
+        out.append((vals, idx.to(part.idx_dtype), waits))
+    return out
+
+
+def _decode(part, records, monkeypatch, direct, postscale=0.5):
+    monkeypatch.setattr(buffers, "DIRECT_MAX_SHARE", 1.0 if direct else 0.0)
+    record_len = OFFSET + part.length
+    sends = []
+    for vals, idx, waits in records:
+        send = torch.full((record_len,), 2.0, dtype=part.dtype)
+        part.pack(SelectionResult(vals, idx, waits=waits if part.waits else None), send, 1.0)
+        sends.append(send)
+    grads = [torch.full(s, -9.0, dtype=part.dtype) for s in SHAPES]
+    unpack(part, torch.cat(sends), len(records), record_len, grads, postscale)
+    return grads
+
+
+def _expected_share(part, records):
+    """The weighted share in float64 over the sums as the decode's output holds them (in
+    its accumulation dtype: the gradient it is a share of)."""
+    num = torch.zeros(part.numel, dtype=torch.float64)
+    den = torch.zeros(part.numel, dtype=part.acc_dtype)
+    for vals, idx, waits in records:
+        a = code_waits()[wait_codes(waits).long()]
+        num.index_add_(0, idx.long(), vals.double() * fresh_share(MU, a))
+        den.index_add_(0, idx.long(), vals.to(part.acc_dtype))
+    den = den.double()
+    touched = torch.zeros(part.numel, dtype=torch.bool)
+    for _, idx, _ in records:
+        touched[idx.long()] = True
+    return torch.where(den != 0, num / den, torch.zeros_like(num)), touched, den
+
+
+@pytest.mark.parametrize("mode", ["segmented", "group", "buffer", "per_tensor"])
+@pytest.mark.parametrize("dtype,acc", [(torch.float32, None), (torch.bfloat16, torch.float32),
+                                       (torch.float16, None)])
+@pytest.mark.parametrize("nranks", [1, 3])
+@pytest.mark.parametrize("direct", [True, False])
+def test_decode_share_is_the_weighted_fresh_share_of_the_senders(mode, dtype, acc, nranks,
+                                                                 direct, monkeypatch):
+    part = _part(mode, dtype, acc, waits=True)
+    plain = _part(mode, dtype, acc, waits=False)
+    assert part.waits and part.length > plain.length
+    for step in range(2):  # the second decode must not see the first one's positions
+        records = _records(part, nranks, seed=100 * step + nranks)
+        grads = _decode(part, records, monkeypatch, direct)
+        for g, ref in zip(grads, _decode(plain, records, monkeypatch, direct)):
+            assert torch.equal(g.view(torch.uint8), ref.view(torch.uint8))  # same gradients
+        want, touched, den = _expected_share(part, records)
+        got = part.share[:part.numel].double()
+        # where the records sum to exactly 0 (position 7 on 2 ranks) the share is 0;
+        # where they nearly cancel the ratio is ill-conditioned in float32 sums
+        well = touched & (den.abs() > 1e-3)
+        torch.testing.assert_close(got[well], want[well], rtol=2e-5, atol=1e-6)
+        if nranks > 1:
+            assert den[7] == 0 and got[7] == 0
+        assert bool(torch.isfinite(part.share).all())
+    if nranks == 1 and mode == "segmented":  # one rank: the share of its own wait, exactly
+        vals, idx, waits = records[0]
+        a = code_waits()[wait_codes(waits).long()]
+        nz = vals != 0
+        torch.testing.assert_close(part.share[idx.long()][nz].double(),
+                                   fresh_share(MU, a)[nz], rtol=1e-6, atol=0)
+
+
+def test_random_k_parts_carry_no_waits():
+    """Shared indices: every rank sends the same elements, the union's age is exact."""
+    part = SparsePart("g0.s", [0], [torch.Size([50])], [5], "per_tensor",
+                      [make_sparsifier("randomk", seed=1)], 0, torch.float32,
+                      torch.device("cpu"), waits=True)
+    assert part.shared_indices and not part.waits
+
+
+@pytest.mark.parametrize("damp,nesterov", [(0.0, False), (0.3, False), (0.0, True)])
+def test_step_with_shares_replays_every_senders_burst(damp, nesterov):
+    """Rank r sends v_r after waiting a_r steps: a_r steps of v_r / a_r in its velocity,
+    replayed one at a time in float64, summed over the ranks and averaged; the shared
+    moments' one step given S = mean v_r and the share of the waits must land there."""
+    g = torch.Generator().manual_seed(5)
+    n, nranks = 64, 4
+    v = torch.randn(nranks, n, generator=g)
+    a = torch.randint(1, 30, (nranks, n), generator=g).double()
+    v[:, :8] = 0  # nothing arrived at the first 8 elements
+    v[1:, 8:16] = 0  # one sender only
+    w0 = torch.randn(n, generator=g)
+    u0 = torch.randn(n, generator=g)
+    S = v.sum(0) / nranks
+    share = torch.where(S != 0, (v.double() * fresh_share(MU, a)).sum(0) / (v.double().sum(0)),
+                        torch.zeros(n, dtype=torch.float64))
+
+    p = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.SGD([p], lr=0.1, momentum=MU, dampening=damp, nesterov=nesterov)
+    opt.state[p]["momentum_buffer"] = u0.clone()
+    p.grad = S.clone()
+    moments = SharedMoments("momentum", {"momentum": MU, "dampening": damp, "nesterov": nesterov})
+    moments.step(opt, opt.param_groups[0], [p], {p: share.float()})
+
+    # the replay: this step decays the velocity and moves by it; each sender's burst adds
+    # what its a_r steps of (1 − d)·v_r/(a_r·P) did to the velocity and the parameter
+    tail = u0.double() * MU
+    moved = tail.clone()
+    added = torch.zeros(n, dtype=torch.float64)
+    for r in range(nranks):
+        gr = (1 - damp) * v[r].double() / (a[r] * nranks)
+        gu = torch.zeros(n, dtype=torch.float64)
+        for j in range(int(a[r].max())):
+            live = (a[r] > j) & (v[r] != 0)
+            gu = torch.where(live, MU * gu + gr, gu)
+            moved += torch.where(live, gu, torch.zeros_like(gu))
+        added += gu
+    if nesterov:  # each step moves by g + μ·u_j
+        moved = MU * moved + S.double()
+    torch.testing.assert_close(p.detach().double(), w0.double() - 0.1 * moved, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"].double(), tail + added,
+                               rtol=1e-5, atol=1e-6)
