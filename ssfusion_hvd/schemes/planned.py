@@ -43,7 +43,7 @@ class PlannedScheme(Scheme):
     planner = ""  # scheme name understood by ssfusion_hvd.plan.build_plan
     options = {
         # each sparse entry carries its sender's wait (1 byte), for SGD's shared moments;
-        # opt-in: docs/results.md §2b (4 workers: better on two models, worse on one)
+        # opt-in for now: docs/results.md §2b (4 workers: better; 2: neutral)
         "waits": Option(False, lambda v: isinstance(v, bool), "True or False"),
     }
 
