@@ -165,6 +165,26 @@ def test_decode_share_is_the_weighted_fresh_share_of_the_senders(mode, dtype, ac
                                    fresh_share(MU, a)[nz], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_non_finite_decode_leaves_every_share_finite(direct, monkeypatch):
+    """A step whose records hold NaN and Inf is skipped (GradScaler), but its positions
+    keep their share until a record touches them again, and there the share multiplies a
+    zero gradient: it must be finite, or 0·NaN would reach the velocity."""
+    part = _part("segmented", torch.float32, None, waits=True)
+    records = _records(part, 3, seed=7)
+    records[0][0][2] = float("nan")
+    records[1][0][3] = float("inf")
+    _decode(part, records, monkeypatch, direct)
+    assert bool(torch.isfinite(part.share).all())
+    p = torch.nn.Parameter(torch.ones(part.numel))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=MU)
+    p.grad = torch.zeros(part.numel)  # the next step: nothing arrived anywhere
+    SharedMoments("momentum", {"momentum": MU}).step(opt, opt.param_groups[0], [p],
+                                                     {p: part.share[:part.numel]})
+    assert bool(torch.isfinite(opt.state[p]["momentum_buffer"]).all())
+    assert torch.equal(p.detach(), torch.ones(part.numel))
+
+
 def test_random_k_parts_carry_no_waits():
     """Shared indices: every rank sends the same elements, the union's age is exact."""
     part = SparsePart("g0.s", [0], [torch.Size([50])], [5], "per_tensor",

@@ -363,7 +363,10 @@ class SparsePart:
     def _decode_shares(self, gathered: torch.Tensor, nranks: int, record_len: int) -> None:
         """:attr:`share` at the positions the records touch: ``Σ_r v_r·ψ(a_r) / Σ_r v_r``
         over the ranks' entries there (ψ: ``moments.fresh_share`` of the sender's wait),
-        0 where they sum to exactly 0. Reads the sums from ``out``, so it runs after the
+        0 where they sum to exactly 0 or the ratio is not finite (a step whose records hold
+        NaN/Inf is skipped, but its positions keep their share until touched again, and a
+        share multiplies a zero gradient there: it must stay finite, or 0·NaN would reach
+        the velocity). Reads the sums from ``out``, so it runs after the
         records were added into it and before they are scaled or delivered. A ratio, so
         the optimizer's step may rescale the gradient first (a loss scale, clipping).
         O(P·capacity), no pass over the part; the weighted values are added one rank at a
@@ -383,9 +386,9 @@ class SparsePart:
             self.share.index_add_(0, idx[r], weighted[r])
         idx = idx.reshape(-1)
         sums = self.out.index_select(0, idx).float()
-        weighted = self.share.index_select(0, idx)
-        self.share.index_copy_(0, idx, torch.where(sums != 0, weighted / sums,
-                                                   torch.zeros_like(sums)))
+        ratio = self.share.index_select(0, idx).div_(sums)
+        keep = (sums != 0) & torch.isfinite(ratio)
+        self.share.index_copy_(0, idx, torch.where(keep, ratio, torch.zeros_like(ratio)))
 
     def _direct(self, grads: List[torch.Tensor], nranks: int) -> bool:
         """Whether the records are delivered straight into ``grads``: the part has indices,

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_SPARSIFY",
     "SEGMENTED_SPARSIFIERS",
     "default_backward_times",
+    "entry_bytes",
     "index_size",
     "nominal_k",
     "parse_bandwidth",
@@ -94,6 +95,12 @@ def nominal_k(numel, density: float):
     k = np.ceil(np.asarray(numel, dtype=np.float64) * density - 1e-9)
     k = np.minimum(np.maximum(k, 1.0), numel).astype(np.int64)
     return int(k) if k.ndim == 0 else k
+
+
+def entry_bytes(numel, element_size: int, extra: int = 0) -> int:
+    """Bytes of one sparse entry of a tensor (or fusion buffer) of ``numel`` elements: its
+    value, its index (:func:`index_size`) and ``extra`` (``CostModel.entry_extra``)."""
+    return element_size + index_size(numel) + extra
 
 
 def index_size(numel) -> int:
@@ -174,7 +181,7 @@ class CostModel(JsonFile):
     def entry_size(self, numel) -> int:
         """Bytes of one sparse entry of a planned scheme's tensor (or fusion buffer) of
         ``numel`` elements: value, index (:func:`index_size`) and :attr:`entry_extra`."""
-        return self.element_size + index_size(numel) + self.entry_extra
+        return entry_bytes(numel, self.element_size, self.entry_extra)
 
     # -- the affine costs --------------------------------------------------------------
     def allreduce_s(self, nbytes: float) -> float:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import CostModel, index_size
+from .cost import CostModel, entry_bytes
 from .plan import ALLREDUCE, Plan
 
 __all__ = ["CHECK_BYTES", "GroupTimeline", "Timeline", "decode_bytes", "simulate", "wire_bytes"]
@@ -85,7 +85,7 @@ def wire_bytes(plan: Plan, i: int, element_size: int, entry_extra: int = 0) -> i
     value, an index and ``entry_extra`` bytes (``CostModel.entry_extra``)."""
     if not plan.sparse[i]:
         return plan.sizes[i] * element_size
-    return plan.k[i] * (element_size + index_size(plan.sizes[i]) + entry_extra)
+    return plan.k[i] * entry_bytes(plan.sizes[i], element_size, entry_extra)
 
 
 def _group_bytes(plan: Plan, gi: int, es: int, extra: int = 0) -> tuple[int, int]:
@@ -93,7 +93,7 @@ def _group_bytes(plan: Plan, gi: int, es: int, extra: int = 0) -> tuple[int, int
     g = plan.groups[gi]
     if g.buffer_k is not None:
         elems = sum(plan.sizes[g.start:g.end])
-        return 0, g.buffer_k * (es + index_size(elems) + extra)
+        return 0, g.buffer_k * entry_bytes(elems, es, extra)
     ar = sum(plan.sizes[i] * es for i in g.indices() if plan.collective[i] == ALLREDUCE)
     ag = sum(wire_bytes(plan, i, es, extra) for i in g.indices()
              if plan.collective[i] != ALLREDUCE)
