@@ -24,14 +24,20 @@ LIMIT = {
     "zen_adamw": dict(scheme="zen", optimizer="adamw", density=1.0),
     "zen_sgd_nesterov": dict(scheme="zen", optimizer="sgd", density=1.0, nesterov=True),
     "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=1.0, plan="all_sparse"),
-    "planned_sgd": dict(scheme="ssfusion_oi", optimizer="sgd", density=1.0, plan="all_sparse"),
+    "planned_sgd": dict(scheme="ssfusion_oi", optimizer="sgd", density=1.0, plan="all_sparse",
+                        waits=False),
     "planned_sgd_waits": dict(scheme="ssfusion_oi", optimizer="sgd", density=1.0,
                               plan="all_sparse", waits=True),
+    "planned_sgd_auto": dict(scheme="ssfusion_oi", optimizer="sgd", density=1.0,
+                             plan="all_sparse"),
 }
 SPARSE = {
     "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05, plan="all_sparse",
                          steps=8),
     "planned_sgd_damp": dict(scheme="ssfusion_oi", optimizer="sgd_damp", density=0.05,
+                             plan="all_sparse", steps=8, waits=False),
+    # the default, waits="auto", carries no waits on 2 ranks: the union's age, exactly
+    "planned_sgd_auto": dict(scheme="ssfusion_oi", optimizer="sgd", density=0.05,
                              plan="all_sparse", steps=8),
     "zen_sgd_nesterov": dict(scheme="zen", optimizer="sgd", density=0.05, nesterov=True, steps=8),
     "per_tensor_adamw": dict(scheme="per_tensor", optimizer="adamw", density=0.05, steps=8,
@@ -77,6 +83,19 @@ def test_dense_limit_is_the_optimizer_on_the_averaged_gradient(limit_runs, name)
                 torch.testing.assert_close(r["steps"][s]["after"][n], p.detach(), rtol=1e-5,
                                            atol=1e-6, msg=lambda m: f"{name} step {s} {n}: {m}")
     assert sparse_steps == len(ranks[0]["steps"]), "every step must go through the sparse path"
+
+
+def _carried_waits(run) -> bool:
+    """Whether a run's wire carried its senders' waits (their counters are saved then)."""
+    return any(bool(st["waits"]) for st in run["steps"])
+
+
+def test_waits_auto_carries_them_from_three_ranks(limit_runs, sparse_runs):
+    on_4 = {name: _carried_waits(limit_runs[0][name]) for name in LIMIT if "sgd" in name}
+    assert on_4 == {"planned_sgd": False, "planned_sgd_waits": True,
+                    "planned_sgd_auto": True, "zen_sgd_nesterov": False}
+    assert not _carried_waits(sparse_runs[0]["planned_sgd_auto"])  # 2 ranks
+    assert _carried_waits(sparse_runs[0]["planned_sgd_waits"])
 
 
 def _reference(kind, group, w, S, age, state, sparse):

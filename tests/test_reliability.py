@@ -182,7 +182,7 @@ def test_scheme_options_are_validated_and_agreed_on_every_rank():
         assert "scheme 'per_tensor' has no option 'min_k'" in m["min_k_baseline"]
         assert "('min_k', 32)" in m["min_k_differs"] and "setup differs" in m["min_k_differs"]
         assert m["min_k_same"] is None
-        assert "option 'waits' must be True or False, got 1" in m["waits_bad"]
+        assert "option 'waits' must be 'auto', True or False, got 1" in m["waits_bad"]
         assert "scheme 'zen' has no option 'waits'" in m["waits_zen"]
         assert "('waits', True)" in m["waits_differs"] and "setup differs" in m["waits_differs"]
         assert m["waits_same"] is None

@@ -185,6 +185,21 @@ def test_a_non_finite_decode_leaves_every_share_finite(direct, monkeypatch):
     assert torch.equal(p.detach(), torch.ones(part.numel))
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_part_without_momentum_decodes_its_waits_unread(direct, monkeypatch):
+    """SGD without momentum (or before a broadcast gives it one): no table, no share, and
+    the gradients are those of a part without waits. Found by 4 workers under the default
+    waits="auto" with plain SGD."""
+    part = _new_part("segmented", torch.float32, None, waits=True)
+    plain = _new_part("segmented", torch.float32, None, waits=False)
+    assert part.waits and part.fresh is None
+    records = _records(part, 3, seed=11)
+    for g, ref in zip(_decode(part, records, monkeypatch, direct),
+                      _decode(plain, records, monkeypatch, direct)):
+        assert torch.equal(g, ref)
+    assert not bool(part.share.any())
+
+
 def test_random_k_parts_carry_no_waits():
     """Shared indices: every rank sends the same elements, the union's age is exact."""
     part = SparsePart("g0.s", [0], [torch.Size([50])], [5], "per_tensor",

@@ -28,7 +28,7 @@ class TanhNet(nn.Module):
 
 
 def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=1e-3,
-           nesterov=False, waits=False):
+           nesterov=False, waits=None):
     torch.manual_seed(7)  # identical initial weights on every rank
     model = TanhNet()
     named = sorted(model.named_parameters())
@@ -46,7 +46,7 @@ def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=
         inner, named_parameters=model.named_parameters(), scheme=scheme, density=density,
         warmup_steps=2, profile=profile("topk"), plan=plan, log_plan=False,
         density_warmup_steps=density_warmup, moments="shared",
-        scheme_options={"waits": True} if waits else None)
+        scheme_options=None if waits is None else {"waits": waits})
     out = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * hvd.rank() + step)  # noisy: a batch per rank

@@ -371,8 +371,9 @@ class SparsePart:
         the optimizer's step may rescale the gradient first (a loss scale, clipping).
         O(P·capacity), no pass over the part; the weighted values are added one rank at a
         time (a record's indices are distinct), so the sums run in rank order and every
-        rank gets the same bits, on a GPU too."""
-        if not self.waits:
+        rank gets the same bits, on a GPU too. Nothing without a :attr:`fresh` table
+        (an SGD without momentum: no velocity reads a share)."""
+        if not self.waits or self.fresh is None:
             return
         rows = gathered.view(nranks, record_len)
         vspan, ispan = ops.record_spans(self.capacity, self.dtype, self.idx_dtype)

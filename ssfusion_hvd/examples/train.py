@@ -86,7 +86,7 @@ def parse_args(argv=None):
                    help="SSFusion schemes and auto: scheme_options['slack'], how much slower "
                         "(predicted) a plan with larger shared budgets may be (default: the "
                         "scheme's)")
-    p.add_argument("--waits", choices=("on", "off"), default=None,
+    p.add_argument("--waits", choices=("on", "off", "auto"), default=None,
                    help="planned schemes: scheme_options['waits'], each sparse entry carries its "
                         "sender's wait for SGD's shared moments (default: the scheme's)")
     p.add_argument("--plan", default=None,
@@ -209,7 +209,7 @@ def main(argv=None):
         recipe["moments"] = args.moments
     # --min-k goes to the schemes that take it (the demo's dense comparison run does not)
     options = options_for(args.scheme, min_k=args.min_k, slack=args.slack,
-                          waits=None if args.waits is None else args.waits == "on")
+                          waits={None: None, "auto": "auto", "on": True, "off": False}[args.waits])
     if args.floor is not None and options_for(args.scheme, floor=0.0):  # a scheme that takes it
         options = dict(options or {}, floor=None if args.floor == "none" else float(args.floor))
     # mixed precision as users train: autocast on the device and, for float16, a

@@ -29,7 +29,13 @@ from .base import Option, Scheme, SyncConfig
 from .engine import PlannedPhase
 from .warmup import WarmupPhase
 
-__all__ = ["PlannedScheme"]
+__all__ = ["PlannedScheme", "WAITS_MIN_RANKS"]
+
+#: ``waits="auto"`` carries the senders' waits from this many ranks on. With 2 ranks the
+#: union's age and each sender's differ little (neutral on six 2-worker cells, at 8 %
+#: more bytes); with 4 the union's age is about a quarter of each value's wait (GRU +4.2
+#: points, MLP +1.2; docs/recipe.md "Whose wait"); the replica gained at 3 and 8 too.
+WAITS_MIN_RANKS = 3
 
 
 def _load(obj, cls):
@@ -43,8 +49,10 @@ class PlannedScheme(Scheme):
     planner = ""  # scheme name understood by ssfusion_hvd.plan.build_plan
     options = {
         # each sparse entry carries its sender's wait (1 byte), for SGD's shared moments;
-        # opt-in for now: docs/results.md §2b (4 workers: better; 2: neutral)
-        "waits": Option(False, lambda v: isinstance(v, bool), "True or False"),
+        # "auto": from WAITS_MIN_RANKS ranks on (docs/results.md §2b: 4 workers better,
+        # 2 neutral at 8 % more bytes)
+        "waits": Option("auto", lambda v: isinstance(v, bool) or v == "auto",
+                        "'auto', True or False"),
     }
 
     def __init__(self, config: SyncConfig):
@@ -100,13 +108,19 @@ class PlannedScheme(Scheme):
 
     def _carries_waits(self) -> bool:
         """Whether the sparse entries carry their sender's wait: ``scheme_options["waits"]``
-        with SGD under ``moments="shared"`` (the only rule that reads them). It shapes the
-        allgather, so it is decided from what every rank agrees on (the options, the
-        optimizer's class and the ``moments`` argument: ``check_same_model``'s setup), not
-        from hyper-parameters a broadcast may still replace (an SGD without momentum
+        (True, or "auto" with at least ``WAITS_MIN_RANKS`` ranks) with SGD under
+        ``moments="shared"`` (the only rule that reads them). It shapes the allgather, so
+        it is decided from what every rank agrees on (the options, the optimizer's class
+        and the ``moments`` argument: ``check_same_model``'s setup; the process set's size),
+        not from hyper-parameters a broadcast may still replace (an SGD without momentum
         carries them unread)."""
         recipe = self.config.recipe
-        return (bool(self.opts["waits"]) and recipe.family == "sgd"
+        wanted = self.opts["waits"]
+        if wanted == "auto":
+            # the process set's size: the same on every rank, and remade with the plan
+            # when an elastic reset changes it
+            wanted = self.transport.size >= WAITS_MIN_RANKS
+        return (wanted and recipe.family == "sgd"
                 and (recipe.options or {}).get("moments") == "shared")
 
     def _sparsifier_for(self, key: str):
