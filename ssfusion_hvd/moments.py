@@ -31,11 +31,13 @@ the same state without communicating.
 
 The union's age is the shortest wait of the senders: on P ranks an element one rank sends
 every step while the others hold it for 50 arrives with age 1, and SGD's velocity takes
-the 50-step burst as one step's gradient. With ``scheme_options={"waits": True}`` the
-planned schemes carry each sender's own wait beside its entry (one byte) and their decode
-hands :meth:`SharedMoments.step` the velocity's share of what arrived
-(``Σ_r v_r·ψ(a_r) / Σ_r v_r``, :func:`fresh_share`), which it uses instead of the union's
-(``docs/design.md``, "Each sender's wait"). Adam keeps the union's age.
+the 50-step burst as one step's gradient. With ``scheme_options["waits"]`` the planned
+schemes carry each sender's own wait beside its entry (one byte) and their decode hands
+:meth:`SharedMoments.step` per element the shares of what arrived that the rule needs
+(:func:`share_table`, weighted by the senders' values), which it uses instead of the
+union's age: SGD the velocity's share ``Σ_r v_r·ψ(a_r) / Σ_r v_r``; Adam the same at β1
+for its first moment and the mean rate ``Σ_r v_r/a_r / Σ_r v_r`` for its second
+(``docs/design.md``, "Each sender's wait").
 """
 from __future__ import annotations
 
@@ -43,7 +45,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-__all__ = ["SharedMoments", "fresh_share"]
+__all__ = ["SharedMoments", "fresh_share", "share_table", "SHARE_ROWS"]
+
+#: per rule family, the shares of a decode with each sender's wait (:func:`share_table`)
+SHARE_ROWS = {"sgd": 1, "adam": 2}
 
 
 def fresh_share(momentum: float, a):
@@ -55,6 +60,20 @@ def fresh_share(momentum: float, a):
     if isinstance(a, torch.Tensor):
         return (1.0 - torch.pow(mu, a)) / (a * (1.0 - mu))
     return (1.0 - mu ** a) / (a * (1.0 - mu))
+
+
+def share_table(kind: str, hparams: dict, waits: torch.Tensor) -> Optional[torch.Tensor]:
+    """Per wait in ``waits``, what a sender's value that waited that long weighs in each
+    share the rule ``kind`` reads (rows, ``len(waits)``), float64; None where no rule reads
+    one (SGD without momentum, or no correction). ``"momentum"``: ψ at μ (the velocity's
+    share). ``"adam"``: ψ at β1 (the first moment's share) and 1/a (the rate: a value that
+    waited ``a`` steps is ``a`` steps of ``v/a``)."""
+    a = waits.double()
+    if kind == "momentum" and 0.0 < float(hparams.get("momentum", 0.0)) < 1.0:
+        return fresh_share(hparams["momentum"], a)[None]
+    if kind == "adam":
+        return torch.stack([fresh_share(hparams["betas"][0], a), 1.0 / a])
+    return None
 
 
 class SharedMoments:
@@ -79,10 +98,11 @@ class SharedMoments:
         average of this step) and their state in ``optimizer.state``. Decoupled weight
         decay is the caller's (it applies to every element every step).
 
-        ``shares`` (SGD only): for tensors whose wire carried each sender's wait, the
-        velocity's share of this step's gradient per element (:func:`fresh_share` of
-        the senders' waits, weighted by their values; the scheme's decode computes it),
-        used instead of the share of the union's age."""
+        ``shares``: for tensors whose wire carried each sender's wait, per element the
+        shares of this step's gradient the decode computed (shape ``(rows, *p.shape)``,
+        :func:`share_table`'s rows weighted by the senders' values), used instead of the
+        union's age. SGD then needs no age; Adam still ages every element (its second
+        moment's gain is the union's)."""
         grads = [p.grad.float() for p in params]
         shares = shares or {}
         if self.kind == "adam" or not shares:
@@ -94,14 +114,12 @@ class SharedMoments:
         if ages:
             torch._foreach_add_(ages, 1.0)
         if self.kind == "adam":
-            # the arrived burst as one step's gradient, g = S/a; 0 where nothing arrived
-            # (every rank sees the same synchronized tensor, so every rank takes the same
-            # elements; an exact zero sum counts as none)
-            update = self._adam(optimizer, group, params, torch._foreach_div(grads, ages), ages)
+            update = self._adam(optimizer, group, params, grads, ages,
+                                [shares.get(p) for p in params])
         else:
             share = iter(self.fresh_shares(ages) if ages else [])
             update = self._momentum(optimizer, params, grads,
-                                    [shares[p] if p in shares else next(share) for p in params])
+                                    [shares[p][0] if p in shares else next(share) for p in params])
         _foreach_add_cast(params, update, -float(group["lr"]))
         # the arrived elements start waiting again: age·(1 - |sign S|)
         if ages:
@@ -110,15 +128,15 @@ class SharedMoments:
             torch._foreach_sub_(arrived, 1.0)
             torch._foreach_mul_(ages, torch._foreach_neg(arrived))
 
-    def fresh_shares(self, ages: List[torch.Tensor]) -> List[torch.Tensor]:
-        """:func:`fresh_share` of each element's age (SGD's momentum)."""
-        mu = self.hparams["momentum"]
+    def fresh_shares(self, ages: List[torch.Tensor], mu: Optional[float] = None) -> List[torch.Tensor]:
+        """:func:`fresh_share` of each element's age at ``mu`` (default SGD's momentum)."""
+        mu = self.hparams["momentum"] if mu is None else mu
         out = _one_minus_pow(mu, ages)
         torch._foreach_div_(out, ages)
         torch._foreach_div_(out, 1.0 - mu)
         return out
 
-    def _adam(self, optimizer, group, params, mean, ages):
+    def _adam(self, optimizer, group, params, grads, ages, given):
         b1, b2 = self.hparams["betas"]
         eps = self.hparams["eps"]
         m, v, steps = [], [], []
@@ -133,21 +151,27 @@ class SharedMoments:
             v.append(st["exp_avg_sq"])
             steps.append(float(st["step"]))
         m32, v32 = _as_float(m), _as_float(v)
-        # Every element takes this step's decay (Adam with a zero gradient); an arrived one
-        # adds the gradient part of a steps of g: m ← β1·m + (1 − β1^a)·g, v alike with g²
-        gains1 = _one_minus_pow(b1, ages)
-        for moment, beta, x, gain in ((m32, b1, mean, gains1),
-                                      (v32, b2, torch._foreach_mul(mean, mean),
-                                       _one_minus_pow(b2, ages))):
-            torch._foreach_mul_(moment, beta)
-            torch._foreach_addcmul_(moment, x, gain)
+        # What arrived, S, is a steps of S/a (per sender, its own a). Of those steps' first
+        # moment increments, the share s1 = ψ_β1(a) is still in m, the rest already moved
+        # the parameter; its second moment sees the rate r = S/a per step. By the union's
+        # age a, or the senders' weighted shares where the wire carried their waits:
+        #   m ← β1·m + (1 − β1)·S·s1      (= β1·m + (1 − β1^a)·S/a for one age)
+        #   v ← β2·v + (1 − β2^a)·r²
+        #   numerator: m + S·(1 − s1)     (what S/a added to m in the a − 1 steps skipped)
+        # Every element takes this step's decay (Adam with a zero gradient); S = 0 adds 0.
+        own = iter(self.fresh_shares(ages, b1))
+        inv = iter(torch._foreach_reciprocal(ages))
+        s1 = [g[0] if g is not None else next(own) for g in given]
+        rate = torch._foreach_mul(grads, [g[1] if g is not None else next(inv) for g in given])
+        torch._foreach_mul_(m32, b1)
+        torch._foreach_addcmul_(m32, grads, s1, value=1.0 - b1)
+        torch._foreach_mul_(v32, b2)
+        torch._foreach_addcmul_(v32, torch._foreach_mul(rate, rate), _one_minus_pow(b2, ages))
         _copy_back(m, m32)
         _copy_back(v, v32)
-        # numerator: this step's m plus what g added to the first moment in the a − 1 steps
-        # the element skipped, g·(a − (1 − β1^a)/(1 − β1)); 0 extra where nothing arrived
-        catch = torch._foreach_div(gains1, -(1.0 - b1))
-        torch._foreach_add_(catch, ages)
-        num = torch._foreach_addcmul(m32, mean, catch)
+        rest = torch._foreach_neg(s1)
+        torch._foreach_add_(rest, 1.0)
+        num = torch._foreach_addcmul(m32, grads, rest)
         denom = torch._foreach_sqrt(v32)
         torch._foreach_div_(denom, [(1.0 - b2 ** t) ** 0.5 for t in steps])
         torch._foreach_add_(denom, eps)

@@ -23,7 +23,10 @@ LIMIT = {
     "zen_adam": dict(scheme="zen", optimizer="adam", density=1.0),
     "zen_adamw": dict(scheme="zen", optimizer="adamw", density=1.0),
     "zen_sgd_nesterov": dict(scheme="zen", optimizer="sgd", density=1.0, nesterov=True),
-    "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=1.0, plan="all_sparse"),
+    "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=1.0, plan="all_sparse",
+                         waits=False),
+    "planned_adam_waits": dict(scheme="ssfusion_oi", optimizer="adam", density=1.0,
+                               plan="all_sparse"),
     "planned_sgd": dict(scheme="ssfusion_oi", optimizer="sgd", density=1.0, plan="all_sparse",
                         waits=False),
     "planned_sgd_waits": dict(scheme="ssfusion_oi", optimizer="sgd", density=1.0,
@@ -33,7 +36,12 @@ LIMIT = {
 }
 SPARSE = {
     "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05, plan="all_sparse",
-                         steps=8),
+                         steps=8, waits=False),
+    # Adam's default, waits="auto", carries them from 2 ranks
+    "planned_adam_waits": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
+                               plan="all_sparse", steps=8),
+    "per_tensor_adamw_waits": dict(scheme="per_tensor", optimizer="adamw", density=0.05,
+                                   steps=8, density_warmup=3, waits=True),
     "planned_sgd_damp": dict(scheme="ssfusion_oi", optimizer="sgd_damp", density=0.05,
                              plan="all_sparse", steps=8, waits=False),
     # the default, waits="auto", carries no waits on 2 ranks: the union's age, exactly
@@ -41,7 +49,7 @@ SPARSE = {
                              plan="all_sparse", steps=8),
     "zen_sgd_nesterov": dict(scheme="zen", optimizer="sgd", density=0.05, nesterov=True, steps=8),
     "per_tensor_adamw": dict(scheme="per_tensor", optimizer="adamw", density=0.05, steps=8,
-                             density_warmup=3),
+                             density_warmup=3, waits=False),
     "planned_sgd_waits": dict(scheme="ssfusion_oi", optimizer="sgd", density=0.05,
                               plan="all_sparse", steps=8, waits=True),
     "multi_tensor_sgd_waits": dict(scheme="multi_tensor", optimizer="sgd_damp", density=0.05,
@@ -90,12 +98,15 @@ def _carried_waits(run) -> bool:
     return any(bool(st["waits"]) for st in run["steps"])
 
 
-def test_waits_auto_carries_them_from_three_ranks(limit_runs, sparse_runs):
+def test_waits_auto_carries_them_from_three_ranks_sgd_two_adam(limit_runs, sparse_runs):
     on_4 = {name: _carried_waits(limit_runs[0][name]) for name in LIMIT if "sgd" in name}
     assert on_4 == {"planned_sgd": False, "planned_sgd_waits": True,
                     "planned_sgd_auto": True, "zen_sgd_nesterov": False}
     assert not _carried_waits(sparse_runs[0]["planned_sgd_auto"])  # 2 ranks
     assert _carried_waits(sparse_runs[0]["planned_sgd_waits"])
+    # Adam's second moment feels the senders' waits on 2 ranks already
+    assert _carried_waits(sparse_runs[0]["planned_adam_waits"])
+    assert not _carried_waits(sparse_runs[0]["planned_adam"])
 
 
 def _reference(kind, group, w, S, age, state, sparse):
@@ -103,35 +114,47 @@ def _reference(kind, group, w, S, age, state, sparse):
     takes the optimizer's step with a zero gradient (its moments decay and move it); one
     that arrived after ``a`` steps also gets the gradient part of ``a`` steps of
     ``g = S / a``, replayed one step at a time."""
-    w, S = w.double().clone(), S.double()
+    S = S.double()
     age = (age.double() if age is not None else torch.zeros_like(S)) + 1
-    hit = S != 0
-    g = torch.where(hit, S / age, torch.zeros_like(S))
-    n = int(age[hit].max()) if bool(hit.any()) else 0
+    if kind == "adam":
+        w, new = _adam_reference(group, w.double(), [(S, age)], state, age)
+    else:
+        w, new = _momentum_reference(group, w.double(), [(S, age)], state)
+    age[S != 0] = 0
+    return w, new, age
+
+
+def _adam_reference(group, w, sources, state, age):
+    """Adam's step for one tensor, element by element, from ``sources`` (as
+    :func:`_momentum_reference`'s): each burst replayed as ``a_r`` steps of ``S_r / a_r``
+    in the first moment (the last step's part stays in it, the earlier ones moved the
+    parameter: over this step's denominator); the second moment takes the summed rate
+    ``Σ_r S_r / a_r`` as ``age`` steps of it (the union's age, which is one source's
+    ``a_r`` without waits: then this is ``a`` steps of ``g = S / a`` exactly)."""
+    b1, b2 = group["betas"]
     lr = group["lr"]
     if group.get("decoupled_weight_decay"):
-        w.mul_(1 - lr * group["weight_decay"])
-    if kind == "adam":
-        b1, b2 = group["betas"]
-        m = state.get("exp_avg", torch.zeros_like(S)).double().clone() * b1
-        v = state.get("exp_avg_sq", torch.zeros_like(S)).double().clone() * b2
-        t = float(state.get("step", 0)) + 1
-        gm = torch.zeros_like(S)  # what g added to m after j of the a steps
-        gv = torch.zeros_like(S)
-        gm_sum = torch.zeros_like(S)
-        for j in range(n):
-            live = hit & (age > j)
+        w = w * (1 - lr * group["weight_decay"])
+    m = state.get("exp_avg", torch.zeros_like(w)).double().clone() * b1
+    v = state.get("exp_avg_sq", torch.zeros_like(w)).double().clone() * b2
+    t = float(state.get("step", 0)) + 1
+    rate, skipped, hit = torch.zeros_like(w), torch.zeros_like(w), torch.zeros_like(w, dtype=torch.bool)
+    for S_r, a_r in sources:
+        S_r, a_r = S_r.double(), a_r.double()
+        mine = S_r != 0
+        g = torch.where(mine, S_r / a_r, torch.zeros_like(S_r))
+        gm = torch.zeros_like(S_r)  # what g added to m after j of the a steps
+        for j in range(int(a_r[mine].max()) if bool(mine.any()) else 0):
+            live = mine & (a_r > j)
+            skipped += torch.where(live, gm, torch.zeros_like(gm))
             gm = torch.where(live, b1 * gm + (1 - b1) * g, gm)
-            gv = torch.where(live, b2 * gv + (1 - b2) * g * g, gv)
-            gm_sum += torch.where(live, gm, torch.zeros_like(gm))
-        m, v = m + gm, v + gv
-        upd = ((m + gm_sum - gm) / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
-        w -= lr * upd
-        new = {"exp_avg": m, "exp_avg_sq": v, "step": t}
-    else:
-        w, new = _momentum_reference(group, w, [(S, age)], state)
-    age[hit] = 0
-    return w, new, age
+        m += gm
+        rate += g
+        hit |= mine
+    hit &= sum(S_r.double() for S_r, _ in sources) != 0  # an exact zero sum: none arrived
+    v += torch.where(hit, (1 - b2 ** age.double()) * rate * rate, torch.zeros_like(v))
+    upd = ((m + skipped) / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
+    return w - lr * upd, {"exp_avg": m, "exp_avg_sq": v, "step": t}
 
 
 def _momentum_reference(group, w, sources, state):
@@ -163,9 +186,10 @@ def _senders(ranks, s, n, group):
     it waited for it: its error-compensated gradient (residual, own gradient, coupled
     weight decay) where it sent (its wait is 0 after the step), over P."""
     out = []
+    coupled = 0.0 if group.get("decoupled_weight_decay") else group["weight_decay"]
     for r in ranks:
         st, nxt = r["steps"][s], r["steps"][s + 1]
-        local = st["local"][n] + group["weight_decay"] * st["before"][n]
+        local = st["local"][n] + coupled * st["before"][n]
         acc = st["residuals"].get(n, torch.zeros_like(local)) + local
         sent = nxt["waits"][n] == 0
         waited = st["waits"].get(n, torch.zeros_like(local, dtype=torch.int32)) + 1
@@ -201,8 +225,14 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
         for n in st0["sparse"]:
             if "waits" in name:  # each sender's own burst
                 senders = _senders(ranks, s, n, group)
-                w, state = _momentum_reference(group, st0["before"][n].double(), senders,
-                                               st0["own"].get(n, {}))
+                if kind == "adam":  # (its second moment's gain: the union's age)
+                    age = st0["ages"].get(n)
+                    age = (age.double() if age is not None else torch.zeros_like(senders[0][0])) + 1
+                    w, state = _adam_reference(group, st0["before"][n].double(), senders,
+                                               st0["own"].get(n, {}), age)
+                else:
+                    w, state = _momentum_reference(group, st0["before"][n].double(), senders,
+                                                   st0["own"].get(n, {}))
                 late_arrivals += sum(int(((S != 0) & (a > 1)).sum()) for S, a in senders)
                 # the senders' waits differ where the union's age would have been wrong
                 differ = (senders[0][1] != senders[1][1]) & (senders[0][0] != 0) & (senders[1][0] != 0)

@@ -3,11 +3,11 @@
 
 * the one-byte code of a wait;
 * the wait a rank's memory counts per element, through a skipped step and a checkpoint;
-* the decode's share ``Σ_r v_r·ψ(a_r) / Σ_r v_r`` against one written from the records
-  in float64, for every part mode, wire dtype and both decode paths, the gradients bit
-  for bit those of the same part without waits;
-* the shared moments' SGD step given that share against a replay of every sender's
-  burst one step at a time.
+* the decode's shares ``Σ_r v_r·w(a_r) / Σ_r v_r`` (SGD: w = ψ at μ; Adam: ψ at β1 and
+  1/a) against ones written from the records in float64, for every part mode, wire dtype
+  and both decode paths, the gradients bit for bit those of the same part without waits;
+* the shared moments' SGD and Adam steps given those shares against a replay of every
+  sender's burst one step at a time.
 
 ``tests/test_moments.py`` runs the whole of it on Horovod workers.
 """
@@ -17,10 +17,12 @@ import torch
 from ssfusion_hvd.core import buffers
 from ssfusion_hvd.core.buffers import SelectionResult, SparsePart, fresh_table, unpack
 from ssfusion_hvd.core.wire import WAIT_EXACT, WAIT_MAX, code_waits, wait_codes
-from ssfusion_hvd.moments import SharedMoments, fresh_share
+from ssfusion_hvd.moments import SHARE_ROWS, SharedMoments, fresh_share, share_table
 from ssfusion_hvd.sparsify import ResidualMemory, make_sparsifier
 
 MU = 0.9
+BETAS = (0.8, 0.95)
+RULES = {"sgd": ("momentum", {"momentum": MU}), "adam": ("adam", {"betas": BETAS, "eps": 1e-8})}
 SHAPES = [torch.Size([30, 20]), torch.Size([1]), torch.Size([5, 7]), torch.Size([200])]
 KS = [24, 1, 6, 10]
 OFFSET = 3  # a dense part's values before the sparse part
@@ -68,9 +70,10 @@ def test_sent_waits_count_each_elements_steps_through_undo_and_checkpoint():
     assert fresh.sent_waits("g0.s", torch.tensor([0])).tolist() == [1]
 
 
-def _part(mode, dtype, acc, waits):
-    part = _new_part(mode, dtype, acc, waits)
-    part.fresh = fresh_table(MU, "cpu")  # the momentum in force (the engine sets it)
+def _part(mode, dtype, acc, waits, family="sgd"):
+    part = _new_part(mode, dtype, acc, SHARE_ROWS[family] if waits else 0)
+    if waits:  # the rule in force (the engine sets it)
+        part.fresh = fresh_table(*RULES[family], "cpu")
     return part
 
 
@@ -117,14 +120,17 @@ def _decode(part, records, monkeypatch, direct, postscale=0.5):
     return grads
 
 
-def _expected_share(part, records):
-    """The weighted share in float64 over the sums as the decode's output holds them (in
-    its accumulation dtype: the gradient it is a share of)."""
-    num = torch.zeros(part.numel, dtype=torch.float64)
+def _expected_share(part, records, family="sgd"):
+    """The weighted shares in float64 over the sums as the decode's output holds them (in
+    its accumulation dtype: the gradient they are shares of)."""
+    rows = SHARE_ROWS[family]
+    num = torch.zeros(rows, part.numel, dtype=torch.float64)
     den = torch.zeros(part.numel, dtype=part.acc_dtype)
     for vals, idx, waits in records:
         a = code_waits()[wait_codes(waits).long()]
-        num.index_add_(0, idx.long(), vals.double() * fresh_share(MU, a))
+        weights = [fresh_share(MU, a)] if family == "sgd" else [fresh_share(BETAS[0], a), 1 / a]
+        for row, w in enumerate(weights):
+            num[row].index_add_(0, idx.long(), vals.double() * w)
         den.index_add_(0, idx.long(), vals.to(part.acc_dtype))
     den = den.double()
     touched = torch.zeros(part.numel, dtype=torch.bool)
@@ -138,9 +144,10 @@ def _expected_share(part, records):
                                        (torch.float16, None)])
 @pytest.mark.parametrize("nranks", [1, 3])
 @pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("family", ["sgd", "adam"])
 def test_decode_share_is_the_weighted_fresh_share_of_the_senders(mode, dtype, acc, nranks,
-                                                                 direct, monkeypatch):
-    part = _part(mode, dtype, acc, waits=True)
+                                                                 direct, family, monkeypatch):
+    part = _part(mode, dtype, acc, waits=True, family=family)
     plain = _part(mode, dtype, acc, waits=False)
     assert part.waits and part.length > plain.length
     for step in range(2):  # the second decode must not see the first one's positions
@@ -148,21 +155,22 @@ def test_decode_share_is_the_weighted_fresh_share_of_the_senders(mode, dtype, ac
         grads = _decode(part, records, monkeypatch, direct)
         for g, ref in zip(grads, _decode(plain, records, monkeypatch, direct)):
             assert torch.equal(g.view(torch.uint8), ref.view(torch.uint8))  # same gradients
-        want, touched, den = _expected_share(part, records)
-        got = part.share[:part.numel].double()
+        want, touched, den = _expected_share(part, records, family)
+        got = part.share[:, :part.numel].double()
+        assert got.shape[0] == SHARE_ROWS[family]
         # where the records sum to exactly 0 (position 7 on 2 ranks) the share is 0;
         # where they nearly cancel the ratio is ill-conditioned in float32 sums
         well = touched & (den.abs() > 1e-3)
-        torch.testing.assert_close(got[well], want[well], rtol=2e-5, atol=1e-6)
+        torch.testing.assert_close(got[:, well], want[:, well], rtol=2e-5, atol=1e-6)
         if nranks > 1:
-            assert den[7] == 0 and got[7] == 0
+            assert den[7] == 0 and not got[:, 7].any()
         assert bool(torch.isfinite(part.share).all())
-    if nranks == 1 and mode == "segmented":  # one rank: the share of its own wait, exactly
+    if nranks == 1 and mode == "segmented":  # one rank: the weights of its own wait, exactly
         vals, idx, waits = records[0]
         a = code_waits()[wait_codes(waits).long()]
         nz = vals != 0
-        torch.testing.assert_close(part.share[idx.long()][nz].double(),
-                                   fresh_share(MU, a)[nz], rtol=1e-6, atol=0)
+        torch.testing.assert_close(part.share[:, idx.long()][:, nz].double(),
+                                   share_table(*RULES[family], a)[:, nz], rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -180,7 +188,7 @@ def test_a_non_finite_decode_leaves_every_share_finite(direct, monkeypatch):
     opt = torch.optim.SGD([p], lr=0.1, momentum=MU)
     p.grad = torch.zeros(part.numel)  # the next step: nothing arrived anywhere
     SharedMoments("momentum", {"momentum": MU}).step(opt, opt.param_groups[0], [p],
-                                                     {p: part.share[:part.numel]})
+                                                     {p: part.share[:, :part.numel]})
     assert bool(torch.isfinite(opt.state[p]["momentum_buffer"]).all())
     assert torch.equal(p.detach(), torch.ones(part.numel))
 
@@ -230,7 +238,7 @@ def test_step_with_shares_replays_every_senders_burst(damp, nesterov):
     opt.state[p]["momentum_buffer"] = u0.clone()
     p.grad = S.clone()
     moments = SharedMoments("momentum", {"momentum": MU, "dampening": damp, "nesterov": nesterov})
-    moments.step(opt, opt.param_groups[0], [p], {p: share.float()})
+    moments.step(opt, opt.param_groups[0], [p], {p: share.float()[None]})
 
     # the replay: this step decays the velocity and moves by it; each sender's burst adds
     # what its a_r steps of (1 − d)·v_r/(a_r·P) did to the velocity and the parameter
@@ -250,3 +258,61 @@ def test_step_with_shares_replays_every_senders_burst(damp, nesterov):
     torch.testing.assert_close(p.detach().double(), w0.double() - 0.1 * moved, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(opt.state[p]["momentum_buffer"].double(), tail + added,
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_step_with_shares_replays_every_senders_burst(decoupled):
+    """Adam: rank r's v_r after a_r steps is a_r steps of v_r/(a_r·P) in the first moment,
+    replayed one at a time in float64 (the part still in m, and the rest that moved the
+    parameter in the steps skipped); the second moment takes the summed rate
+    Σ_r v_r/(a_r·P) over the union's age. The shared moments' one step given S = mean v_r
+    and the decode's two shares must land there, the union's age advanced as without."""
+    g = torch.Generator().manual_seed(6)
+    n, nranks = 64, 3
+    b1, b2 = BETAS
+    v = torch.randn(nranks, n, generator=g)
+    a = torch.randint(1, 30, (nranks, n), generator=g).double()
+    v[:, :8] = 0  # nothing arrived at the first 8 elements
+    v[1:, 8:16] = 0  # one sender only
+    union = torch.randint(0, 5, (n,), generator=g).float()  # ages before this step
+    w0, m0 = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    v0 = torch.rand(n, generator=g)
+    S = v.sum(0) / nranks
+    table = share_table(*RULES["adam"], a.reshape(-1)).view(2, nranks, n)
+    shares = torch.where(S != 0, (v.double() * table).sum(1) / v.double().sum(0),
+                         torch.zeros(2, n, dtype=torch.float64))
+
+    p = torch.nn.Parameter(w0.clone())
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = cls([p], lr=0.01, betas=BETAS, weight_decay=0.0)
+    opt.state[p].update(exp_avg=m0.clone(), exp_avg_sq=v0.clone(), step=torch.tensor(4.0))
+    p.grad = S.clone()
+    moments = SharedMoments("adam", {"betas": BETAS, "eps": 1e-8})
+    moments.ages[p] = union.clone()
+    moments.step(opt, opt.param_groups[0], [p], {p: shares.float()})
+
+    # the replay: each sender's a_r steps of its rate; what they added to m, step by step,
+    # either is still in m (the last step's) or moved the parameter in a skipped step
+    m = m0.double() * b1
+    extra = torch.zeros(n, dtype=torch.float64)
+    rate = torch.zeros(n, dtype=torch.float64)
+    for r in range(nranks):
+        gr = v[r].double() / (a[r] * nranks)
+        rate += gr
+        gm = torch.zeros(n, dtype=torch.float64)
+        for j in range(int(a[r].max())):
+            live = (a[r] > j) & (v[r] != 0)
+            extra += torch.where(live, gm, torch.zeros_like(gm))  # moved a skipped step
+            gm = torch.where(live, b1 * gm + (1 - b1) * gr, gm)
+        m += gm  # the last step's stays in m
+    age = union.double() + 1
+    v1 = v0.double() * b2 + torch.where(S != 0, (1 - b2 ** age) * rate ** 2, torch.zeros(n, dtype=torch.float64))
+    t = 5
+    # this step's first moment and the skipped steps' contributions, over this step's
+    # denominator (the rule's catch-up)
+    num = m + extra
+    upd = (num / (1 - b1 ** t)) / ((v1 / (1 - b2 ** t)).sqrt() + 1e-8)
+    torch.testing.assert_close(opt.state[p]["exp_avg"].double(), m, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.state[p]["exp_avg_sq"].double(), v1, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(p.detach().double(), w0.double() - 0.01 * upd, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(moments.ages[p], torch.where(S != 0, torch.zeros(n), union + 1))

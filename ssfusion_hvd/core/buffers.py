@@ -28,10 +28,10 @@ A part whose sparsifiers select the same indices on every rank (random-k: its se
 shared) sends ``capacity`` values and no indices; decode sums them over the ranks at the
 positions this rank selected.
 
-With ``waits`` (SGD's shared moments, ``scheme_options={"waits": True}``) a part's record
-is followed by one byte per entry, its sender's wait (``core/wire.wait_codes``), and the
-decode also computes :attr:`SparsePart.share`, the velocity's share of what arrived
-(``docs/design.md``, "Each sender's wait").
+With ``waits`` (the shared moments, ``scheme_options["waits"]``) a part's record is
+followed by one byte per entry, its sender's wait (``core/wire.wait_codes``), and the
+decode also computes :attr:`SparsePart.share`, the shares of what arrived that the
+moments' rule reads (``moments.share_table``; ``docs/design.md``, "Each sender's wait").
 
 Sparsifiers that return fewer than ``capacity`` elements are padded with zero values at
 distinct *sink* positions past the end of the staged data, so decoding (a scatter-add of P
@@ -55,7 +55,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .. import ops
-from ..moments import fresh_share
+from ..moments import share_table
 from ..sparsify import ResidualMemory, Sparsifier
 from .layout import views
 from .wire import code_waits, wait_codes
@@ -96,10 +96,12 @@ def _scaled_copy(out: torch.Tensor, part, grads: List[torch.Tensor],
     return out
 
 
-def fresh_table(momentum: float, device) -> torch.Tensor:
-    """ψ of every wait code (:func:`~ssfusion_hvd.moments.fresh_share` of the wait it
-    stands for) at ``momentum``: a :class:`SparsePart`'s :attr:`~SparsePart.fresh`."""
-    return fresh_share(momentum, code_waits()).to(device=device, dtype=torch.float32)
+def fresh_table(kind: str, hparams: dict, device) -> Optional[torch.Tensor]:
+    """:func:`~ssfusion_hvd.moments.share_table` of every wait code (the wait it stands
+    for), float32 on ``device``: a :class:`SparsePart`'s :attr:`~SparsePart.fresh`;
+    None where the rule reads no share."""
+    table = share_table(kind, hparams, code_waits())
+    return None if table is None else table.to(device=device, dtype=torch.float32)
 
 
 def nonfinite_count(decoded: torch.Tensor) -> int:
@@ -177,7 +179,7 @@ class SparsePart:
                  ks: Sequence[int], mode: str, sparsifiers: Sequence[Sparsifier], offset: int,
                  dtype: torch.dtype, device: torch.device, stage_device: torch.device | None = None,
                  acc_dtype: torch.dtype | None = None, floors: Sequence[int] | None = None,
-                 waits: bool = False):
+                 waits: int = 0):
         if mode not in ("segmented", "group", "per_tensor", "buffer"):
             raise ValueError(f"unknown sparse part mode {mode!r}")
         self.key = key
@@ -214,20 +216,25 @@ class SparsePart:
         self.length = self.capacity if self.shared_indices else \
             ops.record_numel(self.capacity, dtype, self.idx_dtype)
         #: each entry carries its sender's wait (one byte after the record), from which the
-        #: decode computes :attr:`share`. Not for shared indices: every rank sends the same
-        #: elements, so the union's age is every sender's wait.
-        self.waits = bool(waits) and not self.shared_indices
-        #: ψ of each wait code (``moments.fresh_share`` at the momentum in force), float32
-        #: on the decode's device: set by the owner before a decode (:func:`fresh_table`)
+        #: decode computes ``waits`` shares (rows of :attr:`share`; True: one). Not for
+        #: shared indices: every rank sends the same elements, so the union's age is every
+        #: sender's wait.
+        self.waits = 0 if self.shared_indices else int(waits)
+        #: per share, what each wait code weighs (``moments.share_table`` of the rule and
+        #: hyper-parameters in force; rows, 256), float32 on the decode's device: set by
+        #: the owner before a decode (:func:`fresh_table`)
         self.fresh: Optional[torch.Tensor] = None
         if self.waits:
             self._codes_at = offset + self.length
             self._code_span = -(-self.capacity // torch.empty(0, dtype=dtype).element_size())
             self.length += self._code_span
-            #: the velocity's share of the arrived sum, at the positions the last decode
+            #: the shares of the arrived sum (rows), at the positions the last decode
             #: touched (finite everywhere; where nothing arrived the gradient is 0)
-            self.share = torch.zeros(self.numel + self.capacity, dtype=torch.float32, device=device)
-            self.share_views = views(self.share, shapes)
+            self.share = torch.zeros(self.waits, self.numel + self.capacity,
+                                     dtype=torch.float32, device=device)
+            #: per tensor, its shares, shape (rows, *shape)
+            self.share_views = [self.share[:, lo:hi].view(self.waits, *shape) for lo, hi, shape
+                                in zip(self.bounds, self.bounds[1:], shapes)]
         self._sent_indices: Optional[torch.Tensor] = None
         stage_device = device if stage_device is None else stage_device
         pin = stage_device.type == "cpu" and device.type == "cuda" and torch.cuda.is_available()
@@ -361,35 +368,39 @@ class SparsePart:
         return self.out[:self.numel]
 
     def _decode_shares(self, gathered: torch.Tensor, nranks: int, record_len: int) -> None:
-        """:attr:`share` at the positions the records touch: ``Σ_r v_r·ψ(a_r) / Σ_r v_r``
-        over the ranks' entries there (ψ: ``moments.fresh_share`` of the sender's wait),
-        0 where they sum to exactly 0 or the ratio is not finite (a step whose records hold
-        NaN/Inf is skipped, but its positions keep their share until touched again, and a
-        share multiplies a zero gradient there: it must stay finite, or 0·NaN would reach
-        the velocity). Reads the sums from ``out``, so it runs after the
+        """:attr:`share` at the positions the records touch: per row of :attr:`fresh`
+        (``w``: a sender's wait's weight), ``Σ_r v_r·w(a_r) / Σ_r v_r`` over the ranks'
+        entries there; 0 where they sum to exactly 0 or the ratio is not finite (a step
+        whose records hold NaN/Inf is skipped, but its positions keep their shares until
+        touched again, and a share multiplies a zero gradient there: it must stay finite,
+        or 0·NaN would reach the moments). Reads the sums from ``out``, so it runs after the
         records were added into it and before they are scaled or delivered. A ratio, so
         the optimizer's step may rescale the gradient first (a loss scale, clipping).
         O(P·capacity), no pass over the part; the weighted values are added one rank at a
         time (a record's indices are distinct), so the sums run in rank order and every
         rank gets the same bits, on a GPU too. Nothing without a :attr:`fresh` table
-        (an SGD without momentum: no velocity reads a share)."""
+        (an SGD without momentum: no rule reads a share)."""
         if not self.waits or self.fresh is None:
             return
+        if self.fresh.shape[0] != self.waits:
+            raise RuntimeError(f"part {self.key}: {self.fresh.shape[0]} share tables for "
+                               f"{self.waits} shares")
         rows = gathered.view(nranks, record_len)
         vspan, ispan = ops.record_spans(self.capacity, self.dtype, self.idx_dtype)
         values = rows[:, self.offset:self.offset + self.capacity]
         at = self.offset + vspan
         idx = rows[:, at:at + ispan].clone().view(self.idx_dtype)[:, :self.capacity].long()
         codes = rows[:, self._codes_at:self._codes_at + self._code_span].contiguous()
-        weighted = self.fresh[codes.view(torch.uint8)[:, :self.capacity].long()] * values
-        self.share.index_fill_(0, idx.reshape(-1), 0.0)
+        # (shares, ranks, capacity)
+        weighted = self.fresh[:, codes.view(torch.uint8)[:, :self.capacity].long()] * values
+        self.share.index_fill_(1, idx.reshape(-1), 0.0)
         for r in range(nranks):
-            self.share.index_add_(0, idx[r], weighted[r])
+            self.share.index_add_(1, idx[r], weighted[:, r])
         idx = idx.reshape(-1)
         sums = self.out.index_select(0, idx).float()
-        ratio = self.share.index_select(0, idx).div_(sums)
+        ratio = self.share.index_select(1, idx).div_(sums)
         keep = (sums != 0) & torch.isfinite(ratio)
-        self.share.index_copy_(0, idx, torch.where(keep, ratio, torch.zeros_like(ratio)))
+        self.share.index_copy_(1, idx, torch.where(keep, ratio, torch.zeros_like(ratio)))
 
     def _direct(self, grads: List[torch.Tensor], nranks: int) -> bool:
         """Whether the records are delivered straight into ``grads``: the part has indices,
@@ -471,13 +482,14 @@ class GroupBuffers:
 
 def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload_device=None,
                 key_prefix: str = "g", acc_dtype: torch.dtype | None = None,
-                waits: bool = False) -> GroupBuffers:
+                waits: int = 0) -> GroupBuffers:
     """The buffers of ``plan.groups[index]``.
 
     ``shapes`` are the gradient shapes in plan order; ``new_sparsifier(key, i)`` returns the
     sparsifier instance for tensor ``i`` (or for a fusion buffer, with ``i = None``).
     Offloaded tensors (SSFusion-O) get a sparse part each, staged on ``offload_device``.
-    ``waits``: the sparse parts' entries carry their sender's wait (:class:`SparsePart`).
+    ``waits``: the sparse parts' entries carry their sender's wait, from which their decode
+    computes that many shares (:class:`SparsePart`; 0: none).
     """
     g = plan.groups[index]
     members = list(g.indices())

@@ -136,9 +136,9 @@ class Scheme:
         return frozenset()
 
     def shares(self) -> dict:
-        """Per sparsified parameter whose wire carried each sender's wait, the velocity's
-        share of what arrived in the last finished step (``moments.SharedMoments.step``);
-        empty for a scheme without them."""
+        """Per sparsified parameter whose wire carried each sender's wait, the shares of
+        what arrived in the last finished step that the shared moments' rule reads
+        (``moments.share_table``, ``SharedMoments.step``); empty for a scheme without them."""
         return {}
 
     def reset(self) -> None:

@@ -49,7 +49,7 @@ class PlannedPhase:
     (key: its name) or of a fusion buffer (key: its part's)."""
 
     def __init__(self, plan: Plan, params: Sequence[torch.Tensor], config, transport: Transport,
-                 sparsifier_for: Callable, iteration: int, name: str, waits: bool = False):
+                 sparsifier_for: Callable, iteration: int, name: str, waits: int = 0):
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
             raise ValueError(f"scheme {name!r} needs every gradient in one dtype on one "
@@ -71,12 +71,13 @@ class PlannedPhase:
         self._sparsifier_for = lambda key, i: sparsifier_for(key if i is None else plan.names[i])
         self._prescale, self._postscale = transport.scales()
         self.memory = config.recipe.make_memory(self.dtype)
-        # each sender's wait on the wire, for SGD's shared moments (docs/design.md, "Each
-        # sender's wait"); the decode's table follows the momentum in force (_fresh)
+        # each sender's wait on the wire, for the shared moments (docs/design.md, "Each
+        # sender's wait"): the decode computes `waits` shares, its tables follow the rule
+        # and hyper-parameters in force (_set_fresh)
         self._waits = waits
-        self._fresh: Optional[tuple] = None  # (momentum, its table)
-        #: per sparsified parameter whose wire carried the senders' waits, the velocity's
-        #: share of what arrived in the last decode (the shared moments' step reads it)
+        self._fresh: Optional[tuple] = None  # (rule, hyper-parameters, their tables)
+        #: per sparsified parameter whose wire carried the senders' waits, the shares of
+        #: what arrived in the last decode, (rows, *shape) (the shared moments' step reads them)
         self.shares: Dict[torch.Tensor, torch.Tensor] = {}
         self.primed = False
         self._worker: Optional[OffloadWorker] = None
@@ -233,14 +234,14 @@ class PlannedPhase:
         return stats
 
     def _set_fresh(self) -> None:
-        """The decode's ψ table at the momentum the shared moments step with now (a
-        broadcast may have replaced the hyper-parameters since the parts were built)."""
+        """The decode's share tables for the rule and hyper-parameters the shared moments
+        step with now (a broadcast may have replaced them since the parts were built)."""
         recipe = self.config.recipe
-        mu = float(recipe.hparams.get("momentum", 0.0))
-        if self._fresh is None or self._fresh[0] != mu:
-            self._fresh = (mu, fresh_table(mu, self.device) if 0.0 < mu < 1.0 else None)
+        key = (recipe.kind, sorted(recipe.hparams.items()))
+        if self._fresh is None or self._fresh[:2] != key:
+            self._fresh = (*key, fresh_table(recipe.kind, recipe.hparams, self.device))
         for part in self._sparse:
-            part.fresh = self._fresh[1]
+            part.fresh = self._fresh[2]
 
     def _stats(self, iteration: int, outputs) -> StepStats:
         results = [self._results[part.key] for part in self._sparse]

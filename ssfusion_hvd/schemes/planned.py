@@ -23,6 +23,7 @@ from typing import Dict, Optional
 import torch
 
 from ..core.transport import Transport, elastic
+from ..moments import SHARE_ROWS
 from ..plan import CostModel, Plan, build_plan
 from ..sparsify import make_sparsifier
 from .base import Option, Scheme, SyncConfig
@@ -31,11 +32,13 @@ from .warmup import WarmupPhase
 
 __all__ = ["PlannedScheme", "WAITS_MIN_RANKS"]
 
-#: ``waits="auto"`` carries the senders' waits from this many ranks on. With 2 ranks the
-#: union's age and each sender's differ little (neutral on six 2-worker cells, at 8 %
-#: more bytes); with 4 the union's age is about a quarter of each value's wait (GRU +4.2
-#: points, MLP +1.2; docs/recipe.md "Whose wait"); the replica gained at 3 and 8 too.
-WAITS_MIN_RANKS = 3
+#: ``waits="auto"`` carries the senders' waits from this many ranks on, per optimizer
+#: family. SGD: with 2 ranks the union's age and each sender's differ little (neutral on
+#: six 2-worker cells, at 8 % more bytes); with 4 the union's age is about a quarter of
+#: each value's wait (GRU +4.2 points, MLP +1.2; docs/recipe.md "Whose wait"); the replica
+#: gained at 3 and 8 too. Adam: its second moment feels the wait already on 2 ranks (the
+#: replica: GRU +7.3, MLP +0.5, deep MLP +1.6; docs/recipe.md "Whose wait").
+WAITS_MIN_RANKS = {"sgd": 3, "adam": 2}
 
 
 def _load(obj, cls):
@@ -106,22 +109,23 @@ class PlannedScheme(Scheme):
                                     self._sparsifier_for, self._iteration, self.name,
                                     waits=self._carries_waits())
 
-    def _carries_waits(self) -> bool:
-        """Whether the sparse entries carry their sender's wait: ``scheme_options["waits"]``
-        (True, or "auto" with at least ``WAITS_MIN_RANKS`` ranks) with SGD under
+    def _carries_waits(self) -> int:
+        """How many shares the decode computes from the senders' waits on the wire
+        (``moments.SHARE_ROWS`` of the optimizer's family), 0 if the entries carry none:
+        ``scheme_options["waits"]`` (True, or "auto" from ``WAITS_MIN_RANKS`` ranks) under
         ``moments="shared"`` (the only rule that reads them). It shapes the allgather, so
         it is decided from what every rank agrees on (the options, the optimizer's class
         and the ``moments`` argument: ``check_same_model``'s setup; the process set's size),
         not from hyper-parameters a broadcast may still replace (an SGD without momentum
         carries them unread)."""
         recipe = self.config.recipe
+        rows = SHARE_ROWS.get(recipe.family, 0)
         wanted = self.opts["waits"]
         if wanted == "auto":
             # the process set's size: the same on every rank, and remade with the plan
             # when an elastic reset changes it
-            wanted = self.transport.size >= WAITS_MIN_RANKS
-        return (wanted and recipe.family == "sgd"
-                and (recipe.options or {}).get("moments") == "shared")
+            wanted = self.transport.size >= WAITS_MIN_RANKS[recipe.family] if rows else False
+        return rows if wanted and (recipe.options or {}).get("moments") == "shared" else 0
 
     def _sparsifier_for(self, key: str):
         """The sparsifier of a tensor (its name) or a fusion buffer (its part key): one
