@@ -23,10 +23,9 @@ LIMIT = {
     "zen_adam": dict(scheme="zen", optimizer="adam", density=1.0),
     "zen_adamw": dict(scheme="zen", optimizer="adamw", density=1.0),
     "zen_sgd_nesterov": dict(scheme="zen", optimizer="sgd", density=1.0, nesterov=True),
-    "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=1.0, plan="all_sparse",
-                         waits=False),
+    "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=1.0, plan="all_sparse"),
     "planned_adam_waits": dict(scheme="ssfusion_oi", optimizer="adam", density=1.0,
-                               plan="all_sparse"),
+                               plan="all_sparse", waits=True),
     "planned_sgd": dict(scheme="ssfusion_oi", optimizer="sgd", density=1.0, plan="all_sparse",
                         waits=False),
     "planned_sgd_waits": dict(scheme="ssfusion_oi", optimizer="sgd", density=1.0,
@@ -35,11 +34,11 @@ LIMIT = {
                              plan="all_sparse"),
 }
 SPARSE = {
+    # Adam's default, waits="auto", carries none
     "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05, plan="all_sparse",
-                         steps=8, waits=False),
-    # Adam's default, waits="auto", carries them from 2 ranks
+                         steps=8),
     "planned_adam_waits": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
-                               plan="all_sparse", steps=8),
+                               plan="all_sparse", steps=8, waits=True),
     "per_tensor_adamw_waits": dict(scheme="per_tensor", optimizer="adamw", density=0.05,
                                    steps=8, density_warmup=3, waits=True),
     "planned_sgd_damp": dict(scheme="ssfusion_oi", optimizer="sgd_damp", density=0.05,
@@ -49,7 +48,7 @@ SPARSE = {
                              plan="all_sparse", steps=8),
     "zen_sgd_nesterov": dict(scheme="zen", optimizer="sgd", density=0.05, nesterov=True, steps=8),
     "per_tensor_adamw": dict(scheme="per_tensor", optimizer="adamw", density=0.05, steps=8,
-                             density_warmup=3, waits=False),
+                             density_warmup=3),
     "planned_sgd_waits": dict(scheme="ssfusion_oi", optimizer="sgd", density=0.05,
                               plan="all_sparse", steps=8, waits=True),
     "multi_tensor_sgd_waits": dict(scheme="multi_tensor", optimizer="sgd_damp", density=0.05,
@@ -98,15 +97,14 @@ def _carried_waits(run) -> bool:
     return any(bool(st["waits"]) for st in run["steps"])
 
 
-def test_waits_auto_carries_them_from_three_ranks_sgd_two_adam(limit_runs, sparse_runs):
-    on_4 = {name: _carried_waits(limit_runs[0][name]) for name in LIMIT if "sgd" in name}
-    assert on_4 == {"planned_sgd": False, "planned_sgd_waits": True,
-                    "planned_sgd_auto": True, "zen_sgd_nesterov": False}
+def test_waits_auto_carries_them_for_sgd_from_three_ranks(limit_runs, sparse_runs):
+    on_4 = {name: _carried_waits(limit_runs[0][name]) for name in LIMIT if "planned" in name}
+    assert on_4 == {"planned_sgd": False, "planned_sgd_waits": True, "planned_sgd_auto": True,
+                    "planned_adam": False, "planned_adam_waits": True}
     assert not _carried_waits(sparse_runs[0]["planned_sgd_auto"])  # 2 ranks
     assert _carried_waits(sparse_runs[0]["planned_sgd_waits"])
-    # Adam's second moment feels the senders' waits on 2 ranks already
     assert _carried_waits(sparse_runs[0]["planned_adam_waits"])
-    assert not _carried_waits(sparse_runs[0]["planned_adam"])
+    assert not _carried_waits(sparse_runs[0]["planned_adam"])  # Adam: only when asked
 
 
 def _reference(kind, group, w, S, age, state, sparse):

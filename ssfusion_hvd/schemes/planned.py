@@ -36,9 +36,10 @@ __all__ = ["PlannedScheme", "WAITS_MIN_RANKS"]
 #: family. SGD: with 2 ranks the union's age and each sender's differ little (neutral on
 #: six 2-worker cells, at 8 % more bytes); with 4 the union's age is about a quarter of
 #: each value's wait (GRU +4.2 points, MLP +1.2; docs/recipe.md "Whose wait"); the replica
-#: gained at 3 and 8 too. Adam: its second moment feels the wait already on 2 ranks (the
-#: replica: GRU +7.3, MLP +0.5, deep MLP +1.6; docs/recipe.md "Whose wait").
-WAITS_MIN_RANKS = {"sgd": 3, "adam": 2}
+#: gained at 3 and 8 too. Adam: never by itself (``waits=True`` takes them): on 2 workers
+#: the GRU gained 4.0 points over 5 seeds and the MLP lost 0.3, but the LM's perplexity
+#: rose on 2 seeds of 3 (17.3 and 16.7 against 13.9 and 14.2).
+WAITS_MIN_RANKS = {"sgd": 3}
 
 
 def _load(obj, cls):
@@ -52,8 +53,8 @@ class PlannedScheme(Scheme):
     planner = ""  # scheme name understood by ssfusion_hvd.plan.build_plan
     options = {
         # each sparse entry carries its sender's wait (1 byte), for SGD's shared moments;
-        # "auto": from WAITS_MIN_RANKS ranks on (docs/results.md §2b: 4 workers better,
-        # 2 neutral at 8 % more bytes)
+        # "auto": SGD from WAITS_MIN_RANKS ranks on (docs/results.md §2b: 4 workers
+        # better, 2 neutral at 8 % more bytes); Adam only with True
         "waits": Option("auto", lambda v: isinstance(v, bool) or v == "auto",
                         "'auto', True or False"),
     }
@@ -112,7 +113,7 @@ class PlannedScheme(Scheme):
     def _carries_waits(self) -> int:
         """How many shares the decode computes from the senders' waits on the wire
         (``moments.SHARE_ROWS`` of the optimizer's family), 0 if the entries carry none:
-        ``scheme_options["waits"]`` (True, or "auto" from ``WAITS_MIN_RANKS`` ranks) under
+        ``scheme_options["waits"]`` (True, or "auto": ``WAITS_MIN_RANKS``) under
         ``moments="shared"`` (the only rule that reads them). It shapes the allgather, so
         it is decided from what every rank agrees on (the options, the optimizer's class
         and the ``moments`` argument: ``check_same_model``'s setup; the process set's size),
@@ -124,7 +125,8 @@ class PlannedScheme(Scheme):
         if wanted == "auto":
             # the process set's size: the same on every rank, and remade with the plan
             # when an elastic reset changes it
-            wanted = self.transport.size >= WAITS_MIN_RANKS[recipe.family] if rows else False
+            least = WAITS_MIN_RANKS.get(recipe.family)
+            wanted = least is not None and self.transport.size >= least
         return rows if wanted and (recipe.options or {}).get("moments") == "shared" else 0
 
     def _sparsifier_for(self, key: str):
