@@ -159,8 +159,9 @@ class SharedMoments:
         #   v ← β2·v + (1 − β2^a)·r²
         #   numerator: m + S·(1 − s1)     (what S/a added to m in the a − 1 steps skipped)
         # Every element takes this step's decay (Adam with a zero gradient); S = 0 adds 0.
-        own = iter(self.fresh_shares(ages, b1))
-        inv = iter(torch._foreach_reciprocal(ages))
+        by_age = [a for a, g in zip(ages, given) if g is None]  # (ages: one per param)
+        own = iter(self.fresh_shares(by_age, b1) if by_age else [])
+        inv = iter(torch._foreach_reciprocal(by_age) if by_age else [])
         s1 = [g[0] if g is not None else next(own) for g in given]
         rate = torch._foreach_mul(grads, [g[1] if g is not None else next(inv) for g in given])
         torch._foreach_mul_(m32, b1)

@@ -316,3 +316,33 @@ def test_adam_step_with_shares_replays_every_senders_burst(decoupled):
     torch.testing.assert_close(opt.state[p]["exp_avg_sq"].double(), v1, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(p.detach().double(), w0.double() - 0.01 * upd, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(moments.ages[p], torch.where(S != 0, torch.zeros(n), union + 1))
+
+
+@pytest.mark.parametrize("family", ["sgd", "adam"])
+def test_a_step_mixing_tensors_with_and_without_shares_steps_each_as_alone(family):
+    """One step over tensors some of whose wires carried waits (a share each) and some
+    not (the union's age): each lands where a step of it alone lands."""
+    kind, hp = RULES[family]
+    g = torch.Generator().manual_seed(9)
+
+    def setup():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(n)))
+              for n in (10, 7)]
+        opt = (torch.optim.SGD(ps, lr=0.1, momentum=MU) if family == "sgd"
+               else torch.optim.Adam(ps, lr=0.01, betas=BETAS))
+        moments = SharedMoments(kind, hp)
+        for p in ps:
+            p.grad = torch.randn(p.numel(), generator=torch.Generator().manual_seed(p.numel() + 1))
+            moments.ages[p] = torch.full((p.numel(),), 3.0)
+        return ps, opt, moments
+
+    share = torch.rand(SHARE_ROWS[family], 10, generator=g)
+    ps, opt, moments = setup()
+    moments.step(opt, opt.param_groups[0], ps, {ps[0]: share})
+    both = [p.detach().clone() for p in ps]
+    ps, opt, moments = setup()
+    moments.step(opt, opt.param_groups[0], [ps[0]], {ps[0]: share})
+    moments.step(opt, opt.param_groups[0], [ps[1]], {})
+    for p, want in zip(ps, both):
+        assert torch.equal(p.detach(), want)
