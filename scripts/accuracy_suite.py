@@ -21,7 +21,8 @@ paper's per-tensor density) instead of the group budget; ``ssfusion_oi/waits`` (
 ``/nowaits``) with each sender's wait on the wire (``scheme_options["waits"]``) or
 without it; ``ssfusion_oi/slack=0.2`` and
 ``ssfusion_oi/floor=0.5`` set ``scheme_options`` ``slack`` and ``floor``,
-``ssfusion_oi/warmup=150`` the recipe's ``density_warmup_steps``.
+``ssfusion_oi/warmup=150`` the recipe's ``density_warmup_steps``, ``dense/lr=1e-3``
+the learning rate.
 
 Output: ``<out>/<name>.json`` (every run, rewritten after each; ``--merge`` keeps the
 runs of an earlier file that this invocation does not repeat) and ``<name>.md``: per cell
@@ -81,15 +82,15 @@ def parse_args(argv=None):
 def scheme_of(label: str):
     """(scheme, extra train.py arguments) of a label: ``scheme``, ``scheme/uniform``,
     ``scheme/slack=x`` or ``scheme/floor=x`` (``scheme_options["slack"]``, ``["floor"]``),
-    ``scheme/warmup=n`` (``density_warmup_steps``)."""
+    ``scheme/warmup=n`` (``density_warmup_steps``), ``scheme/lr=x`` (the learning rate)."""
     scheme, _, variant = label.partition("/")
     for option, flag in (("slack", "--slack"), ("floor", "--floor"),
-                         ("warmup", "--density-warmup-steps")):
+                         ("warmup", "--density-warmup-steps"), ("lr", "--lr")):
         if variant.startswith(option + "="):
             return scheme, [flag, variant[len(option) + 1:]]
     if variant and variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r} of {label!r}; known: {sorted(VARIANTS)}, "
-                         "slack=x, floor=x, warmup=n")
+                         "slack=x, floor=x, warmup=n, lr=x")
     return scheme, VARIANTS.get(variant, [])
 
 
