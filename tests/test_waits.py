@@ -174,22 +174,25 @@ def test_decode_share_is_the_weighted_fresh_share_of_the_senders(mode, dtype, ac
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_a_non_finite_decode_leaves_every_share_finite(direct, monkeypatch):
+@pytest.mark.parametrize("family", ["sgd", "adam"])
+def test_a_non_finite_decode_leaves_every_share_finite(direct, family, monkeypatch):
     """A step whose records hold NaN and Inf is skipped (GradScaler), but its positions
-    keep their share until a record touches them again, and there the share multiplies a
-    zero gradient: it must be finite, or 0·NaN would reach the velocity."""
-    part = _part("segmented", torch.float32, None, waits=True)
+    keep their shares until a record touches them again, and there a share multiplies a
+    zero gradient: it must be finite, or 0·NaN would reach the moments."""
+    part = _part("segmented", torch.float32, None, waits=True, family=family)
     records = _records(part, 3, seed=7)
     records[0][0][2] = float("nan")
     records[1][0][3] = float("inf")
     _decode(part, records, monkeypatch, direct)
     assert bool(torch.isfinite(part.share).all())
     p = torch.nn.Parameter(torch.ones(part.numel))
-    opt = torch.optim.SGD([p], lr=0.1, momentum=MU)
+    opt = (torch.optim.SGD([p], lr=0.1, momentum=MU) if family == "sgd"
+           else torch.optim.Adam([p], lr=0.1, betas=BETAS))
     p.grad = torch.zeros(part.numel)  # the next step: nothing arrived anywhere
-    SharedMoments("momentum", {"momentum": MU}).step(opt, opt.param_groups[0], [p],
-                                                     {p: part.share[:, :part.numel]})
-    assert bool(torch.isfinite(opt.state[p]["momentum_buffer"]).all())
+    SharedMoments(*RULES[family]).step(opt, opt.param_groups[0], [p],
+                                       {p: part.share[:, :part.numel]})
+    for t in opt.state[p].values():
+        assert bool(torch.isfinite(torch.as_tensor(t)).all())
     assert torch.equal(p.detach(), torch.ones(part.numel))
 
 

@@ -88,7 +88,8 @@ def parse_args(argv=None):
                         "scheme's)")
     p.add_argument("--waits", choices=("on", "off", "auto"), default=None,
                    help="planned schemes: scheme_options['waits'], each sparse entry carries its "
-                        "sender's wait for SGD's shared moments (default: the scheme's)")
+                        "sender's wait for the shared moments (default: the scheme's, 'auto': "
+                        "SGD from 3 ranks; Adam only with 'on')")
     p.add_argument("--plan", default=None,
                    help="a Plan JSON (opt.plan.save) the sparse scheme runs from the first step "
                         "instead of profiling and planning")

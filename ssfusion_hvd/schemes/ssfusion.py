@@ -34,9 +34,10 @@ Options (``scheme_options=``), all five:
   fastest candidate (``plan/schemes.py: _larger_budgets``). 0: the fastest candidate.
 * ``waits`` (default "auto": from ``WAITS_MIN_RANKS`` = 3 ranks on; True, False; every
   planned scheme takes it): each sparse entry carries its sender's wait, one byte, and
-  SGD's shared moments catch each rank's value up over its own wait instead of the
+  the shared moments catch each rank's value up over its own wait instead of the
   union's (``docs/design.md``, "Each sender's wait"; ``docs/results.md`` §2b has the
-  measurements: better with 4 workers, neutral with 2).
+  measurements: SGD better with 4 workers, neutral with 2; Adam, only with True, better
+  on a GRU and worse on the LM).
 * ``min_k`` (default 0, the paper's planner): a tensor whose top-k at the target density
   would keep fewer elements is sent dense (``plan.keep_small_dense``: norms and biases with
   e.g. 32). Opt-in: the live example jobs measured no accuracy gain from it
