@@ -86,10 +86,6 @@ def _step_tensor(steps: int, p: torch.Tensor, group: dict) -> torch.Tensor:
     return _zero_step(None, p, group).fill_(steps)
 
 
-#: ``_check`` of a step whose agreement waits for its launch (``Scheme.agrees_at_launch``)
-_AT_LAUNCH = "at launch"
-
-
 def _remove_hooks(handles) -> None:
     for h in handles:
         h.remove()
@@ -158,7 +154,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         #: under Horovod elastic, the model check, run at every broadcast adoption (every
         #: rank, joined or not, runs those together); else DistributedOptimizer ran it once
         self._model_check = None
-        self._check = None  # this step's agreement allreduce (see _submit)
+        self._check = None  # True: this step's agreement is due (_start_check); False: none
+        self._agreeing = None  # the handle of the step's agreement, sent and not yet read
         # False only in a measuring run (examples/bench.py --agreement off): what the check
         # costs. Without it a rank gone astray hangs the job instead of raising.
         self._agreement = True
@@ -235,6 +232,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Forgets the step in flight (a checkpoint load, a rebuilt scheme)."""
         self._scheme.reset()
         self._check = None
+        self._agreeing = None
         self._finite = None
         self._finite_known = None
         self._in_step = False
@@ -351,8 +349,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         its own, summed over the ranks by one small allreduce. A rank's NaN can hide from
         the synchronized gradients (a threshold never selects it, a partition not its own
         never sends it); it would then stay in its residual for ever."""
-        if self._finite_known is not None:
-            return  # the step's agreement carried the flags (_agree_at_launch)
+        if self._finite_known is not None or self._agreeing is not None:
+            return  # the step's agreement carries the flags (_send_agreement)
         grads = [p.grad for p in self._requires_update if p.grad is not None]
         if self._scheme.stateful and grads:
             self._finite = self._transport.allreduce(_nonfinite_flag(grads), "finite",
@@ -387,6 +385,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Asked once the outputs are in ``p.grad``, by the scheme before it counts the step
         (``Scheme.keep_step``) or by ``_end_step``; one host read per step."""
         if self._keep is None:
+            self._finish_check()  # the flags, where the agreement carries them
             handle, self._finite = self._finite, None
             known, self._finite_known = self._finite_known, None
             if handle is None and known is None:
@@ -430,9 +429,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._requires_update:  # canonical order: every rank submits alike
             if p not in self._submitted:
                 self._submit(p)
-        self._finish_check()
+        self._send_agreement()  # (a whole-gradient scheme made it at launch)
         self._start_finite_check()
-        self._scheme.finish()
+        try:
+            with transport.gated(self._gate):
+                self._scheme.finish()
+        except BaseException:
+            self._finish_check()  # ranks that disagree explain any failure: their error first
+            raise
+        self._finish_check()
         self._end_step()
         self._submitted.clear()
         for p in self._delay:
@@ -440,55 +445,65 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
 
     def _start_check(self) -> None:
-        """Submits, with this step's first gradient, an allreduce of the scheme's
-        :meth:`~ssfusion_hvd.schemes.base.Scheme.signature` (iteration, plan checksum).
-        Its name is the same on every rank whatever state each is in, so it completes even
-        when the step's other collectives cannot match (a rank that loaded a checkpoint
-        alone, a rank a step ahead); ``synchronize()`` reads it before waiting on any of
-        them and raises the same error on every rank instead of hanging. Costs one small
-        allreduce per step, overlapped with the gradients' collectives.
+        """With the step's first gradient: whether the step has an agreement to make, on
+        the scheme's :meth:`~ssfusion_hvd.schemes.base.Scheme.signature` (iteration, plan
+        checksum). :meth:`_send_agreement` sends it once every gradient of the step is in."""
+        self._check = self._agreement and self._scheme.signature() is not None
 
-        A last entry of 1 tells a rank that called ``hvd.join()`` apart: Horovod runs the
-        allreduce on the ranks still stepping with zeros for the joined ones, so its
-        minimum comes back 0.
+    def _send_agreement(self) -> None:
+        """The step's agreement, in the one small allreduce a stateful step makes anyway:
+        the ranks' non-finite flags (read by :meth:`_keep_step`; without an agreement they
+        travel alone, :meth:`_start_finite_check`). Beside the flag go the signature's
+        values and their negatives, with ``Max``: every rank learns their minimum and
+        maximum. A last signature entry of 1 tells a rank that called ``hvd.join()`` apart:
+        Horovod runs the allreduce on the ranks still stepping with zeros for the joined
+        ones, so its minimum comes back 0. On the gradients' device, so the flag is not
+        read back before the collective.
 
-        A scheme that agrees right before it launches (``agrees_at_launch``: the whole
-        gradient is sent at once, after its last gradient is in) gets no early allreduce:
-        its agreement is one allreduce at that point that also carries every rank's
-        non-finite flag, the step's one other small collective (:meth:`_agree_at_launch`)."""
-        sig = self._scheme.signature()
-        if sig is None or not self._agreement:
-            self._check = False
+        Sent once the step's last gradient is in, so after the planned schemes'
+        collectives, which left during backward. Its name is the same on every rank
+        whatever state each is in, so it completes even where those cannot match (a rank
+        that loaded a checkpoint alone, a rank a step ahead): no wait on one of them
+        blocks before either it has completed or the agreement is read
+        (:meth:`_gate`), and then every rank raises the same error instead of hanging."""
+        if self._check is not True or self._agreeing is not None:
             return
-        if self._scheme.agrees_at_launch:
-            self._check = _AT_LAUNCH
-            return
-        vals = [int(v) for v in sig] + [1]  # max of v and of -v: every rank learns min and max
-        t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64)
-        self._check = self._transport.allreduce(t, "step", op=hvd.Max)
-
-    def _agree_at_launch(self) -> list:
-        """The agreement of a scheme that agrees at launch: the signature as
-        :meth:`_start_check` sends it, plus this rank's non-finite flag (read by
-        :meth:`_keep_step` instead of a separate allreduce), in one allreduce submitted and
-        waited now, once every gradient of the step is in. On the gradients' device, so the
-        flag is not read back before the collective."""
         vals = [int(v) for v in self._scheme.signature()] + [1]
         grads = [p.grad for p in self._requires_update if p.grad is not None]
         flag = (_nonfinite_flag(grads) if grads and self._scheme.stateful
                 else torch.zeros(1, dtype=torch.int32))
         t = torch.cat([torch.tensor(vals + [-v for v in vals], dtype=torch.int64).to(flag.device),
                        flag.to(torch.int64)])
-        out = self._transport.wait(self._transport.allreduce(t, "step", op=hvd.Max)).tolist()
-        self._finite_known = out.pop()
-        return out
+        self._agreeing = self._transport.allreduce(t, "step", op=hvd.Max)
+
+    def _gate(self, handle) -> None:
+        """Before the scheme waits on one of the step's collectives (``transport.gated``):
+        returns once that collective has completed, or once the agreement is read (raising
+        where the ranks disagree). A collective that completed may be waited on and
+        decoded whatever the agreement says (an error it causes gives way to the
+        agreement's, ``synchronize()``); one that has not may never complete on ranks that
+        disagree, and is waited on only after the agreement says they do not. So decoding
+        overlaps the later groups' collectives, as without an agreement."""
+        if self._agreeing is None:
+            return
+        pause = transport.POLL_FIRST_S
+        while not transport.done(handle):
+            if transport.done(self._agreeing):
+                self._finish_check()
+                return
+            pause = transport.pause_between_polls(pause)
 
     def _finish_check(self) -> None:
-        handle, self._check = self._check, None
-        if not handle:
+        """Reads the step's agreement (sending it first where it is due and not yet sent:
+        a whole-gradient scheme asks right before it launches, ``Scheme.agree``); raises
+        the same error on every rank where they disagree. Nothing where it was read."""
+        self._send_agreement()
+        handle, self._agreeing = self._agreeing, None
+        self._check = None  # read (or none): the next step's first gradient decides anew
+        if handle is None:
             return
-        out = (self._agree_at_launch() if handle is _AT_LAUNCH
-               else self._transport.wait(handle).tolist())
+        out = self._transport.wait(handle).tolist()
+        self._finite_known = out.pop()
         n = len(out) // 2
         hi, lo = out[:n], [-v for v in out[n:]]
         if lo[-1] == 0:

@@ -289,6 +289,23 @@ def test_checkpoint_on_one_rank_without_broadcast_fails_clearly(scheme, tmp_path
     assert "different points" in errors[0] and "broadcast_optimizer_state" in errors[0]
 
 
+@pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "per_tensor", "spardl", "zen",
+                                    "exdyna"])
+def test_the_agreement_rides_on_the_steps_one_small_allreduce(scheme):
+    """The step's agreement costs no collective of its own: a stateful scheme's step makes
+    exactly one small allreduce of the optimizer's, with the agreement (signature and the
+    ranks' non-finite flags in one) and without it (the flags alone), warm-up steps
+    included, and the two runs end with the same parameters. Dense (stateless, nothing to
+    agree on) makes none."""
+    on, off = (run_workers("workers_horovod:own_collectives", np=2, timeout=120,
+                           scheme=scheme, agreement=a) for a in (True, False))
+    want = [0 if scheme == "dense" else 1] * 6
+    for r in (*on, *off):
+        assert r["counts"] == want, (scheme, r["counts"])
+    _equal_dicts(on[0]["params"], off[0]["params"])
+    _equal_dicts(on[0]["params"], on[1]["params"])
+
+
 @pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "multi_tensor", "spardl", "zen",
                                     "exdyna"])
 def test_uneven_steps_with_hvd_join(scheme):

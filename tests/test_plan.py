@@ -60,7 +60,8 @@ def test_dense_groups_wait_for_backward_and_for_the_link():
     assert (g0.backward_start, g0.backward_end, g0.ready) == (0.0, 3.0, 3.0)
     assert (g0.ar_start, g0.ar_end, g0.ag_start) == (3.0, 4.5, None)       # 0.5 + 1024 B
     assert (g1.backward_start, g1.ready, g1.ar_start, g1.ar_end) == (3.0, 6.0, 6.0, 7.5)
-    assert t.iteration_s == 7.5 and t.compute_end == 6.0
+    # then the optimizer's agreement of 56 B: 0.5 + 56/1024
+    assert t.iteration_s == 7.5 + 0.5 + 56 / 1024 and t.compute_end == 6.0
 
 
 def test_per_tensor_sparsification_occupies_the_compute_stream_and_link_is_fifo():
@@ -92,9 +93,11 @@ def test_interleaved_group_allgather_waits_for_allreduce_and_sparse_tensors():
     assert (g.ag_start, g.ag_end) == (2.25, 3.25)
     slow = simulate(p, cost([1.0, 1.0], ar=(2.0, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0)), check=False)
     assert (slow.groups[0].ag_start, slow.iteration_s) == (3.0, 4.0)
-    # the optimizer's agreement allreduce, submitted with the first gradient, goes first
-    g = simulate(p, c).groups[0]
-    assert (g.ar_start, g.ar_end, g.ag_start) == (1.5, 2.0, 2.25)
+    # the optimizer's agreement allreduce, submitted once backward is done, goes last
+    t = simulate(p, c)
+    g = t.groups[0]
+    assert (g.ar_start, g.ar_end, g.ag_start, g.ag_end) == (1.0, 1.5, 2.25, 3.25)
+    assert t.iteration_s == 3.25 + 0.5
 
 
 def test_packing_a_group_costs_a_memory_pass_on_the_compute_thread():
@@ -145,7 +148,8 @@ def test_the_allreduce_part_leaves_when_its_last_tensor_is_ready():
                    [ALLGATHER, ALLREDUCE, ALLGATHER]), "topk")
     t = simulate(p, _model([1.0] * 3, ar=(0.5, 0.0), ag=(1.0, 0.0), gpu=(0.25, 0.0)))
     g = t.groups[0]
-    assert (g.ar_start, g.ar_end, g.ag_start, g.ag_end, t.iteration_s) == (2.0, 2.5, 3.25, 4.25, 4.25)
+    assert (g.ar_start, g.ar_end, g.ag_start, g.ag_end) == (2.0, 2.5, 3.25, 4.25)
+    assert t.iteration_s == 4.25 + 0.5  # the optimizer's agreement follows on the link
 
 
 def test_decode_runs_after_backward_group_by_group():
@@ -199,7 +203,8 @@ def test_an_offload_worker_sharing_the_cores_takes_its_time_from_backward():
                shared_cores=True)
     t = simulate(p, c)
     g0, g1 = t.groups
-    assert (g0.ag_start, g1.backward_end, g1.ar_start, t.iteration_s) == (4.0, 5.0, 5.0, 5.75)
+    assert (g0.ag_start, g1.backward_end, g1.ar_start, g1.decode_end) == (4.0, 5.0, 5.0, 5.75)
+    assert t.iteration_s == 6.0  # the optimizer's agreement follows the allreduce: 5.5-6
     base = fused_plan([10**6] * 4, [(0, 2), (2, 4)], "per_tensor", 0.01, "ssfusion")
     roomy = _model([1.0] * 4, ag=(1e-3, 1e-9), gpu=(0.5, 0.0), cpu=(1e-3, 0.0))
     assert any(choose_offload(base, roomy).offload)

@@ -392,6 +392,30 @@ def uneven_join(scheme, steps=(5, 3)):
     return out
 
 
+def own_collectives(scheme, agreement, steps=6):
+    """Counts, per step, the collectives the optimizer makes itself (its transport: the
+    step's agreement and the ranks' non-finite flags) besides the scheme's, with the
+    agreement on or off (``_agreement``: the measuring runs' switch). Returns the counts
+    and the parameters after ``steps`` steps."""
+    torch.manual_seed(1234)
+    model = Net()
+    opt = _wrap(model, "sgd", scheme)
+    opt._agreement = agreement
+    counts = []
+    transport = opt._transport
+    made = transport.allreduce
+
+    def counted(*args, **kwargs):
+        counts[-1] += 1
+        return made(*args, **kwargs)
+
+    transport.allreduce = counted
+    for step in range(steps):
+        counts.append(0)
+        _train_steps(model, opt, [step])
+    return {"counts": counts, "params": _params(model)}
+
+
 def outside_the_set(schemes, steps=6):
     """Horovod's own shape (its ``test_optimizer_process_sets``): for each scheme, one
     optimizer built on every rank with the even ranks' process set. The odd ranks are

@@ -27,6 +27,7 @@ import collections
 import itertools
 import os
 import re
+import threading
 import time
 from contextlib import contextmanager
 from typing import Optional, Sequence
@@ -38,7 +39,7 @@ from horovod.torch.mpi_ops import Average, Max, Min, Sum, global_process_set
 
 __all__ = ["Transport", "allgather_bytes", "broadcast_object", "root_rank", "allreduce",
            "allgather", "barrier", "split_list", "Average", "Sum", "Max", "Min",
-           "global_process_set", "op_scales"]
+           "global_process_set", "op_scales", "gated", "done"]
 
 #: Horovod's ``synchronize`` waits by spinning on ``sched_yield``. Where ranks share cores
 #: (several ranks per host on a CPU job, or the offload worker beside backward) the ranks
@@ -72,6 +73,43 @@ def _spin() -> bool:
 
 
 _SPIN = None
+
+#: per thread, what every :meth:`Transport.wait` asks first (:func:`gated`)
+_GATE = threading.local()
+
+
+@contextmanager
+def gated(gate):
+    """Within: every :meth:`Transport.wait` of this thread first calls ``gate(handle)``,
+    which returns once that collective may be waited on (the optimizer's step agreement:
+    ``_DistributedOptimizer._gate``)."""
+    before = getattr(_GATE, "fn", None)
+    _GATE.fn = gate
+    try:
+        yield
+    finally:
+        _GATE.fn = before
+
+
+def _inner(handle):
+    return handle.handle if isinstance(handle, (_Widened, _Viewed)) else handle
+
+
+def done(handle) -> bool:
+    """Whether ``handle``'s collective has completed (it may then be waited on without
+    blocking). False for a handle Horovod cannot poll (a sparse allreduce's function)."""
+    inner = _inner(handle)
+    return isinstance(inner, int) and (inner not in _mpi._handle_map or _mpi.poll(inner))
+
+
+def pause_between_polls(pause: float) -> float:
+    """Waits between two polls as :meth:`Transport.wait` does (nothing but a yield where
+    waits may spin, :func:`_spin`); returns the next pause."""
+    if _spin():
+        os.sched_yield()
+        return pause
+    time.sleep(pause)
+    return min(2.0 * pause, POLL_MAX_S)
 
 #: per-prefix instance counters: the n-th scheme of a kind gets tag "<prefix><n>" on every rank
 _COUNTERS = collections.defaultdict(itertools.count)
@@ -308,7 +346,10 @@ class Transport:
         (:func:`_spin`). A sparse allreduce's handle (Horovod's function) is waited by
         Horovod. A bfloat16 collective's output is bfloat16 again (see the module docstring).
         A handle waited a second time gives None, as ``hvd.synchronize`` does."""
-        inner = handle.handle if isinstance(handle, (_Widened, _Viewed)) else handle
+        gate = getattr(_GATE, "fn", None)
+        if gate is not None:
+            gate(handle)
+        inner = _inner(handle)
         if isinstance(inner, int) and inner not in _mpi._handle_map:
             return None  # waited already: None, as Horovod's synchronize returns
         if isinstance(inner, int) and not _spin():

@@ -25,9 +25,10 @@ is a single pair. Each expansion is one numpy pass over all ``e'``; the cost is
 ``O(Σ_e |front(e)| · (N - e))``.
 
 The objective is the simulator's (``plan/timeline.py``): packing on the compute cursor,
-the agreement allreduce first on the link, and the last group's decode added to its
-collective. Exact when ``cost.decode`` is zero; with a decode fit, exact while every
-earlier group's decode is done before the last group's collective ends.
+and the last group's decode (or the optimizer's agreement allreduce, which follows it on
+the link, if that takes longer) added to its collective. Exact when ``cost.decode`` is
+zero; with a decode fit, exact while every earlier group's decode is done before the
+last group's collective ends.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import numpy as np
 
 from .cost import SEGMENTED_SPARSIFIERS, CostModel, nominal_k
 from .plan import ALLGATHER, ALLREDUCE, Group, Plan
-from .timeline import link_start
+from .timeline import CHECK_BYTES
 
 __all__ = ["SPARSIFICATIONS", "fused_plan", "optimal_fusion"]
 
@@ -144,17 +145,19 @@ def optimal_fusion(
 
     def comm(e: int) -> np.ndarray:
         """``g`` of ``[e, e')`` for every ``e' > e``, plus, for ``e' = n``, the decode of
-        that last group (it ends the iteration; decode_bytes in plan/timeline.py)."""
+        that last group or the agreement after it (either ends the iteration;
+        decode_bytes in plan/timeline.py)."""
         nbytes = sent(e)
         g = alpha + beta * nbytes
-        g[-1] += cost.decode_s(cum_out[n] - cum_out[e] + world * nbytes[-1])
+        g[-1] += max(cost.decode_s(cum_out[n] - cum_out[e] + world * nbytes[-1]), check_s)
         return g
 
     # best[m, e]: earliest link-free time after tensors [0, e) in m groups (for e = n: the
-    # end of the last group's decode). The link is first busy with the agreement allreduce.
+    # end of the last group's decode or of the agreement after it).
+    check_s = cost.allreduce_s(CHECK_BYTES)
     best = np.full((n + 1, n + 1), np.inf)
     parent = np.full((n + 1, n + 1), -1, dtype=np.int32)
-    best[0, 0] = link_start(cost)
+    best[0, 0] = cost.forward_s
     for e in range(n):
         col = best[: e + 1, e]
         if per_group == 0.0:

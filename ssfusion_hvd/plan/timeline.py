@@ -21,11 +21,11 @@ SSFusion Eq. 2–4 use the same timelines. This module models the engine as it r
   tensor's backward ends; its allgather when the group has been selected and packed (and,
   with offloaded tensors, once the worker has finished them).
 * **the link** runs one collective at a time, in submission order, ``g(x) = α + β·x``.
-  The first is the optimizer's per-step agreement allreduce (``check``: a few bytes,
-  submitted with the first gradient).
+  The last is the optimizer's per-step allreduce of the ranks' non-finite flags with the
+  step's agreement (``check``: a few bytes, submitted once backward is done).
 * **decode**: after backward, ``step()`` waits for the groups in plan order and decodes
   each (:func:`decode_bytes`, ``d(x) = α_d + β_d·x``); the iteration ends when the last
-  group is decoded (and the worker is idle).
+  group is decoded and the agreement is in (and the worker is idle).
 
 :func:`~ssfusion_hvd.plan.fusion.optimal_fusion` is exact for this model without decode
 (``cost.decode = (0, 0)``); with a decode fit it charges the last group's decode, which
@@ -40,9 +40,9 @@ from .plan import ALLREDUCE, Plan
 
 __all__ = ["CHECK_BYTES", "GroupTimeline", "Timeline", "decode_bytes", "simulate", "wire_bytes"]
 
-#: Bytes of the optimizer's per-step agreement allreduce (``optimizer._start_check``:
-#: iteration and plan checksum, and their negations, as int64).
-CHECK_BYTES = 32
+#: Bytes of the optimizer's per-step agreement allreduce (``optimizer._send_agreement``:
+#: iteration, plan checksum and a 1, their negations, and the non-finite flag, as int64).
+CHECK_BYTES = 56
 
 
 @dataclass(frozen=True)
@@ -110,21 +110,13 @@ def decode_bytes(plan: Plan, gi: int, es: int, world_size: int, entry_extra: int
             + world_size * _group_bytes(plan, gi, es, entry_extra)[1])
 
 
-def link_start(cost: CostModel, check: bool = True) -> float:
-    """When the link is first free for a group's collective: after the agreement
-    allreduce, submitted with the first gradient (``check``), else at the forward's end."""
-    if not check or not cost.backward_s:
-        return cost.forward_s
-    return cost.forward_s + cost.backward_s[0] + cost.allreduce_s(CHECK_BYTES)
-
-
 def _run(plan: Plan, cost: CostModel, decide_offload: bool,
          check: bool = True) -> tuple[Timeline, list[bool]]:
     """Simulate ``plan``. With ``decide_offload``, instead of reading ``plan.offload``,
     offload every per-tensor sparsified tensor whose CPU finish time fits in its group's
     backward window (SSFusion-O Step-1), deciding greedily in backward order; nothing is
     offloaded when the worker shares the cores (``cost.shared_cores``). ``check``: the
-    optimizer's agreement allreduce goes first on the link."""
+    optimizer's agreement allreduce goes last on the link."""
     if len(cost.backward_s) != len(plan):
         raise ValueError(f"cost model has {len(cost.backward_s)} backward times, plan has {len(plan)} tensors")
     es, bwd, spf = cost.element_size, cost.backward_s, plan.sparsifier
@@ -175,7 +167,7 @@ def _run(plan: Plan, cost: CostModel, decide_offload: bool,
             submits.append((ready, len(submits), gi, "ag"))
         spans.append((start, backward_end, ready))
 
-    link = link_start(cost, check)
+    link = cost.forward_s
     comm: dict = {}
     for t, _, gi, kind in sorted(submits):
         ar_bytes, ag_bytes = _group_bytes(plan, gi, es, cost.entry_extra)
@@ -192,7 +184,10 @@ def _run(plan: Plan, cost: CostModel, decide_offload: bool,
         decoded = done + cost.decode_s(decode_bytes(plan, gi, es, cost.world_size, cost.entry_extra))
         out.append(GroupTimeline(start, backward_end, ready, ar_start, ar_end, ag_start, ag_end,
                                  decoded))
-    timeline = Timeline(max(decoded, cpu), compute, cpu, tuple(out))
+    end = max(decoded, cpu)
+    if check:  # submitted once the last gradient is in, after every group's collectives
+        end = max(end, max(compute, link) + cost.allreduce_s(CHECK_BYTES))
+    timeline = Timeline(end, compute, cpu, tuple(out))
     return timeline, offload
 
 

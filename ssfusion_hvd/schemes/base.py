@@ -168,18 +168,13 @@ class Scheme:
         optimizer compares it across ranks every step (``_DistributedOptimizer``)."""
         return None
 
-    #: True: the scheme calls :meth:`agree` right before it launches the step's collectives
-    #: (all of them at once); the optimizer then sends the agreement at that point, with
-    #: the step's non-finite flags in the same allreduce, instead of an allreduce of its own
-    #: at the first gradient. False: collectives start during backward; the agreement goes
-    #: out with the first gradient and is read before any wait.
-    agrees_at_launch = False
-
     def agree(self) -> None:
-        """Reads the step's agreement on :meth:`signature` now, raising as ``synchronize()``
-        would where the ranks disagree or one has called ``hvd.join()``. The optimizer
-        installs it; ``finish()`` need not call it (``synchronize()`` does), but a scheme
-        whose collectives must not even start on such a set calls it first."""
+        """Makes the step's agreement on :meth:`signature` now (one small allreduce that
+        also carries the ranks' non-finite flags), raising as ``synchronize()`` would where
+        the ranks disagree or one has called ``hvd.join()``. The optimizer installs it and
+        makes it in ``synchronize()`` before ``finish()`` otherwise; a scheme whose
+        collectives must not even start on such a set calls it once its last gradient is
+        in, before it launches them."""
 
     def memories(self) -> list:
         """The :class:`~ssfusion_hvd.sparsify.memory.ResidualMemory` objects in use."""
@@ -271,7 +266,6 @@ class WholeGradientScheme(Scheme):
 
     #: gradient dtypes the scheme's collectives can carry
     dtypes = SPARSE_GRAD_DTYPES
-    agrees_at_launch = True  # submit() calls agree() once the last gradient is in
     #: prefix of the scheme's collective names (``Transport``)
     prefix = "whole"
 
@@ -390,11 +384,11 @@ class WholeGradientScheme(Scheme):
             self._t_first = time.perf_counter()
         self._submitted += 1
         if self._submitted == len(self._trainable):
-            # the step's agreement first (its allreduce went out with the first gradient and
-            # has usually completed): on ranks at different points, or beside a rank that
-            # called hvd.join(), the error comes before any residual moves or any collective
-            # of the step starts (Horovod 0.28.1's background loop on a joined rank even
-            # fails on ExDyna's index allgather, whose length changes every step)
+            # the step's agreement first (the one small allreduce the step makes anyway, with
+            # the ranks' non-finite flags): on ranks at different points, or beside a rank
+            # that called hvd.join(), the error comes before any residual moves or any
+            # collective of the step starts (Horovod 0.28.1's background loop on a joined
+            # rank even fails on ExDyna's index allgather, whose length changes every step)
             self.agree()
             self._launch()
 
