@@ -156,6 +156,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._model_check = None
         self._check = None  # True: this step's agreement is due (_start_check); False: none
         self._agreeing = None  # the handle of the step's agreement, sent and not yet read
+        self._agreement_flags = False  # whether it carries the ranks' non-finite flags
         # False only in a measuring run (examples/bench.py --agreement off): what the check
         # costs. Without it a rank gone astray hangs the job instead of raising.
         self._agreement = True
@@ -447,10 +448,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _start_check(self) -> None:
         """With the step's first gradient: whether the step has an agreement to make, on
         the scheme's :meth:`~ssfusion_hvd.schemes.base.Scheme.signature` (iteration, plan
-        checksum). :meth:`_send_agreement` sends it once every gradient of the step is in."""
+        checksum). :meth:`_send_agreement` sends it once every gradient of the step is in,
+        or now for a scheme that reads it before it launches anything
+        (``Scheme.agrees_before_launch``): crossing the link during backward, it has
+        usually arrived by then, where sent at launch it would hold the launch back by a
+        round trip (its flags then travel alone, :meth:`_start_finite_check`)."""
         self._check = self._agreement and self._scheme.signature() is not None
+        if self._check and self._scheme.agrees_before_launch:
+            self._send_agreement(flags=False)
 
-    def _send_agreement(self) -> None:
+    def _send_agreement(self, flags: bool = True) -> None:
         """The step's agreement, in the one small allreduce a stateful step makes anyway:
         the ranks' non-finite flags (read by :meth:`_keep_step`; without an agreement they
         travel alone, :meth:`_start_finite_check`). Beside the flag go the signature's
@@ -469,12 +476,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._check is not True or self._agreeing is not None:
             return
         vals = [int(v) for v in self._scheme.signature()] + [1]
-        grads = [p.grad for p in self._requires_update if p.grad is not None]
-        flag = (_nonfinite_flag(grads) if grads and self._scheme.stateful
-                else torch.zeros(1, dtype=torch.int32))
-        t = torch.cat([torch.tensor(vals + [-v for v in vals], dtype=torch.int64).to(flag.device),
-                       flag.to(torch.int64)])
+        t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64)
+        if flags:
+            grads = [p.grad for p in self._requires_update if p.grad is not None]
+            flag = (_nonfinite_flag(grads) if grads and self._scheme.stateful
+                    else torch.zeros(1, dtype=torch.int32))
+            t = torch.cat([t.to(flag.device), flag.to(torch.int64)])
         self._agreeing = self._transport.allreduce(t, "step", op=hvd.Max)
+        self._agreement_flags = flags
 
     def _gate(self, handle) -> None:
         """Before the scheme waits on one of the step's collectives (``transport.gated``):
@@ -503,7 +512,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if handle is None:
             return
         out = self._transport.wait(handle).tolist()
-        self._finite_known = out.pop()
+        if self._agreement_flags:
+            self._finite_known = out.pop()
         n = len(out) // 2
         hi, lo = out[:n], [-v for v in out[n:]]
         if lo[-1] == 0:

@@ -168,13 +168,17 @@ class Scheme:
         optimizer compares it across ranks every step (``_DistributedOptimizer``)."""
         return None
 
+    #: True: the scheme reads the step's agreement (:meth:`agree`) before it launches any
+    #: collective; the optimizer then sends it with the step's first gradient
+    agrees_before_launch = False
+
     def agree(self) -> None:
-        """Makes the step's agreement on :meth:`signature` now (one small allreduce that
-        also carries the ranks' non-finite flags), raising as ``synchronize()`` would where
-        the ranks disagree or one has called ``hvd.join()``. The optimizer installs it and
-        makes it in ``synchronize()`` before ``finish()`` otherwise; a scheme whose
-        collectives must not even start on such a set calls it once its last gradient is
-        in, before it launches them."""
+        """Reads the step's agreement on :meth:`signature` now, raising as ``synchronize()``
+        would where the ranks disagree or one has called ``hvd.join()``. The optimizer
+        installs it. A scheme whose collectives must not even start on such a set
+        (:attr:`agrees_before_launch`) calls it once its last gradient is in, before it
+        launches them; any other needs not: ``synchronize()`` sends the agreement with the
+        ranks' non-finite flags after the last gradient and gates the scheme's waits on it."""
 
     def memories(self) -> list:
         """The :class:`~ssfusion_hvd.sparsify.memory.ResidualMemory` objects in use."""
@@ -266,6 +270,7 @@ class WholeGradientScheme(Scheme):
 
     #: gradient dtypes the scheme's collectives can carry
     dtypes = SPARSE_GRAD_DTYPES
+    agrees_before_launch = True  # submit() calls agree() once the last gradient is in
     #: prefix of the scheme's collective names (``Transport``)
     prefix = "whole"
 
@@ -384,11 +389,11 @@ class WholeGradientScheme(Scheme):
             self._t_first = time.perf_counter()
         self._submitted += 1
         if self._submitted == len(self._trainable):
-            # the step's agreement first (the one small allreduce the step makes anyway, with
-            # the ranks' non-finite flags): on ranks at different points, or beside a rank
-            # that called hvd.join(), the error comes before any residual moves or any
-            # collective of the step starts (Horovod 0.28.1's background loop on a joined
-            # rank even fails on ExDyna's index allgather, whose length changes every step)
+            # the step's agreement first (sent with the first gradient, it has usually
+            # arrived): on ranks at different points, or beside a rank that called
+            # hvd.join(), the error comes before any residual moves or any collective of
+            # the step starts (Horovod 0.28.1's background loop on a joined rank even fails
+            # on ExDyna's index allgather, whose length changes every step)
             self.agree()
             self._launch()
 
