@@ -201,7 +201,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with numbered_as(tag):
             self._scheme = (SCHEMES[self._scheme_name].load() if config.process_set.included()
                             else OutsideTheSet)(config)
-        self._scheme.agree = self._finish_check
         self._scheme.keep_step = self._keep_step
         self._world = _world(config.process_set)
 
@@ -327,6 +326,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad.mul_(self._inv_scale)
             if wd:  # the local rule accumulates g + wd·w, where SGD/Adam would add the decay
                 p.grad.add_(p.detach(), alpha=wd)
+        if self._scheme.agrees_before_launch and len(self._submitted) == len(self._requires_update):
+            # the step's last gradient: such a scheme launches everything now. The agreement
+            # first (sent with the first gradient, it has usually arrived): on ranks at
+            # different points, or beside a rank that called hvd.join(), the error comes
+            # before any residual moves or any collective of the step starts (Horovod
+            # 0.28.1's background loop on a joined rank even fails on ExDyna's index
+            # allgather, whose length changes every step)
+            self._finish_check()
         self._scheme.submit(p)
 
     # ------------------------------------------------------------------ transaction
@@ -449,10 +456,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """With the step's first gradient: whether the step has an agreement to make, on
         the scheme's :meth:`~ssfusion_hvd.schemes.base.Scheme.signature` (iteration, plan
         checksum). :meth:`_send_agreement` sends it once every gradient of the step is in,
-        or now for a scheme that reads it before it launches anything
-        (``Scheme.agrees_before_launch``): crossing the link during backward, it has
-        usually arrived by then, where sent at launch it would hold the launch back by a
-        round trip (its flags then travel alone, :meth:`_start_finite_check`)."""
+        or now for a scheme that must not launch anything before it is read
+        (``Scheme.agrees_before_launch``, read in :meth:`_submit` before the step's last
+        gradient): crossing the link during backward, it has usually arrived by then, where
+        sent at that point it would hold the launch back by a round trip (its flags then
+        travel alone, :meth:`_start_finite_check`)."""
         self._check = self._agreement and self._scheme.signature() is not None
         if self._check and self._scheme.agrees_before_launch:
             self._send_agreement(flags=False)
@@ -503,9 +511,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             pause = transport.pause_between_polls(pause)
 
     def _finish_check(self) -> None:
-        """Reads the step's agreement (sending it first where it is due and not yet sent:
-        a whole-gradient scheme asks right before it launches, ``Scheme.agree``); raises
-        the same error on every rank where they disagree. Nothing where it was read."""
+        """Reads the step's agreement (sending it first where it is due and not yet sent);
+        raises the same error on every rank where they disagree. Nothing where it was
+        read."""
         self._send_agreement()
         handle, self._agreeing = self._agreeing, None
         self._check = None  # read (or none): the next step's first gradient decides anew

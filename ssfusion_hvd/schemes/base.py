@@ -168,17 +168,10 @@ class Scheme:
         optimizer compares it across ranks every step (``_DistributedOptimizer``)."""
         return None
 
-    #: True: the scheme reads the step's agreement (:meth:`agree`) before it launches any
-    #: collective; the optimizer then sends it with the step's first gradient
+    #: True: no collective of a step may start before the ranks are known to agree (the
+    #: whole gradient goes at once, after its last tensor); the optimizer then reads the
+    #: step's agreement before it submits the last gradient, and sends it with the first
     agrees_before_launch = False
-
-    def agree(self) -> None:
-        """Reads the step's agreement on :meth:`signature` now, raising as ``synchronize()``
-        would where the ranks disagree or one has called ``hvd.join()``. The optimizer
-        installs it. A scheme whose collectives must not even start on such a set
-        (:attr:`agrees_before_launch`) calls it once its last gradient is in, before it
-        launches them; any other needs not: ``synchronize()`` sends the agreement with the
-        ranks' non-finite flags after the last gradient and gates the scheme's waits on it."""
 
     def memories(self) -> list:
         """The :class:`~ssfusion_hvd.sparsify.memory.ResidualMemory` objects in use."""
@@ -270,7 +263,7 @@ class WholeGradientScheme(Scheme):
 
     #: gradient dtypes the scheme's collectives can carry
     dtypes = SPARSE_GRAD_DTYPES
-    agrees_before_launch = True  # submit() calls agree() once the last gradient is in
+    agrees_before_launch = True  # everything launches with the last gradient
     #: prefix of the scheme's collective names (``Transport``)
     prefix = "whole"
 
@@ -388,13 +381,7 @@ class WholeGradientScheme(Scheme):
         if self._t_first is None:
             self._t_first = time.perf_counter()
         self._submitted += 1
-        if self._submitted == len(self._trainable):
-            # the step's agreement first (sent with the first gradient, it has usually
-            # arrived): on ranks at different points, or beside a rank that called
-            # hvd.join(), the error comes before any residual moves or any collective of
-            # the step starts (Horovod 0.28.1's background loop on a joined rank even fails
-            # on ExDyna's index allgather, whose length changes every step)
-            self.agree()
+        if self._submitted == len(self._trainable):  # (the optimizer read the agreement)
             self._launch()
 
     def _launch(self) -> None:
