@@ -309,6 +309,46 @@ def test_the_agreement_rides_on_the_steps_one_small_allreduce(scheme):
     _equal_dicts(on[0]["params"], on[1]["params"])
 
 
+class _Gated:
+    """What ``_DistributedOptimizer._gate`` reads of the optimizer: the agreement in flight
+    and ``_finish_check``, which reads it (here: records that it did)."""
+
+    def __init__(self, agreeing):
+        self._agreeing, self.read = agreeing, 0
+
+    def _finish_check(self):
+        self.read += 1
+        self._agreeing = None
+
+
+@pytest.mark.parametrize("first", ["collective", "agreement", "none in flight"])
+def test_the_gate_waits_for_the_collective_or_the_agreement(monkeypatch, first):
+    """A wait of the scheme's goes ahead as soon as its collective has completed (it may be
+    decoded while the agreement is still in flight), and otherwise only once the agreement
+    has been read: a collective that may never complete is not waited on first."""
+    from ssfusion_hvd.core import transport
+    from ssfusion_hvd.optimizer import _DistributedOptimizer
+
+    polls = {"data": 0, "agreement": 0}
+    done_after = {"data": 3 if first == "collective" else 50,  # (50: a wrong gate ends too)
+                  "agreement": 3 if first == "agreement" else 50}
+
+    def done(handle):
+        polls[handle] += 1
+        return polls[handle] > done_after[handle]
+
+    monkeypatch.setattr(transport, "done", done)
+    monkeypatch.setattr(transport, "pause_between_polls", lambda pause: pause)
+    opt = _Gated(None if first == "none in flight" else "agreement")
+    _DistributedOptimizer._gate(opt, "data")
+    if first == "none in flight":
+        assert polls == {"data": 0, "agreement": 0} and opt.read == 0
+    elif first == "collective":
+        assert opt.read == 0 and opt._agreeing == "agreement" and polls["data"] == 4
+    else:
+        assert opt.read == 1 and opt._agreeing is None and polls["data"] == 4
+
+
 @pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "multi_tensor", "spardl", "zen",
                                     "exdyna"])
 def test_uneven_steps_with_hvd_join(scheme):
