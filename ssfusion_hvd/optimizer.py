@@ -442,7 +442,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         try:
             with transport.gated(self._gate):
                 self._scheme.finish()
-        except BaseException:
+        except Exception:  # (not an interrupt: nothing more may block then)
             self._finish_check()  # ranks that disagree explain any failure: their error first
             raise
         self._finish_check()

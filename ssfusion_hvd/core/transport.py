@@ -355,8 +355,7 @@ class Transport:
         if isinstance(inner, int) and not _spin():
             pause = POLL_FIRST_S
             while not _mpi.poll(inner):
-                time.sleep(pause)
-                pause = min(2.0 * pause, POLL_MAX_S)
+                pause = pause_between_polls(pause)
         out = _mpi.synchronize(inner)
         return out if inner is handle else handle.output(out)
 
