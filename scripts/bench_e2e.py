@@ -439,12 +439,18 @@ def agreement_table(rows: list, model: str, workers: int, hosts: int = 1) -> str
         q = lambda f: its[min(len(its) - 1, int(f * len(its)))]  # noqa: E731
         return f"{1e3 * q(0.25):.1f}-{1e3 * q(0.75):.1f}"
     lines = [f"Agreement check A/B ({model}, {topology_name(workers, hosts)}; iteration ms, "
-             "median and interquartile range of the timed iterations):\n",
-             "| scheme | with check | without | with / without |", "|---|---:|---:|---:|"]
+             "median and interquartile range of the timed iterations; blocked: rank 0's "
+             "median time blocked reading the agreement, all the check costs SparDL, ZEN "
+             "and ExDyna, shared with the non-finite flags it carries elsewhere):\n",
+             "| scheme | with check | without | with / without | blocked ms (% of step) |",
+             "|---|---:|---:|---:|---:|"]
     for on, no in pairs:
+        blocked = on.get("agreement_s")  # (runs before 2026-11-27 did not record it)
         lines.append(f"| {on['scheme']} | {1e3 * on['iteration_s']:.1f} ({spread(on)}) | "
                      f"{1e3 * no['iteration_s']:.1f} ({spread(no)}) | "
-                     f"{on['iteration_s'] / no['iteration_s']:.3f} |")
+                     f"{on['iteration_s'] / no['iteration_s']:.3f} | "
+                     + ("n/a |" if blocked is None else
+                        f"{1e3 * blocked:.2f} ({100 * blocked / on['iteration_s']:.1f} %) |"))
     return "\n".join(lines) + "\n"
 
 

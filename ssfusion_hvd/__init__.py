@@ -14,12 +14,12 @@ __version__ = "0.1.0"
 from .registry import SCHEMES  # noqa: E402
 from .sparsify import SPARSIFIERS  # noqa: E402
 
-__all__ = ["DistributedOptimizer", "SCHEMES", "SPARSIFIERS", "broadcast_optimizer_state",
-           "__version__"]
+__all__ = ["DistributedOptimizer", "RanksDisagree", "SCHEMES", "SPARSIFIERS",
+           "broadcast_optimizer_state", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("DistributedOptimizer", "broadcast_optimizer_state"):
+    if name in ("DistributedOptimizer", "RanksDisagree", "broadcast_optimizer_state"):
         from . import optimizer
 
         return getattr(optimizer, name)

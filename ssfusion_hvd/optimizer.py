@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import time
 import weakref
 import warnings
 from contextlib import contextmanager
@@ -45,6 +46,12 @@ _STATE_KEY = "ssfusion"
 #: the param-group option through which ``hvd.broadcast_optimizer_state`` carries the
 #: root's shared scheme state to every rank (see ``_DistributedOptimizer.state_dict``)
 _SHARED_KEY = "ssfusion_shared"
+
+
+class RanksDisagree(RuntimeError):
+    """Raised on every rank of the process set, before any of the step's collectives, when
+    the step's agreement finds its ranks at different points (iteration, plan) or one of
+    them joined (``hvd.join()``) where the scheme cannot run beside it."""
 
 
 def _in_horovod_broadcast() -> bool:
@@ -157,6 +164,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._check = None  # True: this step's agreement is due (_start_check); False: none
         self._agreeing = None  # the handle of the step's agreement, sent and not yet read
         self._agreement_flags = False  # whether it carries the ranks' non-finite flags
+        self._agreement_s = 0.0  # seconds the last step blocked reading it (stats())
         # False only in a measuring run (examples/bench.py --agreement off): what the check
         # costs. Without it a rank gone astray hangs the job instead of raising.
         self._agreement = True
@@ -274,8 +282,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         of ``elements`` and the achieved ``density``, ``tensors_missing`` (tensors that sent
         nothing), ``nonfinite`` (NaN/Inf elements in the synchronized gradients), and seconds
         in ``sparsify_s`` (inline selection), ``offload_s`` (worker selection),
-        ``communicate_s`` (first submission to the end of the wait) and ``wait_s`` (blocked
-        in ``synchronize()``). ``phase`` is ``dense``, ``warmup``, ``planned``, ``sparse``
+        ``communicate_s`` (first submission to the end of the wait), ``wait_s`` (blocked
+        in ``synchronize()``) and ``agreement_s`` (blocked reading the step's agreement:
+        for the whole-gradient schemes all that the check costs a step; for the others it
+        includes the wait on the ranks' non-finite flags that the agreement carries). ``phase`` is ``dense``, ``warmup``, ``planned``, ``sparse``
         (SparDL, ExDyna, ZEN) or ``calibration`` (ExDyna's exact top-k step); those schemes add their own keys.
 
         Counts that need a pass over the outputs (``nonfinite`` of the planned schemes) or
@@ -289,6 +299,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         out = self._scheme.stats()
         if out and self._scheme.stateful:
             out["steps_skipped"] = self._steps_skipped
+        if out:
+            out["agreement_s"] = self._agreement_s
         return out
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -327,13 +339,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if wd:  # the local rule accumulates g + wd·w, where SGD/Adam would add the decay
                 p.grad.add_(p.detach(), alpha=wd)
         if self._scheme.agrees_before_launch and len(self._submitted) == len(self._requires_update):
-            # the step's last gradient: such a scheme launches everything now. The agreement
-            # first (sent with the first gradient, it has usually arrived): on ranks at
+            # the step's last gradient: such a scheme selects and launches everything now.
+            # The agreement (sent with the first gradient) is read after its selection,
+            # which so overlaps the round trip, and before its first collective: on ranks at
             # different points, or beside a rank that called hvd.join(), the error comes
-            # before any residual moves or any collective of the step starts (Horovod
-            # 0.28.1's background loop on a joined rank even fails on ExDyna's index
-            # allgather, whose length changes every step)
-            self._finish_check()
+            # before any collective of the step starts (Horovod 0.28.1's background loop on
+            # a joined rank even fails on ExDyna's index allgather, whose length changes
+            # every step), and the selection's residuals are put back
+            try:
+                with transport.first_launch(self._finish_check):
+                    self._scheme.submit(p)
+            except RanksDisagree:
+                self._abandon_step()
+                raise
+            self._finish_check()  # (read already, unless the scheme launched nothing)
+            return
         self._scheme.submit(p)
 
     # ------------------------------------------------------------------ transaction
@@ -407,14 +427,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._keep = not any(torch.cat([ranks.to(out.device), out]).tolist())
         return self._keep
 
-    def _undo_step(self) -> None:
-        """Undoes the last synchronized step (before the next begins)."""
-        if self._step_undone or not self._scheme.stateful:
-            return
+    def _put_back(self) -> None:
+        """The scheme's state and the recipe's hand-over of optimizer state as they were
+        before the step's first gradient."""
         self._scheme.rollback()
         if self._journal:
             self._config.recipe.undo_takes(self._journal)
         self._journal = None
+
+    def _abandon_step(self) -> None:
+        """The ranks disagree (:class:`RanksDisagree`): the step in flight ends here, and
+        what it changed is put back, so the residuals and momentum a checkpoint saves next
+        are this rank's own (its selected elements were never applied anywhere)."""
+        if self._in_step and self._scheme.stateful:
+            self._put_back()
+        self._in_step = False
+        self._config.recipe.journal = None
+
+    def _undo_step(self) -> None:
+        """Undoes the last synchronized step (before the next begins)."""
+        if self._step_undone or not self._scheme.stateful:
+            return
+        self._put_back()
         self._step_undone = True
         self._steps_skipped += 1
         self._scheme.last_stats.skipped = True
@@ -440,12 +474,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._send_agreement()  # (a whole-gradient scheme made it at launch)
         self._start_finite_check()
         try:
-            with transport.gated(self._gate):
-                self._scheme.finish()
-        except Exception:  # (not an interrupt: nothing more may block then)
-            self._finish_check()  # ranks that disagree explain any failure: their error first
+            try:
+                with transport.gated(self._gate):
+                    self._scheme.finish()
+            except Exception:  # (not an interrupt: nothing more may block then)
+                self._finish_check()  # ranks that disagree explain any failure: theirs first
+                raise
+            self._finish_check()
+        except RanksDisagree:
+            self._abandon_step()
             raise
-        self._finish_check()
         self._end_step()
         self._submitted.clear()
         for p in self._delay:
@@ -457,11 +495,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         the scheme's :meth:`~ssfusion_hvd.schemes.base.Scheme.signature` (iteration, plan
         checksum). :meth:`_send_agreement` sends it once every gradient of the step is in,
         or now for a scheme that must not launch anything before it is read
-        (``Scheme.agrees_before_launch``, read in :meth:`_submit` before the step's last
-        gradient): crossing the link during backward, it has usually arrived by then, where
-        sent at that point it would hold the launch back by a round trip (its flags then
-        travel alone, :meth:`_start_finite_check`)."""
+        (``Scheme.agrees_before_launch``, read in :meth:`_submit` before the scheme's
+        first collective): crossing the link during backward and the scheme's selection,
+        it has usually arrived by then, where sent at that point it would hold the launch
+        back by a round trip (its flags then travel alone, :meth:`_start_finite_check`)."""
         self._check = self._agreement and self._scheme.signature() is not None
+        self._agreement_s = 0.0
         if self._check and self._scheme.agrees_before_launch:
             self._send_agreement(flags=False)
 
@@ -519,13 +558,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._check = None  # read (or none): the next step's first gradient decides anew
         if handle is None:
             return
+        t0 = time.perf_counter()
         out = self._transport.wait(handle).tolist()
+        self._agreement_s = time.perf_counter() - t0
         if self._agreement_flags:
             self._finite_known = out.pop()
         n = len(out) // 2
         hi, lo = out[:n], [-v for v in out[n:]]
         if lo[-1] == 0:
-            raise RuntimeError(
+            raise RanksDisagree(
                 f"ssfusion_hvd: a rank of the process set called hvd.join() while this rank "
                 f"still steps (ranks with different numbers of batches). Scheme "
                 f"{self._scheme_name!r} sends its sparse records by allgather, which Horovod "
@@ -535,7 +576,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"use scheme='dense', which runs with hvd.join() as Horovod's optimizer does. "
                 f"This rank's step did not update the parameters; call hvd.join() to end it.")
         if hi != lo:
-            raise RuntimeError(
+            raise RanksDisagree(
                 f"ssfusion_hvd: the ranks of the process set are at different points of "
                 f"scheme {self._scheme_name!r} (iteration from {lo[0]} to {hi[0]}"
                 f"{', different plans' if lo[1] != hi[1] else ''}): their collectives cannot "

@@ -349,6 +349,34 @@ def test_the_gate_waits_for_the_collective_or_the_agreement(monkeypatch, first):
         assert opt.read == 1 and opt._agreeing is None and polls["data"] == 4
 
 
+def test_first_launch_runs_once_before_the_first_collective(monkeypatch):
+    """``transport.first_launch(fn)``: the first collective a Transport of the thread
+    enqueues calls ``fn`` first, and only the first; where ``fn`` raises, nothing is
+    enqueued and the exception comes out of that call. (The optimizer reads a
+    whole-gradient scheme's agreement there, after its selection.)"""
+    from ssfusion_hvd.core import transport
+
+    enqueued = []
+    monkeypatch.setattr(transport._mpi, "allgather_async",
+                        lambda t, name, process_set: enqueued.append(name) or len(enqueued))
+    tr = transport.Transport.__new__(transport.Transport)
+    tr.tag, tr.process_set, tr.sent = "t", None, {"allgather": 0}
+    x = torch.zeros(2)
+    with transport.first_launch(lambda: enqueued.append("agreement")):
+        tr.allgather(x, "a")
+        tr.allgather(x, "b")
+    tr.allgather(x, "c")
+    assert enqueued == ["agreement", "t.a", "t.b", "t.c"]
+
+    def disagree():
+        raise RuntimeError("ranks disagree")
+    with pytest.raises(RuntimeError, match="ranks disagree"):
+        with transport.first_launch(disagree):
+            tr.allgather(x, "d")
+    tr.allgather(x, "e")  # the context is gone with its exception
+    assert enqueued[4:] == ["t.e"]
+
+
 @pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "multi_tensor", "spardl", "zen",
                                     "exdyna"])
 def test_uneven_steps_with_hvd_join(scheme):
@@ -356,8 +384,9 @@ def test_uneven_steps_with_hvd_join(scheme):
     steps as Horovod's optimizer does (the joined rank adds zeros). A sparse scheme's
     step agreement sees the joined rank and raises on rank 0, naming hvd.join() and the
     fixes, before the parameters change (the whole-gradient schemes before their first
-    collective of the step: WholeGradientScheme.submit): both ranks still hold the same
-    parameters, rank 0 joins too, and a later collective completes on both (no hang)."""
+    collective of the step, after their selection, whose residuals are put back): both
+    ranks still hold the same parameters, rank 0 its residuals and momentum, rank 0 joins
+    too, and a later collective completes on both (no hang)."""
     r0, r1 = run_workers("workers_horovod:uneven_join", np=2, timeout=180, scheme=scheme)
     assert r1["error"] is None
     if scheme == "dense":
@@ -365,6 +394,7 @@ def test_uneven_steps_with_hvd_join(scheme):
         assert any(not torch.equal(r0["params"][n], r1["params"][n]) for n in r0["params"])
     else:
         assert "hvd.join()" in r0["error"] and "scheme='dense'" in r0["error"]
+        assert r0["own_kept"] is True
         _equal_dicts(r0["params"], r1["params"])
     assert r0["join_error"] is None and r1["join_error"] is None
     assert r0["after"] == r1["after"] == 2.0 and r0["last"] == r1["last"]

@@ -373,17 +373,25 @@ def uneven_join(scheme, steps=(5, 3)):
     """Horovod's pattern for ranks with uneven data: rank r trains ``steps[r]`` steps, then
     calls hvd.join(). A sparse scheme's step on the rank still stepping raises (its records
     travel by allgather, which Horovod refuses with joined ranks) and leaves the parameters
-    as they were; that rank then joins too. Returns the error, what join() returned, the
-    parameters and an allreduce run by both afterwards (nobody was left waiting)."""
+    as they were, and its residuals and momentum (``own_kept``); that rank then joins too.
+    Returns the error, what join() returned, the parameters and an allreduce run by both
+    afterwards (nobody was left waiting)."""
     torch.manual_seed(1234)
     model = Net()
     opt = _wrap(model, "sgd", scheme)
-    error = None
-    try:
-        _train_steps(model, opt, range(steps[hvd.rank()]))
-    except RuntimeError as exc:
-        error = str(exc)
-    out = {"error": error, "params": _params(model), "join_error": None}
+    error = own_kept = None
+    for step in range(steps[hvd.rank()]):
+        own = _own_state(opt)
+        try:
+            _train_steps(model, opt, [step])
+        except RuntimeError as exc:
+            error = str(exc)
+            after = _own_state(opt)
+            own_kept = all(torch.equal(own[store][n], after[store][n])
+                           for store in own for n in own[store]) and all(
+                               set(own[s]) == set(after[s]) for s in own)
+            break
+    out = {"error": error, "params": _params(model), "join_error": None, "own_kept": own_kept}
     try:
         out["last"] = int(hvd.join())
         out["after"] = float(hvd.allreduce(torch.ones(1), name="after_uneven_join", op=hvd.Sum))

@@ -62,6 +62,11 @@ class OffloadWorker:
         """Runs ``fn(*args)`` on the worker after everything queued before."""
         return self._pool.submit(fn, *args)
 
+    def settle(self) -> None:
+        """Returns once everything queued so far has run (a step abandoned before its
+        ``finish()`` waited for its jobs, whose selections write the residuals)."""
+        self._pool.submit(lambda: None).result()
+
     def reset(self) -> None:
         self._jobs.clear()
         self.seconds = 0.0

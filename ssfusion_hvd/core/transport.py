@@ -39,7 +39,7 @@ from horovod.torch.mpi_ops import Average, Max, Min, Sum, global_process_set
 
 __all__ = ["Transport", "allgather_bytes", "broadcast_object", "root_rank", "allreduce",
            "allgather", "barrier", "split_list", "Average", "Sum", "Max", "Min",
-           "global_process_set", "op_scales", "gated", "done"]
+           "global_process_set", "op_scales", "gated", "first_launch", "done"]
 
 #: Horovod's ``synchronize`` waits by spinning on ``sched_yield``. Where ranks share cores
 #: (several ranks per host on a CPU job, or the offload worker beside backward) the ranks
@@ -89,6 +89,28 @@ def gated(gate):
         yield
     finally:
         _GATE.fn = before
+
+
+@contextmanager
+def first_launch(fn):
+    """Within: the first collective that a :class:`Transport` of this thread enqueues first
+    calls ``fn()`` (once; an exception it raises comes out of that collective's call, and
+    nothing is enqueued). The optimizer reads a whole-gradient scheme's step agreement
+    here: after the scheme's local selection, which so overlaps the agreement's round
+    trip, and before anything that could not match on ranks that disagree."""
+    before = getattr(_GATE, "launch", None)
+    _GATE.launch = fn
+    try:
+        yield
+    finally:
+        _GATE.launch = before
+
+
+def _launching() -> None:
+    fn = getattr(_GATE, "launch", None)
+    if fn is not None:
+        _GATE.launch = None  # once: fn's own collectives, and the scheme's next, go ahead
+        fn()
 
 
 def _inner(handle):
@@ -289,6 +311,7 @@ class Transport:
     def allreduce(self, tensor: torch.Tensor, suffix, *, op=None, prescale: float = 1.0,
                   postscale: float = 1.0):
         """In-place allreduce of ``tensor`` (dense; Horovod scales by pre/postscale)."""
+        _launching()
         wide = tensor if _horovod_dtype(tensor) else tensor.float()
         self.sent["allreduce"] += self._nbytes([wide])
         handle = _mpi.allreduce_async_(wide, name=self.name(suffix),
@@ -298,6 +321,7 @@ class Transport:
         return handle if wide is tensor else _Widened(handle, tensor, False)
 
     def grouped_allreduce(self, tensors: Sequence[torch.Tensor], suffix):
+        _launching()
         tensors = list(tensors)
         wide = [t if _horovod_dtype(t) else t.float() for t in tensors]
         self.sent["allreduce"] += self._nbytes(wide)
@@ -309,11 +333,13 @@ class Transport:
 
     def sparse_allreduce(self, tensor: torch.Tensor, suffix):
         """A torch sparse gradient (Horovod allgathers its indices and values)."""
+        _launching()
         self.sent["allreduce"] += tensor._nnz() * tensor.element_size()
         return _mpi.sparse_allreduce_async(tensor, name=self.name(suffix), op=self.op,
                                            process_set=self.process_set)
 
     def allgather(self, tensor: torch.Tensor, suffix):
+        _launching()
         self.sent["allgather"] += self._nbytes([tensor])
         if _horovod_dtype(tensor):
             return _mpi.allgather_async(tensor, name=self.name(suffix),
@@ -324,6 +350,7 @@ class Transport:
     def alltoall(self, tensor: torch.Tensor, splits: torch.Tensor, suffix):
         """Rows ``splits[r]`` of ``tensor`` go to rank ``r``; ``wait`` returns
         ``(received, received_splits)``."""
+        _launching()
         self.sent["alltoall"] += self._nbytes([tensor])
         return _mpi.alltoall_async(tensor, splits=splits, name=self.name(suffix),
                                    process_set=self.process_set)
@@ -337,6 +364,7 @@ class Transport:
 
     def broadcast_object(self, obj, suffix):
         """Blocking: the first rank's ``obj`` on every rank."""
+        _launching()
         return broadcast_object(obj, self.name(suffix), self.process_set)
 
     @staticmethod

@@ -170,7 +170,8 @@ def main(argv=None) -> dict:
             per_iter.append({"forward_s": t1 - t0, "backward_s": t2 - t1, "step_s": t3 - t2,
                              "sync_s": t_sync - t2, "update_s": t3 - t_sync})
             per_iter[-1].update({k: s.get(k, 0) for k in (
-                "phase", "wait_s", "communicate_s", "sparsify_s", "offload_s", "allreduce_bytes",
+                "phase", "wait_s", "communicate_s", "sparsify_s", "offload_s", "agreement_s",
+                "allreduce_bytes",
                 "allgather_bytes", "alltoall_bytes", "tensors_missing", "elements_sent",
                 "elements", "nonfinite", "density_target")})
             stamps.append((t0, t1, t2, t_sync, t3, time.perf_counter()))
@@ -214,6 +215,9 @@ def main(argv=None) -> dict:
         "wait_s": med("wait_s"), "communicate_s": med("communicate_s"),
         "sparsify_s": med("sparsify_s"), "offload_s": med("offload_s"),
         "wait_share": med("wait_s") / it,
+        # blocked reading the step's agreement (the check's whole cost for SparDL, ZEN,
+        # ExDyna; for the planned schemes shared with the non-finite flags it carries)
+        "agreement_s": med("agreement_s"),
         # rank 0's breakdown of an iteration: forward (with zero_grad and the synthetic
         # batch), backward (with the hooks' inline selection and submissions), step
         # (waiting, decoding, copying into .grad, the wrapped optimizer's update)

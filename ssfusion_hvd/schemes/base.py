@@ -169,8 +169,9 @@ class Scheme:
         return None
 
     #: True: no collective of a step may start before the ranks are known to agree (the
-    #: whole gradient goes at once, after its last tensor); the optimizer then reads the
-    #: step's agreement before it submits the last gradient, and sends it with the first
+    #: whole gradient goes at once, after its last tensor); the optimizer sends the step's
+    #: agreement with the first gradient and reads it before the scheme's first collective
+    #: (``transport.first_launch``), so the scheme's selection overlaps its round trip
     agrees_before_launch = False
 
     def memories(self) -> list:

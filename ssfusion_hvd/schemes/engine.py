@@ -136,6 +136,12 @@ class PlannedPhase:
             self._worker.close()
             self._worker = None
 
+    def settle(self) -> None:
+        """Returns once the offload worker has run everything queued (nothing to wait for
+        without one, or after ``finish()``)."""
+        if self._worker is not None:
+            self._worker.settle()
+
     # ------------------------------------------------------------------ submit
     def _grad(self, i: int) -> torch.Tensor:
         p = self.params[i]

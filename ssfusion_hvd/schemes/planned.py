@@ -194,6 +194,11 @@ class PlannedScheme(Scheme):
         if self._engine is not None:
             self._engine.close()
 
+    def rollback(self) -> None:
+        if self._engine is not None:  # a step abandoned mid-way: its selections end first
+            self._engine.settle()
+        super().rollback()
+
     def memories(self) -> list:
         return [] if self._engine is None else [self._engine.memory]
 
