@@ -19,7 +19,7 @@ while (($#)); do
     esac
 done
 # One intra-op thread per worker share of the cores; Horovod's knobs set explicitly so the
-# run is reproducible (see README "Horovod settings").
+# run is reproducible (see docs/horovod.md, "Horovod settings").
 cores="$(nproc)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / np > 0 ? cores / np : 1 ))}"
 export HOROVOD_CYCLE_TIME="${HOROVOD_CYCLE_TIME:-1}"

@@ -220,7 +220,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         schemes profile and plan again, ExDyna calibrates again, and every rank starts
         with empty residuals, which is what a rank that joined has. The optimizer state
         carries over: the wrapped optimizer's (shared moments' too), and the local rules'
-        through the torch entries their new buffers start from (README, "Elastic")."""
+        through the torch entries their new buffers start from (docs/horovod.md,
+        "Elastic training")."""
         world = _world(self._config.process_set)
         if world is None or world == self._world:
             return
@@ -285,15 +286,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ``communicate_s`` (first submission to the end of the wait), ``wait_s`` (blocked
         in ``synchronize()``) and ``agreement_s`` (blocked reading the step's agreement:
         for the whole-gradient schemes all that the check costs a step; for the others it
-        includes the wait on the ranks' non-finite flags that the agreement carries). ``phase`` is ``dense``, ``warmup``, ``planned``, ``sparse``
-        (SparDL, ExDyna, ZEN) or ``calibration`` (ExDyna's exact top-k step); those schemes add their own keys.
+        includes the wait on the ranks' non-finite flags that the agreement carries).
+        ``phase`` is ``dense``, ``warmup``, ``planned``, ``sparse`` (SparDL, ExDyna, ZEN)
+        or ``calibration`` (ExDyna's exact top-k step); those schemes add their own keys.
 
         Counts that need a pass over the outputs (``nonfinite`` of the planned schemes) or
         a device-to-host read are taken here, not in the training step: call ``stats()``
         between steps (before the next ``step()``/``synchronize()``).
 
         ``skipped``: the step's synchronized gradients (or a rank's own) were not finite, so
-        it was undone and its synchronized gradients are NaN (README, "Mixed precision");
+        it was undone and its synchronized gradients are NaN (docs/horovod.md, "Mixed precision");
         ``nonfinite`` then counts what the synchronized sum held before that.
         ``steps_skipped`` counts such steps."""
         out = self._scheme.stats()
@@ -581,8 +583,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"scheme {self._scheme_name!r} (iteration from {lo[0]} to {hi[0]}"
                 f"{', different plans' if lo[1] != hi[1] else ''}): their collectives cannot "
                 f"match. A checkpoint loaded on some ranks only must be followed by "
-                f"hvd.broadcast_optimizer_state(optimizer, root_rank) on every rank (README, "
-                f"\"Checkpoint and resume\"), and every rank must call step() equally often.")
+                f"hvd.broadcast_optimizer_state(optimizer, root_rank) on every rank "
+                f"(docs/horovod.md, \"Checkpoint and resume\"), and every rank must call "
+                f"step() equally often.")
 
     @contextmanager
     def skip_synchronize(self):
@@ -678,7 +681,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         """The wrapped optimizer's state dict plus ``"ssfusion"``: this rank's scheme state
         (plan, iteration, residuals, the local rule's buffers). Residuals differ per rank:
-        every rank that should resume exactly saves its own (README, "Checkpoint and resume")."""
+        every rank that should resume exactly saves its own (docs/horovod.md, "Checkpoint and resume")."""
         if not self._submitted:
             self._follow_world()
         broadcast = self._in_broadcast()
@@ -913,7 +916,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     grad_scaler: the job's ``torch.amp.GradScaler``, when it has one. Optional: the
         optimizer meets it at the first ``scaler.step(optimizer)``; schemes that sparsify
         their very first step (SparDL, ZEN, ExDyna) need it before, for that step's weight
-        decay and Adam eps to be exact (README, "Mixed precision").
+        decay and Adam eps to be exact (docs/horovod.md, "Mixed precision").
 
     Bad arguments raise ``ValueError`` on every rank before any collective is submitted.
     The wrapped optimizer's state (e.g. momentum) is carried over.

@@ -171,7 +171,7 @@ class Recipe:
         by a later dense step, and the optimizer's state has the same structure on every
         rank whatever each rank sparsifies: ``hvd.broadcast_optimizer_state`` matches its
         broadcasts by (state key, occurrence), and a rank-0 checkpoint must line up with a
-        fresh optimizer on the other ranks (README, "Checkpoint and resume")."""
+        fresh optimizer on the other ranks (docs/horovod.md, "Checkpoint and resume")."""
         opt = self._optimizer
         if opt is None:
             return None

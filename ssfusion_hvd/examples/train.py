@@ -214,7 +214,7 @@ def main(argv=None):
     if args.floor is not None and options_for(args.scheme, floor=0.0):  # a scheme that takes it
         options = dict(options or {}, floor=None if args.floor == "none" else float(args.floor))
     # mixed precision as users train: autocast on the device and, for float16, a
-    # GradScaler the optimizer is told about up front (README, "Mixed precision")
+    # GradScaler the optimizer is told about up front (docs/horovod.md, "Mixed precision")
     scaler = (torch.amp.GradScaler(device.type, init_scale=args.init_scale)
               if args.amp == "float16" else None)
     peer = args.scheme in PEERS

@@ -81,7 +81,7 @@ per partition whose share of k rounds to zero) and the threshold still tracks th
 untrimmed demand; below the target nothing changes. Moving one block
 per adjacent pair per iteration balances slowly on strongly skewed gradients. A NaN/Inf
 outside a rank's own partition would never be sent by its exclusive selection: the
-optimizer's non-finite flag undoes such a step on every rank (README, "Mixed precision").
+optimizer's non-finite flag undoes such a step on every rank (docs/horovod.md, "Mixed precision").
 All trainable gradients must share one dtype (float32, float16, bfloat16; bfloat16 values
 are summed in float32 by the value allreduce) and device.
 """
