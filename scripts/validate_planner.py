@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_e2e  # noqa: E402  (runs the sweep; prediction(): the simulator on a run's own plan and costs)
-from ssfusion_hvd.registry import PLANNERS  # noqa: E402
+from ssfusion_hvd.plan import PLANNERS  # noqa: E402
 
 #: the schemes whose plan our engine runs (dense is Horovod's optimizer: no plan)
 VALIDATED = tuple(s for s in PLANNERS if s != "dense")

@@ -11,11 +11,11 @@ without it.
 """
 __version__ = "0.1.0"
 
-from .registry import SCHEMES  # noqa: E402
+from .registry import SCHEMES, register_scheme  # noqa: E402
 from .sparsify import SPARSIFIERS  # noqa: E402
 
 __all__ = ["DistributedOptimizer", "RanksDisagree", "SCHEMES", "SPARSIFIERS",
-           "broadcast_optimizer_state", "__version__"]
+           "broadcast_optimizer_state", "register_scheme", "__version__"]
 
 
 def __getattr__(name):

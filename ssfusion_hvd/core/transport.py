@@ -79,31 +79,29 @@ _GATE = threading.local()
 
 
 @contextmanager
+def _thread_setting(key: str, value):
+    before = getattr(_GATE, key, None)
+    setattr(_GATE, key, value)
+    try:
+        yield
+    finally:
+        setattr(_GATE, key, before)
+
+
 def gated(gate):
     """Within: every :meth:`Transport.wait` of this thread first calls ``gate(handle)``,
     which returns once that collective may be waited on (the optimizer's step agreement:
     ``_DistributedOptimizer._gate``)."""
-    before = getattr(_GATE, "fn", None)
-    _GATE.fn = gate
-    try:
-        yield
-    finally:
-        _GATE.fn = before
+    return _thread_setting("fn", gate)
 
 
-@contextmanager
 def first_launch(fn):
     """Within: the first collective that a :class:`Transport` of this thread enqueues first
     calls ``fn()`` (once; an exception it raises comes out of that collective's call, and
     nothing is enqueued). The optimizer reads a whole-gradient scheme's step agreement
     here: after the scheme's local selection, which so overlaps the agreement's round
     trip, and before anything that could not match on ranks that disagree."""
-    before = getattr(_GATE, "launch", None)
-    _GATE.launch = fn
-    try:
-        yield
-    finally:
-        _GATE.launch = before
+    return _thread_setting("launch", fn)
 
 
 def _launching() -> None:

@@ -30,10 +30,8 @@ from .plan import Plan
 from .selective import choose_offload, keep_small_dense, select_sparsified, split_interleaved
 from .timeline import simulate
 
-from ..registry import PLANNERS
-
 __all__ = ["AUTO_PREFERENCE", "AUTO_TIE", "PLANNERS", "DEFAULT_CYCLE_S", "DEFAULT_FUSION_THRESHOLD",
-           "build_plan", "choose_plan", "horovod_groups", "threshold_groups"]
+           "SSFusionSteps", "build_plan", "choose_plan", "horovod_groups", "threshold_groups"]
 
 #: Horovod's default ``HOROVOD_FUSION_THRESHOLD`` (64 MiB).
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
@@ -72,6 +70,95 @@ def horovod_groups(sizes: Sequence[int], cost: CostModel,
     return bounds
 
 
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """:func:`build_plan`'s keywords, handed to every builder."""
+
+    density: float
+    names: Sequence[str] | None
+    sparsifier: str
+    fusion_threshold_bytes: int
+    min_k: int
+    group_floor: float | None
+    accuracy_slack: float
+
+
+def _dense(name: str, sizes, cost: CostModel, o: _Options) -> Plan:
+    """What hvd.DistributedOptimizer sends: Horovod's cycle-wise fusion buffers."""
+    bounds = horovod_groups(sizes, cost, o.fusion_threshold_bytes)
+    return fused_plan(sizes, bounds, "none", o.density, name, o.names, o.sparsifier)
+
+
+def _per_tensor(name: str, sizes, cost: CostModel, o: _Options) -> Plan:
+    return fused_plan(sizes, [(i, i + 1) for i in range(len(sizes))], "per_tensor", o.density,
+                      name, o.names, o.sparsifier)
+
+
+def _multi_tensor(name: str, sizes, cost: CostModel, o: _Options) -> Plan:
+    return optimal_fusion(sizes, cost, "multi_tensor", o.density, name, o.names, o.sparsifier)
+
+
+def _auto(name: str, sizes, cost: CostModel, o: _Options) -> Plan:
+    return choose_plan(sizes, cost, **{f.name: getattr(o, f.name)
+                                       for f in dataclasses.fields(o)})
+
+
+@dataclasses.dataclass(frozen=True)
+class SSFusionSteps:
+    """The SSFusion family's planner: Cupcake's optimal fusion of per-tensor sparsified
+    tensors (§IV-B Step-1), selective sparsification and density-aware compensation, and
+    two switches: ``interleave``, each group split into allreduce and allgather parts
+    (§IV-D, the -I schemes); ``offload``, large tensors selected on a CPU worker (§IV-C,
+    the -O schemes)."""
+
+    interleave: bool
+    offload: bool
+
+    def __call__(self, name: str, sizes, cost: CostModel, o: _Options) -> Plan:
+        fused = optimal_fusion(sizes, cost, "per_tensor", o.density, name, o.names, o.sparsifier)
+        plan = self.steps(name, fused, cost, o.min_k, offload=self.offload)
+        if o.group_floor is not None:
+            plan = _larger_budgets(self, name, plan, sizes, cost, o)
+        plan.group_floor = None if o.group_floor is None else float(o.group_floor)
+        # SSFusion's premise is to sparsify only where it pays: a plan predicted slower
+        # than Horovod's own dense allreduce is not run; those buffers are (every rank
+        # decides alike: the cost model is rank 0's)
+        dense = _dense("dense", sizes, cost, o)
+        if simulate(dense, cost).iteration_s < simulate(plan, cost).iteration_s:
+            return dataclasses.replace(dense, scheme=name)
+        return plan
+
+    def steps(self, name: str, fused: Plan, cost: CostModel, min_k: int, offload: bool) -> Plan:
+        """The per-tensor decisions on fixed groups: selective sparsification (§IV-B), the
+        -I split (§IV-D), the small-tensor rule and, when ``offload``, offloading (§IV-C)."""
+        plan = select_sparsified(fused, cost, scheme="ssfusion")
+        if self.interleave:  # §IV-D builds on §IV-B's selection
+            plan = split_interleaved(plan, cost, scheme="ssfusion_i")
+        # the accuracy rule last among the per-tensor decisions, so the time-based steps
+        # above cannot sparsify those tensors again; before offloading (they would never
+        # be offloaded)
+        if min_k > 0:  # recorded, so a saved plan says how it was made
+            plan = keep_small_dense(plan, min_k)
+            plan.notes = dict(plan.notes, min_k=str(int(min_k)))
+        if offload and self.offload:
+            plan = choose_offload(plan, cost, scheme=name)
+        return dataclasses.replace(plan, scheme=name)
+
+
+#: scheme name -> the builder of its plan, ``(name, sizes, cost, options) -> Plan``: the
+#: one table of what the planner can build (``dense`` too, for comparisons and ``auto``)
+PLANNERS = {
+    "dense": _dense,
+    "per_tensor": _per_tensor,
+    "multi_tensor": _multi_tensor,
+    "ssfusion": SSFusionSteps(interleave=False, offload=False),
+    "ssfusion_o": SSFusionSteps(interleave=False, offload=True),
+    "ssfusion_i": SSFusionSteps(interleave=True, offload=False),
+    "ssfusion_oi": SSFusionSteps(interleave=True, offload=True),
+    "auto": _auto,
+}
+
+
 def build_plan(
     scheme: str,
     sizes: Sequence[int],
@@ -84,7 +171,8 @@ def build_plan(
     group_floor: float | None = None,
     accuracy_slack: float = 0.0,
 ) -> Plan:
-    """The plan of ``scheme`` for gradient tensors ``sizes`` (element counts, backward order).
+    """The plan of ``scheme`` (a name in :data:`PLANNERS`) for gradient tensors ``sizes``
+    (element counts, backward order).
 
     ``min_k`` (SSFusion schemes only; the live schemes pass ``scheme_options["min_k"]``,
     default 0): tensors whose top-k at ``density`` would be below it are sent dense
@@ -96,53 +184,11 @@ def build_plan(
     shared budgets predicted within that share of the fastest (:func:`_larger_budgets`).
     The paper's baselines (per_tensor, multi_tensor) sparsify every tensor, as published."""
     if scheme not in PLANNERS:
-        raise ValueError(f"unknown scheme {scheme!r}; choose one of {PLANNERS}")
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {tuple(PLANNERS)}")
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
-    if scheme == "auto":
-        return choose_plan(sizes, cost, density=density, names=names, sparsifier=sparsifier,
-                           fusion_threshold_bytes=fusion_threshold_bytes, min_k=min_k,
-                           group_floor=group_floor, accuracy_slack=accuracy_slack)
-    n = len(sizes)
-    if scheme == "dense":  # what hvd.DistributedOptimizer sends
-        bounds = horovod_groups(sizes, cost, fusion_threshold_bytes)
-        return fused_plan(sizes, bounds, "none", density, scheme, names, sparsifier)
-    if scheme == "per_tensor":
-        return fused_plan(sizes, [(i, i + 1) for i in range(n)], "per_tensor", density, scheme, names, sparsifier)
-    if scheme == "multi_tensor":
-        return optimal_fusion(sizes, cost, "multi_tensor", density, scheme, names, sparsifier)
-    # SSFusion §IV-B Step-1: the fusion buffers of Cupcake's optimal fusion, optimized for
-    # what runs in them: every tensor sparsified on its own (per-tensor mode).
-    fused = optimal_fusion(sizes, cost, "per_tensor", density, scheme, names, sparsifier)
-    plan = _ssfusion_steps(scheme, fused, cost, min_k, offload=True)
-    if group_floor is not None:
-        plan = _larger_budgets(scheme, plan, sizes, cost, density, names, sparsifier, min_k,
-                               accuracy_slack)
-    plan.group_floor = None if group_floor is None else float(group_floor)
-    # SSFusion's premise is to sparsify only where it pays: a plan predicted slower than
-    # Horovod's own dense allreduce is not run; those buffers are (every rank decides
-    # alike: the cost model is rank 0's)
-    dense = build_plan("dense", sizes, cost, density, names, sparsifier, fusion_threshold_bytes)
-    if simulate(dense, cost).iteration_s < simulate(plan, cost).iteration_s:
-        return dataclasses.replace(dense, scheme=scheme)
-    return plan
-
-
-def _ssfusion_steps(scheme: str, fused: Plan, cost: CostModel, min_k: int, offload: bool) -> Plan:
-    """SSFusion's per-tensor decisions on fixed groups: selective sparsification (§IV-B),
-    the -I split (§IV-D), the small-tensor rule and, for the -O schemes when ``offload``,
-    offloading (§IV-C)."""
-    plan = select_sparsified(fused, cost, scheme="ssfusion")
-    if scheme in ("ssfusion_i", "ssfusion_oi"):  # §IV-D builds on §IV-B's selection
-        plan = split_interleaved(plan, cost, scheme="ssfusion_i")
-    # the accuracy rule last among the per-tensor decisions, so the time-based steps above
-    # cannot sparsify those tensors again; before offloading (they would never be offloaded)
-    if min_k > 0:  # recorded, so a saved plan says how it was made
-        plan = keep_small_dense(plan, min_k)
-        plan.notes = dict(plan.notes, min_k=str(int(min_k)))
-    if offload and scheme in ("ssfusion_o", "ssfusion_oi"):
-        plan = choose_offload(plan, cost, scheme=scheme)
-    return dataclasses.replace(plan, scheme=scheme)
+    return PLANNERS[scheme](scheme, sizes, cost, _Options(
+        density, names, sparsifier, fusion_threshold_bytes, min_k, group_floor, accuracy_slack))
 
 
 def _sparse_parts(plan: Plan) -> int:
@@ -152,10 +198,10 @@ def _sparse_parts(plan: Plan) -> int:
                + sum(plan.offload[i] for i in g.indices()) for g in plan.groups)
 
 
-def _larger_budgets(scheme: str, fastest: Plan, sizes, cost: CostModel, density: float, names,
-                    sparsifier: str, min_k: int, slack: float) -> Plan:
+def _larger_budgets(planner: SSFusionSteps, name: str, fastest: Plan, sizes, cost: CostModel,
+                    o: _Options) -> Plan:
     """The accuracy rule of the group budget: of the candidate plans the simulator predicts
-    within ``1 + slack`` of the fastest of them, the one with the fewest sparse parts
+    within ``1 + o.accuracy_slack`` of the fastest of them, the one with the fewest sparse parts
     (each part's tensors share one budget; fewer parts, larger shared budgets), the faster
     one on a tie.
 
@@ -169,17 +215,18 @@ def _larger_budgets(scheme: str, fastest: Plan, sizes, cost: CostModel, density:
     n = len(sizes)
 
     def steps(bounds):
-        return _ssfusion_steps(scheme, fused_plan(sizes, bounds, "per_tensor", density, scheme,
-                                                  names, sparsifier), cost, min_k, offload=False)
+        return planner.steps(name, fused_plan(sizes, bounds, "per_tensor", o.density, name,
+                                              o.names, o.sparsifier), cost, o.min_k,
+                             offload=False)
 
-    cupcake = optimal_fusion(sizes, cost, "multi_tensor", density, scheme, names, sparsifier)
+    cupcake = optimal_fusion(sizes, cost, "multi_tensor", o.density, name, o.names, o.sparsifier)
     candidates = {"fastest": fastest,
                   "fastest, no offload": steps([(g.start, g.end) for g in fastest.groups]),
                   "Cupcake's groups": steps([(g.start, g.end) for g in cupcake.groups]),
                   "one group": steps([(0, n)])}
     times = {label: simulate(p, cost).iteration_s for label, p in candidates.items()}
     best = min(times.values())
-    ok = [label for label in candidates if times[label] <= best * (1 + slack)]
+    ok = [label for label in candidates if times[label] <= best * (1 + o.accuracy_slack)]
     label = min(ok, key=lambda c: (_sparse_parts(candidates[c]), times[c]))
     plan = candidates[label]
     plan.notes = dict(plan.notes, budget=label, budget_candidates=json.dumps(
@@ -209,8 +256,8 @@ def choose_plan(sizes: Sequence[int], cost: CostModel, **options) -> Plan:
     -> simulated iteration seconds) say why."""
     # the offloading schemes need a CPU fit (a live profile always has one)
     offload_ok = "cpu" in cost.sparsify.get(options.get("sparsifier", "dgc"), {})
-    plans = {s: build_plan(s, sizes, cost, **options)
-             for s in PLANNERS if s != "auto" and (offload_ok or not s.startswith("ssfusion_o"))}
+    plans = {s: build_plan(s, sizes, cost, **options) for s, planner in PLANNERS.items()
+             if s != "auto" and (offload_ok or not getattr(planner, "offload", False))}
     predicted = {s: simulate(p, cost).iteration_s for s, p in plans.items()}
     fastest = min(predicted.values())
     order = AUTO_PREFERENCE + tuple(s for s in predicted if s not in AUTO_PREFERENCE)

@@ -80,6 +80,10 @@ def is_real(lo: float, hi: float = float("inf"), *, open_low: bool = False) -> C
     return check
 
 
+#: (class, scheme name) -> the subclass ``Scheme.named`` made
+_NAMED: Dict[tuple, type] = {}
+
+
 class Scheme:
     """Base class of synchronization schemes; see the module docstring."""
 
@@ -89,6 +93,19 @@ class Scheme:
     #: the plan in use and the cost model it came from (planned schemes, after warm-up)
     plan = None
     cost = None
+
+    @classmethod
+    def named(cls, name: str) -> type:
+        """The class that runs scheme ``name`` (``registry.SchemeInfo.load``): this one
+        where that is its name, else, for a class the registry lists under several names
+        (the SSFusion family, whose planner the name picks), its subclass of that name,
+        made once."""
+        if name == cls.name:
+            return cls
+        made = _NAMED.get((cls, name))
+        if made is None:
+            made = _NAMED[cls, name] = type(f"{cls.__name__}[{name}]", (cls,), {"name": name})
+        return made
 
     @classmethod
     def parse_options(cls, given) -> Dict[str, Any]:

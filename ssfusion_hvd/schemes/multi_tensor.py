@@ -7,4 +7,4 @@ from .planned import PlannedScheme
 
 
 class MultiTensorScheme(PlannedScheme):
-    name = planner = "multi_tensor"
+    name = "multi_tensor"

@@ -5,4 +5,4 @@ from .planned import PlannedScheme
 
 
 class PerTensorScheme(PlannedScheme):
-    name = planner = "per_tensor"
+    name = "per_tensor"

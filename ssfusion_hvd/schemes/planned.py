@@ -10,7 +10,7 @@ object that runs one of two phases.
 
 What outlives a phase lives here: the iteration count, the plan's sparsifier instances
 (one per tensor or fusion buffer for the whole run: their state is part of checkpoints),
-the cost model, the transport. A subclass only names its planner.
+the cost model, the transport. A subclass only gives its name, which is its planner's.
 """
 from __future__ import annotations
 
@@ -47,10 +47,10 @@ def _load(obj, cls):
 
 
 class PlannedScheme(Scheme):
-    """Base of the planned schemes; a subclass names its planner (``plan.build_plan``)."""
+    """Base of the planned schemes: ``name`` is also the planner's
+    (``ssfusion_hvd.plan.PLANNERS``)."""
 
     name = "planned"
-    planner = ""  # scheme name understood by ssfusion_hvd.plan.build_plan
     options = {
         # each sparse entry carries its sender's wait (1 byte), for SGD's shared moments;
         # "auto": SGD from WAITS_MIN_RANKS ranks on (docs/results.md §2b: 4 workers
@@ -148,7 +148,7 @@ class PlannedScheme(Scheme):
             self.cost = dataclasses.replace(self.cost, entry_extra=1)
         text = None
         if self.transport.rank == 0:
-            text = build_plan(self.planner, [p.numel() for p in order], self.cost, cfg.density,
+            text = build_plan(self.name, [p.numel() for p in order], self.cost, cfg.density,
                               names=[cfg.names[p] for p in order], sparsifier=cfg.sparsifier,
                               min_k=self.opts.get("min_k", 0),
                               group_floor=self.opts.get("floor"),

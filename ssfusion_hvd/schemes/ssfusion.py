@@ -1,4 +1,5 @@
-"""The SSFusion family (ICDE'26): four planned schemes that differ only in their planner.
+"""The SSFusion family (ICDE'26): one class for four planned schemes and ``auto``, which
+differ only in their planner (``plan.PLANNERS``).
 
 * ``ssfusion`` (§IV-B): optimal fusion buffers (Cupcake's DP, run for per-tensor
   sparsified tensors) with *selective* sparsification. Inside
@@ -47,16 +48,19 @@ from ..plan.selective import DEFAULT_ACCURACY_SLACK, DEFAULT_GROUP_FLOOR, DEFAUL
 from .base import Option, is_int, is_real
 from .planned import PlannedScheme
 
-__all__ = ["SSFusionScheme", "SSFusionOScheme", "SSFusionIScheme", "SSFusionOIScheme", "AutoScheme"]
+__all__ = ["SSFusionScheme"]
 
 
 def _is_floor(v) -> bool:
     return v is None or is_real(0.0, 1.0)(v)
 
 
-class _SSFusionFamily(PlannedScheme):
-    """What the five share: their ``scheme_options``."""
+class SSFusionScheme(PlannedScheme):
+    """The five: the registry lists this class under each name (``Scheme.named`` gives
+    the subclass of that name), and the name picks the planner
+    (``plan.PLANNERS``: ``SSFusionSteps`` with its -O and -I switches, or ``auto``)."""
 
+    name = "ssfusion"
     options = {
         **PlannedScheme.options,
         "min_k": Option(DEFAULT_MIN_K, is_int(0), "an int >= 0 (0: every tensor may be sparsified)"),
@@ -65,23 +69,3 @@ class _SSFusionFamily(PlannedScheme):
         "slack": Option(DEFAULT_ACCURACY_SLACK, is_real(0.0),
                         "a number >= 0 (0: the fastest candidate plan, whatever its budgets)"),
     }
-
-
-class SSFusionScheme(_SSFusionFamily):
-    name = planner = "ssfusion"
-
-
-class SSFusionOScheme(_SSFusionFamily):
-    name = planner = "ssfusion_o"
-
-
-class SSFusionIScheme(_SSFusionFamily):
-    name = planner = "ssfusion_i"
-
-
-class SSFusionOIScheme(_SSFusionFamily):
-    name = planner = "ssfusion_oi"
-
-
-class AutoScheme(_SSFusionFamily):
-    name = planner = "auto"
