@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import math
 import sys
-import time
 import weakref
 import warnings
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from torch.amp.grad_scaler import OptState
 from .core import transport
 from .core.transport import Transport, numbered_as
 
+from .agreement import RanksDisagree, StepAgreement
 from .arguments import check_arguments, named_parameters as _named_parameters
 from .consistency import check_same_model
 from .recipe import DEFAULT_MASKING, DEFAULT_MOMENTS, DEFAULT_WARMUP_STEPS, _zero_step, resolve_recipe
@@ -46,12 +46,6 @@ _STATE_KEY = "ssfusion"
 #: the param-group option through which ``hvd.broadcast_optimizer_state`` carries the
 #: root's shared scheme state to every rank (see ``_DistributedOptimizer.state_dict``)
 _SHARED_KEY = "ssfusion_shared"
-
-
-class RanksDisagree(RuntimeError):
-    """Raised on every rank of the process set, before any of the step's collectives, when
-    the step's agreement finds its ranks at different points (iteration, plan) or one of
-    them joined (``hvd.join()``) where the scheme cannot run beside it."""
 
 
 def _in_horovod_broadcast() -> bool:
@@ -110,18 +104,6 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _nonfinite_flag(tensors) -> torch.Tensor:
-    """A one-element int32 tensor on the tensors' device: 1 when any element of
-    ``tensors`` is NaN or infinite. One pass: their float32 L2 norms (``_foreach_norm``, a
-    fused kernel on the GPU, the fastest reduction here on the CPU: 0.1 s for 124M
-    elements where a max-abs or ``isfinite`` pass took 1-3 s), no host read. A NaN or Inf
-    makes its tensor's norm non-finite; so does a finite tensor whose norm exceeds
-    float32's range (about 1.8e19), a gradient no run survives anyway."""
-    dense = [t._values() if t.is_sparse else t for t in tensors]
-    norms = torch._foreach_norm(dense, 2, dtype=torch.float32)
-    return torch.stack(norms).isfinite().all().logical_not().to(torch.int32).reshape(1)
-
-
 def _world(process_set):
     """``(size, rank)`` of ``process_set`` as this rank sees it (rank None outside the
     set); None once Horovod is shut down (a checkpoint saved after the job)."""
@@ -161,18 +143,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         #: under Horovod elastic, the model check, run at every broadcast adoption (every
         #: rank, joined or not, runs those together); else DistributedOptimizer ran it once
         self._model_check = None
-        self._check = None  # True: this step's agreement is due (_start_check); False: none
-        self._agreeing = None  # the handle of the step's agreement, sent and not yet read
-        self._agreement_flags = False  # whether it carries the ranks' non-finite flags
-        self._agreement_s = 0.0  # seconds the last step blocked reading it (stats())
-        # False only in a measuring run (examples/bench.py --agreement off): what the check
-        # costs. Without it a rank gone astray hangs the job instead of raising.
-        self._agreement = True
+        # the step's agreement across the ranks and their non-finite flags, in one small
+        # allreduce (agreement.py)
+        self._agreement = StepAgreement(self._transport, self._requires_update, scheme)
         # the step as a transaction (_begin_step, _end_step): a step whose synchronized
         # gradients are not finite is undone on every rank
         self._in_step = False
-        self._finite = None  # this step's allreduce of the ranks' non-finite flags
-        self._finite_known = None  # or its result, where the agreement carried the flags
         self._journal = None  # what the recipe changed in the wrapped optimizer's state
         self._step_undone = False  # the last synchronized step was undone
         self._keep = None  # _keep_step()'s answer for the step in flight
@@ -233,17 +209,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._build_scheme(getattr(getattr(old, "transport", None), "tag", None))
         if self._transport is not None:
             with numbered_as(self._transport.tag):
-                self._transport = Transport(self._config, "ssfusion.check.")
+                self._transport = self._agreement.transport = Transport(self._config,
+                                                                        "ssfusion.check.")
         if self._config.recipe.shared is not None:
             self._config.recipe.shared.reset()  # the ages went with the residuals
 
     def _drop_step(self) -> None:
         """Forgets the step in flight (a checkpoint load, a rebuilt scheme)."""
         self._scheme.reset()
-        self._check = None
-        self._agreeing = None
-        self._finite = None
-        self._finite_known = None
+        self._agreement.reset()
         self._in_step = False
         self._step_undone = True  # (no step to undo: the state is what was loaded)
         self._config.recipe.journal = self._journal = None
@@ -302,7 +276,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if out and self._scheme.stateful:
             out["steps_skipped"] = self._steps_skipped
         if out:
-            out["agreement_s"] = self._agreement_s
+            out["agreement_s"] = self._agreement.blocked_s
         return out
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -321,8 +295,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._submitted:
             self._follow_world()
         self._adopt_broadcast()
-        if self._check is None:
-            self._start_check()
+        self._agreement.start(self._scheme)
         if not self._in_step:
             self._begin_step()
         if p.grad is None:
@@ -349,12 +322,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # a joined rank even fails on ExDyna's index allgather, whose length changes
             # every step), and the selection's residuals are put back
             try:
-                with transport.first_launch(self._finish_check):
+                with transport.first_launch(self._agreement.read):
                     self._scheme.submit(p)
             except RanksDisagree:
                 self._abandon_step()
                 raise
-            self._finish_check()  # (read already, unless the scheme launched nothing)
+            self._agreement.read()  # (read already, unless the scheme launched nothing)
             return
         self._scheme.submit(p)
 
@@ -373,18 +346,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._inv_scale = self._scale.reciprocal()
         else:
             self._scale = self._inv_scale = None
-
-    def _start_finite_check(self) -> None:
-        """After the step's last submission: every rank's flag of a non-finite gradient of
-        its own, summed over the ranks by one small allreduce. A rank's NaN can hide from
-        the synchronized gradients (a threshold never selects it, a partition not its own
-        never sends it); it would then stay in its residual for ever."""
-        if self._finite_known is not None or self._agreeing is not None:
-            return  # the step's agreement carries the flags (_send_agreement)
-        grads = [p.grad for p in self._requires_update if p.grad is not None]
-        if self._scheme.stateful and grads:
-            self._finite = self._transport.allreduce(_nonfinite_flag(grads), "finite",
-                                                     op=hvd.Max)
 
     def _end_step(self) -> None:
         """After ``finish()``: the step is kept, or, when any rank's gradients or the
@@ -415,18 +376,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Asked once the outputs are in ``p.grad``, by the scheme before it counts the step
         (``Scheme.keep_step``) or by ``_end_step``; one host read per step."""
         if self._keep is None:
-            self._finish_check()  # the flags, where the agreement carries them
-            handle, self._finite = self._finite, None
-            known, self._finite_known = self._finite_known, None
-            if handle is None and known is None:
-                self._keep = True
-            else:
-                out = _nonfinite_flag([p.grad for p in self._requires_update
-                                       if p.grad is not None])
-                # the ranks' flags: carried by the agreement, or their own allreduce
-                ranks = (torch.tensor([known], dtype=out.dtype) if known is not None
-                         else self._transport.wait(handle))
-                self._keep = not any(torch.cat([ranks.to(out.device), out]).tolist())
+            self._keep = not self._agreement.any_nonfinite(self._scheme)
         return self._keep
 
     def _put_back(self) -> None:
@@ -473,16 +423,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._requires_update:  # canonical order: every rank submits alike
             if p not in self._submitted:
                 self._submit(p)
-        self._send_agreement()  # (a whole-gradient scheme made it at launch)
-        self._start_finite_check()
+        self._agreement.send_flags(self._scheme)
         try:
             try:
-                with transport.gated(self._gate):
+                with transport.gated(self._agreement.gate):
                     self._scheme.finish()
             except Exception:  # (not an interrupt: nothing more may block then)
-                self._finish_check()  # ranks that disagree explain any failure: theirs first
+                self._agreement.read()  # ranks that disagree explain any failure: theirs first
                 raise
-            self._finish_check()
+            self._agreement.read()
         except RanksDisagree:
             self._abandon_step()
             raise
@@ -491,101 +440,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
         self._synchronized = True
-
-    def _start_check(self) -> None:
-        """With the step's first gradient: whether the step has an agreement to make, on
-        the scheme's :meth:`~ssfusion_hvd.schemes.base.Scheme.signature` (iteration, plan
-        checksum). :meth:`_send_agreement` sends it once every gradient of the step is in,
-        or now for a scheme that must not launch anything before it is read
-        (``Scheme.agrees_before_launch``, read in :meth:`_submit` before the scheme's
-        first collective): crossing the link during backward and the scheme's selection,
-        it has usually arrived by then, where sent at that point it would hold the launch
-        back by a round trip (its flags then travel alone, :meth:`_start_finite_check`)."""
-        self._check = self._agreement and self._scheme.signature() is not None
-        self._agreement_s = 0.0
-        if self._check and self._scheme.agrees_before_launch:
-            self._send_agreement(flags=False)
-
-    def _send_agreement(self, flags: bool = True) -> None:
-        """The step's agreement, in the one small allreduce a stateful step makes anyway:
-        the ranks' non-finite flags (read by :meth:`_keep_step`; without an agreement they
-        travel alone, :meth:`_start_finite_check`). Beside the flag go the signature's
-        values and their negatives, with ``Max``: every rank learns their minimum and
-        maximum. A last signature entry of 1 tells a rank that called ``hvd.join()`` apart:
-        Horovod runs the allreduce on the ranks still stepping with zeros for the joined
-        ones, so its minimum comes back 0. On the gradients' device, so the flag is not
-        read back before the collective.
-
-        Sent once the step's last gradient is in, so after the planned schemes'
-        collectives, which left during backward. Its name is the same on every rank
-        whatever state each is in, so it completes even where those cannot match (a rank
-        that loaded a checkpoint alone, a rank a step ahead): no wait on one of them
-        blocks before either it has completed or the agreement is read
-        (:meth:`_gate`), and then every rank raises the same error instead of hanging."""
-        if self._check is not True or self._agreeing is not None:
-            return
-        vals = [int(v) for v in self._scheme.signature()] + [1]
-        t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64)
-        if flags:
-            grads = [p.grad for p in self._requires_update if p.grad is not None]
-            flag = (_nonfinite_flag(grads) if grads and self._scheme.stateful
-                    else torch.zeros(1, dtype=torch.int32))
-            t = torch.cat([t.to(flag.device), flag.to(torch.int64)])
-        self._agreeing = self._transport.allreduce(t, "step", op=hvd.Max)
-        self._agreement_flags = flags
-
-    def _gate(self, handle) -> None:
-        """Before the scheme waits on one of the step's collectives (``transport.gated``):
-        returns once that collective has completed, or once the agreement is read (raising
-        where the ranks disagree). A collective that completed may be waited on and
-        decoded whatever the agreement says (an error it causes gives way to the
-        agreement's, ``synchronize()``); one that has not may never complete on ranks that
-        disagree, and is waited on only after the agreement says they do not. So decoding
-        overlaps the later groups' collectives, as without an agreement."""
-        if self._agreeing is None:
-            return
-        pause = transport.POLL_FIRST_S
-        while not transport.done(handle):
-            if transport.done(self._agreeing):
-                self._finish_check()
-                return
-            pause = transport.pause_between_polls(pause)
-
-    def _finish_check(self) -> None:
-        """Reads the step's agreement (sending it first where it is due and not yet sent);
-        raises the same error on every rank where they disagree. Nothing where it was
-        read."""
-        self._send_agreement()
-        handle, self._agreeing = self._agreeing, None
-        self._check = None  # read (or none): the next step's first gradient decides anew
-        if handle is None:
-            return
-        t0 = time.perf_counter()
-        out = self._transport.wait(handle).tolist()
-        self._agreement_s = time.perf_counter() - t0
-        if self._agreement_flags:
-            self._finite_known = out.pop()
-        n = len(out) // 2
-        hi, lo = out[:n], [-v for v in out[n:]]
-        if lo[-1] == 0:
-            raise RanksDisagree(
-                f"ssfusion_hvd: a rank of the process set called hvd.join() while this rank "
-                f"still steps (ranks with different numbers of batches). Scheme "
-                f"{self._scheme_name!r} sends its sparse records by allgather, which Horovod "
-                f"does not run with joined ranks. Give every rank the same number of steps "
-                f"(e.g. shards of equal length: DistributedSampler(drop_last=True), or stop "
-                f"every rank at the smallest count, agreed by hvd.allreduce(op=hvd.Min)), or "
-                f"use scheme='dense', which runs with hvd.join() as Horovod's optimizer does. "
-                f"This rank's step did not update the parameters; call hvd.join() to end it.")
-        if hi != lo:
-            raise RanksDisagree(
-                f"ssfusion_hvd: the ranks of the process set are at different points of "
-                f"scheme {self._scheme_name!r} (iteration from {lo[0]} to {hi[0]}"
-                f"{', different plans' if lo[1] != hi[1] else ''}): their collectives cannot "
-                f"match. A checkpoint loaded on some ranks only must be followed by "
-                f"hvd.broadcast_optimizer_state(optimizer, root_rank) on every rank "
-                f"(docs/horovod.md, \"Checkpoint and resume\"), and every rank must call "
-                f"step() equally often.")
 
     @contextmanager
     def skip_synchronize(self):

@@ -310,15 +310,21 @@ def test_the_agreement_rides_on_the_steps_one_small_allreduce(scheme):
 
 
 class _Gated:
-    """What ``_DistributedOptimizer._gate`` reads of the optimizer: the agreement in flight
-    and ``_finish_check``, which reads it (here: records that it did)."""
+    """A ``StepAgreement`` with the agreement ``handle`` in flight whose ``read`` records
+    that it ran."""
 
-    def __init__(self, agreeing):
-        self._agreeing, self.read = agreeing, 0
+    def __new__(cls, handle):
+        from ssfusion_hvd.agreement import StepAgreement
 
-    def _finish_check(self):
-        self.read += 1
-        self._agreeing = None
+        class Recorded(StepAgreement):
+            reads = 0
+
+            def read(self, scheme=None):
+                self.reads += 1
+                self._handle = None
+        agreement = Recorded(None, [], "test")
+        agreement._handle = handle
+        return agreement
 
 
 @pytest.mark.parametrize("first", ["collective", "agreement", "none in flight"])
@@ -327,7 +333,6 @@ def test_the_gate_waits_for_the_collective_or_the_agreement(monkeypatch, first):
     decoded while the agreement is still in flight), and otherwise only once the agreement
     has been read: a collective that may never complete is not waited on first."""
     from ssfusion_hvd.core import transport
-    from ssfusion_hvd.optimizer import _DistributedOptimizer
 
     polls = {"data": 0, "agreement": 0}
     done_after = {"data": 3 if first == "collective" else 50,  # (50: a wrong gate ends too)
@@ -339,14 +344,14 @@ def test_the_gate_waits_for_the_collective_or_the_agreement(monkeypatch, first):
 
     monkeypatch.setattr(transport, "done", done)
     monkeypatch.setattr(transport, "pause_between_polls", lambda pause: pause)
-    opt = _Gated(None if first == "none in flight" else "agreement")
-    _DistributedOptimizer._gate(opt, "data")
+    agreement = _Gated(None if first == "none in flight" else "agreement")
+    agreement.gate("data")
     if first == "none in flight":
-        assert polls == {"data": 0, "agreement": 0} and opt.read == 0
+        assert polls == {"data": 0, "agreement": 0} and agreement.reads == 0
     elif first == "collective":
-        assert opt.read == 0 and opt._agreeing == "agreement" and polls["data"] == 4
+        assert agreement.reads == 0 and agreement._handle == "agreement" and polls["data"] == 4
     else:
-        assert opt.read == 1 and opt._agreeing is None and polls["data"] == 4
+        assert agreement.reads == 1 and agreement._handle is None and polls["data"] == 4
 
 
 def test_first_launch_runs_once_before_the_first_collective(monkeypatch):

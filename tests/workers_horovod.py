@@ -408,7 +408,7 @@ def own_collectives(scheme, agreement, steps=6):
     torch.manual_seed(1234)
     model = Net()
     opt = _wrap(model, "sgd", scheme)
-    opt._agreement = agreement
+    opt._agreement.enabled = agreement
     counts = []
     transport = opt._transport
     made = transport.allreduce

@@ -91,7 +91,7 @@ def _thread_setting(key: str, value):
 def gated(gate):
     """Within: every :meth:`Transport.wait` of this thread first calls ``gate(handle)``,
     which returns once that collective may be waited on (the optimizer's step agreement:
-    ``_DistributedOptimizer._gate``)."""
+    ``agreement.StepAgreement.gate``)."""
     return _thread_setting("fn", gate)
 
 

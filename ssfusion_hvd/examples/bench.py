@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
             momentum_correction={"auto": "auto", "on": True, "off": False}[args.momentum_correction],
             scheme_options=options_for(args.scheme, min_k=args.min_k))
         if args.agreement == "off":
-            opt._agreement = False
+            opt._agreement.enabled = False
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     synchronizes = hasattr(opt, "synchronize")  # Horovod's split step (not DDP's optimizer)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -40,7 +40,7 @@ from .plan import ALLREDUCE, Plan
 
 __all__ = ["CHECK_BYTES", "GroupTimeline", "Timeline", "decode_bytes", "simulate", "wire_bytes"]
 
-#: Bytes of the optimizer's per-step agreement allreduce (``optimizer._send_agreement``:
+#: Bytes of the optimizer's per-step agreement allreduce (``agreement.StepAgreement.send``:
 #: iteration, plan checksum and a 1, their negations, and the non-finite flag, as int64).
 CHECK_BYTES = 56
 
