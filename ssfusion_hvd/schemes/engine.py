@@ -20,7 +20,6 @@ Horovod's own pre/postscale.
 from __future__ import annotations
 
 import json
-import sys
 import time
 import zlib
 from concurrent.futures import Future
@@ -89,13 +88,6 @@ class PlannedPhase:
                       "predicted_s": json.loads(plan.notes["predicted_s"])}
                      if plan.notes.get("chosen_by") == "auto" and "predicted_s" in plan.notes
                      else {})
-        if config.log_plan and transport.rank == 0:
-            print(plan.table(), file=sys.stderr, flush=True)
-            if self.auto:
-                ranked = sorted(self.auto["predicted_s"].items(), key=lambda kv: kv[1])
-                print(f"[ssfusion_hvd] scheme='auto' runs {plan.scheme}; simulated ms per "
-                      "iteration on the measured cost model: "
-                      + ", ".join(f"{s} {1e3 * t:.2f}" for s, t in ranked), file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ buffers
     def enter_stage(self, iteration: int) -> None:

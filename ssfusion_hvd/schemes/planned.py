@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-
+import sys
 import zlib
 from typing import Dict, Optional
 
@@ -40,6 +40,17 @@ __all__ = ["PlannedScheme", "WAITS_MIN_RANKS"]
 #: the GRU gained 4.0 points over 5 seeds and the MLP lost 0.3, but the LM's perplexity
 #: rose on 2 seeds of 3 (17.3 and 16.7 against 13.9 and 14.2).
 WAITS_MIN_RANKS = {"sgd": 3}
+
+
+def _print_plan(plan: Plan, auto: dict) -> None:
+    """The plan's table on rank 0's stderr (``log_plan``), and for ``auto`` which scheme's
+    plan it runs and the simulated alternatives."""
+    print(plan.table(), file=sys.stderr, flush=True)
+    if auto:
+        ranked = sorted(auto["predicted_s"].items(), key=lambda kv: kv[1])
+        print(f"[ssfusion_hvd] scheme='auto' runs {plan.scheme}; simulated ms per iteration "
+              "on the measured cost model: "
+              + ", ".join(f"{s} {1e3 * t:.2f}" for s, t in ranked), file=sys.stderr, flush=True)
 
 
 def _load(obj, cls):
@@ -109,6 +120,8 @@ class PlannedScheme(Scheme):
         self._engine = PlannedPhase(plan, params, self.config, self.transport,
                                     self._sparsifier_for, self._iteration, self.name,
                                     waits=self._carries_waits())
+        if self.config.log_plan and self.transport.rank == 0:
+            _print_plan(plan, self._engine.auto)
 
     def _carries_waits(self) -> int:
         """How many shares the decode computes from the senders' waits on the wire
