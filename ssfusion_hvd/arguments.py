@@ -8,6 +8,8 @@ import warnings
 
 import torch
 
+from .core.wire import SPARSE_GRAD_DTYPES
+
 __all__ = ["named_parameters", "check_arguments"]
 
 
@@ -101,10 +103,6 @@ def check_arguments(optimizer, scheme, sparsifier, scheme_options, density, warm
     if scheme != "dense":
         _check_sparse_dtypes(optimizer, scheme)
     return options, density, _check_groups(groups, num_groups, scheme)
-
-
-#: what a sparse scheme's gradients may be: its kernels, residuals and wire formats
-SPARSE_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check_sparse_dtypes(optimizer, scheme) -> None:

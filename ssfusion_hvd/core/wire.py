@@ -25,10 +25,13 @@ import torch
 
 from .. import ops
 
-__all__ = ["Sparse", "encode", "decode", "count_of", "record_bytes", "wait_codes",
-           "code_waits", "WAIT_EXACT", "WAIT_MAX"]
+__all__ = ["Sparse", "SPARSE_GRAD_DTYPES", "encode", "decode", "count_of", "record_bytes",
+           "wait_codes", "code_waits", "WAIT_EXACT", "WAIT_MAX"]
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (values, indices)
+
+#: what a sparse scheme's gradients may be: its kernels, residuals and wire formats
+SPARSE_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, NamedTuple
 
 import torch
 
-from ..arguments import SPARSE_GRAD_DTYPES
+from ..core.wire import SPARSE_GRAD_DTYPES
 from ..core.layout import FlatLayout
 from ..core.stats import StepStats
 from ..core.transport import Transport

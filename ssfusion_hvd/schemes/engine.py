@@ -27,19 +27,19 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..arguments import SPARSE_GRAD_DTYPES
 from ..core.buffers import (DensePart, GroupBuffers, SparsePart, build_group, fresh_table,
                             nonfinite_count, unpack)
 from ..core.layout import views
 from ..core.offload import OffloadWorker
 from ..core.stats import StepStats
+from ..core import wire
 from ..core.transport import Transport
 from ..plan import Plan
 
 __all__ = ["PlannedPhase", "SPARSE_DTYPES"]
 
 #: gradient dtypes a plan can carry (bfloat16 through Transport: raw words, float32 sums)
-SPARSE_DTYPES = SPARSE_GRAD_DTYPES
+SPARSE_DTYPES = wire.SPARSE_GRAD_DTYPES
 
 
 class PlannedPhase:
