@@ -5,6 +5,7 @@ Install with ``bash scripts/install.sh`` (it builds Horovod first); by hand:
 ``pip install --no-build-isolation -e .`` inside an environment that has torch, pybind11
 and ninja. The CMake build tree is kept under ``build/`` so rebuilds are incremental.
 """
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -15,8 +16,11 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from toolchain import build_env, clear_stale_cache  # noqa: E402  (libstdc++ linked shared)
+# scripts/toolchain.py (libstdc++ linked shared), loaded by path: scripts/ is no package
+_spec = importlib.util.spec_from_file_location("toolchain", ROOT / "scripts" / "toolchain.py")
+toolchain = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(toolchain)
+build_env, clear_stale_cache = toolchain.build_env, toolchain.clear_stale_cache
 
 
 class CMakeExtension(Extension):

@@ -39,7 +39,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_convergence import run_one  # noqa: E402
 from bench_e2e import environment  # noqa: E402

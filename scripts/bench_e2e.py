@@ -42,9 +42,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-sys.path.insert(0, str(REPO / "scripts"))
 from cluster import (  # noqa: E402
     MPI_AS_ROOT,
     Cluster,

@@ -26,15 +26,12 @@ import argparse
 import math
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ssfusion_hvd import ops  # noqa: E402
 from ssfusion_hvd.plan.models import model_tensors  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import decode_cases  # noqa: E402
 
 

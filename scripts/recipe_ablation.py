@@ -71,18 +71,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from ssfusion_hvd import ops  # noqa: E402
-from ssfusion_hvd.examples.data import DigitsNet, load_digits_split, shard  # noqa: E402
-from ssfusion_hvd.plan.cost import nominal_k  # noqa: E402
+from ssfusion_hvd import ops
+from ssfusion_hvd.examples.data import DigitsNet, load_digits_split, shard
+from ssfusion_hvd.plan.cost import nominal_k
 from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe  # noqa: E402
 from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule, ResidualMemory  # noqa: E402
 

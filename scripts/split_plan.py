@@ -15,11 +15,9 @@ again). ``train.py --plan`` / ``bench_convergence.py --plan`` replay it from the
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from ssfusion_hvd.plan import (ALLREDUCE, CostModel, compensate_density, default_backward_times,  # noqa: E402
                                fused_plan, optimal_fusion)

@@ -30,8 +30,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_e2e  # noqa: E402  (runs the sweep; prediction(): the simulator on a run's own plan and costs)
 from ssfusion_hvd.plan import PLANNERS  # noqa: E402

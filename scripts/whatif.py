@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from ssfusion_hvd.plan.cost import (  # noqa: E402
     DEFAULT_DECODE,

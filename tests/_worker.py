@@ -5,8 +5,6 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import horovod.torch as hvd  # noqa: E402
 import torch  # noqa: E402
 

@@ -4,7 +4,6 @@ and ``horovodrun -H h1:S,h2:S`` over ssh, the way a user's cluster runs.
 Needs root, iproute2 and openssh (scripts/install.sh installs them when run as root);
 skipped with the reason otherwise."""
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from hvdrun import CLUSTER, CLUSTER_PREFIX, launch, mpi_built, run_workers
 from test_optimizer_dense import _check
 from test_schemes import check_run
 
-sys.path.insert(0, str(CLUSTER.parent))
 import cluster  # noqa: E402
 
 

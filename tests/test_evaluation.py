@@ -16,7 +16,6 @@ import pytest
 from hvdrun import launch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
 
 import accuracy_suite  # noqa: E402
 import bench_convergence  # noqa: E402

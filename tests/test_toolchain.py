@@ -4,13 +4,11 @@ libstdc++ only statically is never used for _C. Such a build crashed on the GPU 
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
 from toolchain import (CANDIDATES, build_env, clear_stale_cache,  # noqa: E402
                        static_libstdcxx_only)
 

@@ -13,7 +13,6 @@ worker takes its place and the job gets its size back. Every worker ends by writ
 """
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ssfusion_hvd  # noqa: E402
 
 
