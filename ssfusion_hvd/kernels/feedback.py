@@ -1,0 +1,295 @@
+"""Error feedback fused with selection: the residual added, the top-k taken and the sent
+values (as the wire rounds them) removed in one pass, whole, per segment or under a
+group budget; DGC's velocity step inside (``csrc/cpu/feedback.cpp``, ``csrc/cuda/segmented.cu``)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .dispatch import VALUE_DTYPES, _check_values, _native, magnitude_key
+from .select import _check_segments, _segments, segmented_topk, topk
+
+
+def _feedback_input(grad: torch.Tensor, residual: torch.Tensor, wire_dtype, op: str):
+    """The wire dtype, with the inputs checked: the fused error-feedback ops' shared preamble
+    (``csrc/checks.h: check_feedback`` holds the native ops to the same rules; the native
+    kernels flatten the gradient themselves, a Python reshape costs ~0.8 us a call)."""
+    _check_values(grad, op)
+    _check_values(residual, op)
+    wire = residual.dtype if wire_dtype is None else wire_dtype
+    if wire not in VALUE_DTYPES:
+        raise TypeError(f"{op}: unsupported wire dtype {wire}")
+    if not residual.is_contiguous():
+        raise ValueError(f"{op}: the residual must be contiguous (it is updated in place)")
+    if residual.device != grad.device or residual.numel() != grad.numel():
+        raise ValueError(f"{op}: residual ({residual.numel()} on {residual.device}) and gradient "
+                         f"({grad.numel()} on {grad.device}) must match")
+    if residual.dtype != torch.float32 and (grad.dtype != residual.dtype or wire != residual.dtype):
+        raise TypeError(f"{op}: a {residual.dtype} residual needs a gradient and a wire of the same "
+                        f"dtype (got {grad.dtype}, {wire}); accumulate 16-bit gradients in float32")
+    return wire
+
+
+def _wire_error(acc: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, wire) -> None:
+    """The residual's selected entries become what the wire loses of them (memory.py)."""
+    idx = indices.long()
+    if wire == acc.dtype:
+        acc.index_fill_(0, idx, 0)
+    else:
+        acc.index_copy_(0, idx, values - values.to(wire).to(acc.dtype))
+
+
+def _velocity_input(velocity, grad: torch.Tensor, residual: torch.Tensor, op: str) -> None:
+    """Checks an error-feedback op's optional DGC velocity (csrc/checks.h: check_velocity)."""
+    if velocity is None:
+        return
+    _check_values(velocity, op)
+    if velocity.dtype != residual.dtype or grad.dtype != residual.dtype:
+        raise TypeError(f"{op}: velocity, gradient and residual need one dtype (got "
+                        f"{velocity.dtype}, {grad.dtype}, {residual.dtype})")
+    if velocity.device != residual.device or velocity.numel() != residual.numel():
+        raise ValueError(f"{op}: velocity ({velocity.numel()} on {velocity.device}) and residual "
+                         f"({residual.numel()} on {residual.device}) must match")
+    if not velocity.is_contiguous():
+        raise ValueError(f"{op}: the velocity must be contiguous (it is updated in place)")
+    def overlaps(a, b):  # contiguous (checked or required): byte ranges
+        return (a.numel() and b.numel() and a.data_ptr() < b.data_ptr() + b.nbytes
+                and b.data_ptr() < a.data_ptr() + a.nbytes)
+    if overlaps(velocity, residual) or (grad.is_contiguous() and overlaps(velocity, grad)):
+        raise ValueError(f"{op}: the velocity must not share memory with the residual or the "
+                         "gradient")
+
+
+def _velocity_step(grad: torch.Tensor, velocity, momentum: float) -> torch.Tensor:
+    """The torch composition's first step: velocity = momentum * velocity + grad (flat)."""
+    if velocity is None:
+        return grad.reshape(-1)
+    v = velocity.view(-1)
+    v.mul_(momentum).add_(grad.reshape(-1))
+    return v
+
+
+def ef_topk(grad: torch.Tensor, residual: torch.Tensor, k: int, wire_dtype=None,
+            *, velocity: Optional[torch.Tensor] = None, momentum: float = 0.0,
+            mask_velocity: bool = False, backend: Optional[str] = None):
+    """Error feedback fused with the exact top-k, in place: ``residual += grad`` (in the
+    residual's dtype), then the top-k of the sum exactly as :func:`topk` returns it
+    (values in the residual's dtype), and the selected entries of ``residual`` replaced by
+    what ``wire_dtype`` (default: the residual's) loses of them: zero, or
+    ``v - v.to(wire_dtype)`` for a float32 residual sent as float16/bfloat16. So
+    ``residual`` is afterwards the next step's residual.
+
+    The residual is float32 (any gradient and wire dtype) or the 16-bit dtype of both. The
+    native CPU kernel reads gradient and residual once and writes the residual once
+    (``csrc/cpu/feedback.cpp``, ``csrc/cuda/segmented.cu``); the result equals the torch composition bit for bit.
+
+    ``velocity`` (DGC's momentum correction; the residual's dtype, as the gradient): first
+    ``velocity.mul_(momentum).add_(grad)``, then the above with the velocity for the
+    gradient, and with ``mask_velocity`` its selected entries set to 0 (momentum factor
+    masking). The CPU kernel does it in the same pass.
+
+    ``grad`` may also be a list of tensors laid back to back that tile the residual (a
+    fusion buffer's gradients, of one dtype): one k over their concatenation, the same
+    result. The CPU kernel reads each where it lies, so nothing stages them into one buffer
+    first; elsewhere they are concatenated."""
+    if isinstance(grad, (list, tuple)):
+        grads = list(grad)
+        fn = _native(residual, "ef_topk_tensors", None if backend == "native" else backend)
+        if fn is not None:  # checks in csrc/checks.h: check_feedback_segments
+            return fn([g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads],
+                      residual, int(k), residual.dtype if wire_dtype is None else wire_dtype,
+                      velocity, float(momentum), bool(mask_velocity))
+        return ef_topk(_concat_tiles(grads, None, residual, "ef_topk"), residual, k, wire_dtype,
+                       velocity=velocity, momentum=momentum, mask_velocity=mask_velocity,
+                       backend=backend)
+    wire = _feedback_input(grad, residual, wire_dtype, "ef_topk")
+    _velocity_input(velocity, grad, residual, "ef_topk")
+    k = int(k)
+    if not 0 <= k <= grad.numel():
+        raise ValueError(f"ef_topk: k={k} out of range [0, {grad.numel()}]")
+    fn = _native(residual, "ef_topk", backend)
+    if fn is not None:
+        return fn(grad if grad.is_contiguous() else grad.contiguous(), residual, k, wire,
+                  velocity, float(momentum), bool(mask_velocity))
+    acc = residual.view(-1)
+    acc.add_(_velocity_step(grad, velocity, momentum).to(acc.dtype))
+    values, indices = topk(acc, k, backend="torch")
+    _wire_error(acc, values, indices, wire)
+    if velocity is not None and mask_velocity:
+        velocity.view(-1).index_fill_(0, indices.long(), 0)
+    return values, indices
+
+
+def segmented_ef_topk(grad: torch.Tensor, residual: torch.Tensor, offsets, ks, wire_dtype=None,
+                      *, velocity: Optional[torch.Tensor] = None, momentum: float = 0.0,
+                      mask_velocity: bool = False, backend: Optional[str] = None):
+    """:func:`ef_topk` per segment of :func:`segmented_topk`, in one call: ``residual +=
+    grad`` everywhere, segment ``s`` gives its top ``ks[s]``, the selected entries of the
+    residual become their wire error. Elements outside every segment are only
+    accumulated (and, with a velocity, its momentum step taken).
+
+    ``grad`` may also be a list of tensors, one per segment (a fusion group's gradients,
+    of one dtype), whose segments tile the residual: the same result as on their
+    concatenation. The CPU kernel reads each where it lies, so nothing stages them into
+    one buffer first; elsewhere they are concatenated."""
+    if isinstance(grad, (list, tuple)):
+        return _segmented_ef_topk_tensors(list(grad), residual, offsets, ks, wire_dtype,
+                                          velocity, momentum, mask_velocity, backend)
+    wire = _feedback_input(grad, residual, wire_dtype, "segmented_ef_topk")
+    _velocity_input(velocity, grad, residual, "segmented_ef_topk")
+    offsets, ks = _segments(offsets, ks, "segmented_ef_topk")
+    fn = _native(residual, "segmented_ef_topk", backend)
+    if fn is not None:
+        return fn(grad if grad.is_contiguous() else grad.contiguous(), residual, offsets, ks, wire,
+                  velocity, float(momentum), bool(mask_velocity))
+    _check_segments(offsets, ks, residual.numel(), "segmented_ef_topk")
+    acc = residual.view(-1)
+    acc.add_(_velocity_step(grad, velocity, momentum).to(acc.dtype))
+    values, indices = segmented_topk(acc, offsets, ks, backend="torch")
+    _wire_error(acc, values, indices, wire)
+    if velocity is not None and mask_velocity:
+        velocity.view(-1).index_fill_(0, indices.long(), 0)
+    return values, indices
+
+
+def group_ef_topk(grad, residual: torch.Tensor, offsets, floors, k: int, wire_dtype=None,
+                  *, velocity: Optional[torch.Tensor] = None, momentum: float = 0.0,
+                  mask_velocity: bool = False, backend: Optional[str] = None):
+    """One budget of ``k`` elements over a group of segments, shared by magnitude, with a
+    floor per segment: error feedback as :func:`segmented_ef_topk` (``residual += grad``,
+    DGC's velocity step and masking), then segment ``s`` gives its top ``floors[s]`` and
+    the ``k - sum(floors)`` largest magnitudes among all the segments' other elements
+    complete the selection (ties to the lower index, as everywhere). The selected entries
+    of the residual become their wire error. Returns ``(values, indices)`` in index order.
+
+    Floors of zero and ``k`` at the segments' total give one top-k over the group
+    (:func:`ef_topk`); floors equal to per-segment counts summing to ``k`` give
+    :func:`segmented_ef_topk`. In between, a fusion buffer's budget goes where the
+    accumulated magnitudes are (as one top-k over the buffer does) while no segment with
+    a floor of at least one can go missing.
+
+    Two passes over the group, whatever the backend: the segmented op takes the floors
+    (and does the accumulation), then one top-``k`` over the segments' residual, which
+    now holds every unselected element unchanged, yields the rest: its ``k`` largest
+    contain at least ``k - sum(floors)`` that the floors did not take, and the largest of
+    those are the rest's top (the floors' entries may hold wire errors of any size; they
+    are only excluded). The CPU kernel (``csrc/cpu/feedback.cpp``, ``csrc/cuda/segmented.cu``) does the exclusion and
+    the merge natively in O(k log floors); elsewhere they are a few device ops on the
+    ``k`` candidates, without a host sync. ``grad`` may be one tensor per segment, as for
+    :func:`segmented_ef_topk`."""
+    op = "group_ef_topk"
+    offsets, floors = _segments(offsets, floors, op)
+    k = int(k)
+    lo, hi = (int(offsets[0]), int(offsets[-1])) if floors.numel() else (0, 0)
+    base = int(floors.sum())
+    if not base <= k <= hi - lo:
+        raise ValueError(f"{op}: k={k} outside [{base}, {hi - lo}] (the floors' sum, the "
+                         "segments' elements)")
+    wire = residual.dtype if wire_dtype is None else wire_dtype
+    # the CPU kernel does all of it; elsewhere the segmented op and the top-k below run
+    # natively (backend="native" requires those) and the merge is a few device ops
+    listed = isinstance(grad, (list, tuple))
+    fn = _native(residual, "group_ef_topk_tensors" if listed else "group_ef_topk",
+                 "torch" if backend == "torch" else None)
+    if fn is not None:
+        if listed:  # checked natively (csrc/checks.h: check_feedback_segments)
+            grad = [g.contiguous() for g in grad]
+        else:
+            _feedback_input(grad, residual, wire, op)
+            _velocity_input(velocity, grad, residual, op)
+            grad = grad if grad.is_contiguous() else grad.contiguous()
+        return fn(grad, residual, offsets, floors, k, wire, velocity, float(momentum),
+                  bool(mask_velocity))
+    fv, fi = segmented_ef_topk(grad, residual, offsets, floors, wire, velocity=velocity,
+                               momentum=momentum, mask_velocity=mask_velocity, backend=backend)
+    rest = k - base
+    if rest == 0:
+        return fv, fi
+    cv, ci = topk(residual.view(-1)[lo:hi], k, backend=backend)
+    ci = ci.to(fi.dtype).add_(lo)
+    mv, mi = _largest_not_in(cv, ci, fi, rest, wide=hi > 2**32)
+    _wire_error(residual.view(-1), mv, mi, wire)
+    if velocity is not None and mask_velocity:
+        velocity.view(-1).index_fill_(0, mi.long(), 0)
+    return _merge_disjoint(fv, fi, mv, mi)
+
+
+def _largest_not_in(values: torch.Tensor, indices: torch.Tensor, taken: torch.Tensor, count: int,
+                    wide: bool = False):
+    """The ``count`` largest magnitudes of candidates ``(values, indices)`` (index order)
+    whose index is not in ``taken`` (ascending, at most ``len(values) - count`` of them
+    among the candidates), ties to the lower index; index order. No host sync. ``wide``:
+    indices may reach 2^32."""
+    idx = indices.long()
+    order = magnitude_key(values).long()
+    if not wide:  # one int64 order key: magnitude, then the lower index
+        order = (order << 32) | (2**32 - 1 - idx)
+    else:  # (a part of 2^32 elements or more) the rank instead: best first, ties in index order
+        best = torch.sort(order, descending=True, stable=True).indices
+        order = torch.empty_like(order).index_copy_(
+            0, best, torch.arange(order.numel() - 1, -1, -1, device=order.device))
+    if taken.numel():
+        t = taken.long()
+        at = torch.searchsorted(t, idx).clamp_(max=t.numel() - 1)
+        order.masked_fill_(t[at] == idx, -1)
+    if values.is_cuda:  # on the device, without a host sync: a top-count, back to index order
+        keep = torch.topk(order, count, sorted=False).indices.sort().values
+    else:  # the few left out (at most len(taken)) found by a small top-k, the rest kept
+        keep = torch.ones(order.numel(), dtype=torch.bool)
+        keep[torch.topk(order, order.numel() - count, largest=False, sorted=False).indices] = False
+        keep = keep.nonzero().flatten()
+    return values[keep], indices[keep]
+
+
+def _merge_disjoint(av: torch.Tensor, ai: torch.Tensor, bv: torch.Tensor, bi: torch.Tensor):
+    """Two selections with disjoint ascending indices merged into one in index order."""
+    a, b = ai.long(), bi.long()
+    pa = torch.arange(a.numel(), device=a.device) + torch.searchsorted(b, a)
+    pb = torch.arange(b.numel(), device=b.device) + torch.searchsorted(a, b)
+    values = torch.empty(a.numel() + b.numel(), dtype=av.dtype, device=av.device)
+    indices = torch.empty(values.numel(), dtype=ai.dtype, device=ai.device)
+    values.index_copy_(0, pa, av).index_copy_(0, pb, bv)
+    indices.index_copy_(0, pa, ai).index_copy_(0, pb, bi.to(ai.dtype))
+    return values, indices
+
+
+def _segmented_ef_topk_tensors(grads, residual, offsets, ks, wire_dtype, velocity, momentum,
+                               mask_velocity, backend):
+    """segmented_ef_topk with the gradient as one tensor per segment (see there)."""
+    op = "segmented_ef_topk"
+    offsets, ks = _segments(offsets, ks, op)
+    # CPU only (its checks in csrc/checks.h: check_feedback_segments, the same rules as
+    # below); elsewhere, and with backend="native", the concatenation takes the native
+    # segmented op, which raises if there is none
+    fn = _native(residual, "segmented_ef_topk_tensors", None if backend == "native" else backend)
+    if fn is not None:
+        grads = [g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads]
+        return fn(grads, residual, offsets, ks, residual.dtype if wire_dtype is None else wire_dtype,
+                  velocity, float(momentum), bool(mask_velocity))
+    flat = _concat_tiles(grads, offsets.tolist(), residual, op)
+    return segmented_ef_topk(flat, residual, offsets, ks, wire_dtype, velocity=velocity,
+                             momentum=momentum, mask_velocity=mask_velocity, backend=backend)
+
+
+def _concat_tiles(grads, bounds, residual: torch.Tensor, op: str) -> torch.Tensor:
+    """The torch fallback's concatenation of gradient tensors that tile the residual, tensor
+    s at [bounds[s], bounds[s + 1]) (None: back to back), checked by the rules of the
+    native list ops (csrc/checks.h: check_feedback_segments); the op checks the rest."""
+    if not grads or (bounds is not None and len(grads) != len(bounds) - 1):
+        raise ValueError(f"{op}: {len(grads)} gradient tensors for "
+                         f"{'no' if bounds is None else len(bounds) - 1} segments")
+    for g in grads:
+        _check_values(g, op)
+    if any(g.dtype != grads[0].dtype for g in grads):
+        raise TypeError(f"{op}: the gradient tensors must share one dtype")
+    numels = [g.numel() for g in grads]
+    if bounds is None:
+        bounds = [0]
+        for n in numels:
+            bounds.append(bounds[-1] + n)
+    if bounds[0] != 0 or bounds[-1] != residual.numel() or any(
+            n != hi - lo for n, lo, hi in zip(numels, bounds, bounds[1:])):
+        raise ValueError(f"{op}: gradient tensors of {numels} elements do not tile a residual "
+                         f"of {residual.numel()} by offsets {bounds}")
+    return torch.cat([g.reshape(-1) for g in grads])
