@@ -251,7 +251,7 @@ def bench_stage(model, density, reps, rule, mode="segmented"):
     lie), the residual and the rule's state carried over, interleaved."""
     from ssfusion_hvd.core.buffers import SparsePart
     from ssfusion_hvd.sparsify import ResidualMemory, make_sparsifier
-    from ssfusion_hvd.sparsify.memory import GradientRule, MomentumRule
+    from ssfusion_hvd.rules import GradientRule, MomentumRule
 
     shapes = [torch.Size([n]) for _, n in model_tensors(model)]
     ks = [max(1, math.ceil(density * s.numel())) for s in shapes]

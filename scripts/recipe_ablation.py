@@ -80,7 +80,8 @@ from ssfusion_hvd import ops
 from ssfusion_hvd.examples.data import DigitsNet, load_digits_split, shard
 from ssfusion_hvd.plan.cost import nominal_k
 from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe  # noqa: E402
-from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule, ResidualMemory  # noqa: E402
+from ssfusion_hvd.rules import AdamRule, MomentumRule
+from ssfusion_hvd.sparsify.memory import ResidualMemory
 
 VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask", "mask_density", "auto_min_k",
             "shared_v", "frozen_v", "shared_v_mask", "ef_age", "ef_age_lazy", "ef_age_tail", "ef_age_tail_q",

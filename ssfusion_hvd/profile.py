@@ -182,7 +182,7 @@ def time_sparsifier(sparsifier: str, device="cpu", density=0.01, sizes_bytes=SPA
 
     One timed call is one sparse part's encode (``core/buffers.SparsePart``): stage the
     gradient, error feedback with the recipe's local rule (``rule()``: a new
-    :class:`~ssfusion_hvd.sparsify.memory.LocalRule`, e.g. momentum correction; None:
+    :class:`~ssfusion_hvd.rules.LocalRule`, e.g. momentum correction; None:
     plain error feedback), select ``k = ceil(density·n)``, update the residual, pack the
     record into a send buffer. A selection kernel timed alone misses most of that: the
     encode makes several passes over the gradient, and on a large tensor each pass

@@ -11,10 +11,10 @@ same for every sparse scheme:
   the steps it waited in the residuals (:mod:`ssfusion_hvd.moments`); ``p.grad`` is a
   gradient. ``"local"``: for SGD, DGC's correction (Lin et al., ICLR'18): each rank accumulates its local
   velocity and error-compensates *that*, with momentum factor masking
-  (:class:`~ssfusion_hvd.sparsify.memory.MomentumRule`). For ``torch.optim.Adam`` /
+  (:class:`~ssfusion_hvd.rules.MomentumRule`). For ``torch.optim.Adam`` /
   ``AdamW``: each rank keeps Adam's moments of its own gradient and error-compensates the
   bias-corrected Adam update, masking the first moment where it sent
-  (:class:`~ssfusion_hvd.sparsify.memory.AdamRule`). Momentum factor masking
+  (:class:`~ssfusion_hvd.rules.AdamRule`). Momentum factor masking
   (``momentum_masking="auto"``): SGD masks only while the density in force is below
   ``1 − momentum`` (in the warm-up's dense stages an element is sent every few steps and
   masking would throw its momentum away), Adam masks always. Under local rules the synchronized sum of a
@@ -49,7 +49,8 @@ from typing import Dict, Iterable, Optional, Sequence
 import torch
 
 from .moments import SharedMoments
-from .sparsify.memory import AdamRule, GradientRule, LocalRule, MomentumRule, ResidualMemory
+from .rules import AdamRule, GradientRule, LocalRule, MomentumRule
+from .sparsify.memory import ResidualMemory
 
 __all__ = ["Recipe", "resolve_recipe", "DEFAULT_WARMUP_STEPS", "DEFAULT_MASKING", "DEFAULT_MOMENTS",
            "WARMUP_START", "WARMUP_STAGES"]

@@ -235,7 +235,7 @@ def test_select_grads_equals_staging_then_select(dtype, acc, rule, buffer):
     then never written (NaN left in it stays). Otherwise it stages. Either way the
     selections and the residual equal those of stage_grads + select over four steps."""
     from ssfusion_hvd.sparsify import ResidualMemory
-    from ssfusion_hvd.sparsify.memory import AdamRule, GradientRule, MomentumRule
+    from ssfusion_hvd.rules import AdamRule, GradientRule, MomentumRule
     make_rule = {"gradient": GradientRule, "momentum": lambda: MomentumRule(0.9),
                  "adam": AdamRule}[rule]
     direct, staged = _part(dtype, acc, buffer=buffer), _part(dtype, acc, buffer=buffer)

@@ -14,6 +14,7 @@ LAYERS = {
     "ssfusion_hvd.registry": 1, "ssfusion_hvd.recipe": 1,
     "ssfusion_hvd.schemes": 2, "ssfusion_hvd.profile": 2,
     "ssfusion_hvd.core": 3, "ssfusion_hvd.moments": 3, "ssfusion_hvd.sparsify": 3,
+    "ssfusion_hvd.rules": 3,
     "ssfusion_hvd.ops": 4, "ssfusion_hvd.kernels": 4, "ssfusion_hvd.plan": 4,
 }
 #: imports that point up, each with its reason (docs/design.md, "Layers")

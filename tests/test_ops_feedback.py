@@ -12,7 +12,7 @@ import torch
 
 from ssfusion_hvd import ops
 from ssfusion_hvd.sparsify import ResidualMemory
-from ssfusion_hvd.sparsify.memory import AdamRule, GradientRule, MomentumRule
+from ssfusion_hvd.rules import AdamRule, GradientRule, MomentumRule
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

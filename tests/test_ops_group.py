@@ -11,7 +11,7 @@ import torch
 from ssfusion_hvd import ops
 from ssfusion_hvd.core.buffers import SparsePart
 from ssfusion_hvd.sparsify import ResidualMemory, make_sparsifier
-from ssfusion_hvd.sparsify.memory import AdamRule, GradientRule, MomentumRule
+from ssfusion_hvd.rules import AdamRule, GradientRule, MomentumRule
 from test_ops_feedback import FEEDBACK_DTYPES, KINDS, _bits, _inputs
 from test_schemes import group_select
 

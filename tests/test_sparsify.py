@@ -4,7 +4,7 @@ import torch
 
 from ssfusion_hvd import ops
 from ssfusion_hvd.sparsify import SPARSIFIERS, ResidualMemory, make_sparsifier
-from ssfusion_hvd.sparsify.memory import AdamRule, MomentumRule
+from ssfusion_hvd.rules import AdamRule, MomentumRule
 
 
 def _inputs(kind, n, seed):
