@@ -1,4 +1,4 @@
-"""Live profiling (ssfusion_hvd/profile.py): fits, backward timer, sparsifier timing, and
+"""Live profiling (ssfusion_hvd/profile/): fits, backward timer, sparsifier timing, and
 the cost model measured on real gloo workers or read from a JSON profile."""
 import subprocess
 import sys
