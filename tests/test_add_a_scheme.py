@@ -10,7 +10,7 @@ import time
 import torch
 
 import ssfusion_hvd
-from ssfusion_hvd.schemes.base import WholeGradientScheme
+from ssfusion_hvd.schemes import WholeGradientScheme
 
 
 class RandomKScheme(WholeGradientScheme):

@@ -16,16 +16,12 @@ only decides how finished gradients travel and how the synchronized gradient is 
 from __future__ import annotations
 
 import numbers
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple
 
 import torch
 
-from ..core.wire import SPARSE_GRAD_DTYPES
-from ..core.layout import FlatLayout
 from ..core.stats import StepStats
-from ..core.transport import Transport
 
 
 @dataclass
@@ -271,136 +267,3 @@ class OutsideTheSet(Scheme):
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's scheme state belongs to the ranks of the set; this rank, which
         steps on its own gradients, has no use for it."""
-
-
-class WholeGradientScheme(Scheme):
-    """Base of the schemes that synchronize the whole model gradient as one flat vector
-    once its last tensor is final (SparDL, ZEN, ExDyna): checks that the gradients share
-    one dtype (of ``dtypes``) and device, counts submissions and calls ``_launch()`` when
-    every trainable parameter's gradient is in."""
-
-    #: gradient dtypes the scheme's collectives can carry
-    dtypes = SPARSE_GRAD_DTYPES
-    agrees_before_launch = True  # everything launches with the last gradient
-    #: prefix of the scheme's collective names (``Transport``)
-    prefix = "whole"
-
-    def __init__(self, config: SyncConfig):
-        super().__init__(config)
-        self._trainable = [p for p in config.order if p.requires_grad]
-        kinds = {(p.dtype, p.device) for p in self._trainable}
-        if len(kinds) > 1:
-            raise ValueError(f"scheme {self.name!r} needs every gradient in one dtype on one "
-                             f"device, got {sorted(map(str, kinds))}; use scheme='dense'")
-        self._dtype, self._device = (next(iter(kinds)) if kinds
-                                     else (torch.float32, torch.device("cpu")))
-        if self._dtype not in self.dtypes:
-            raise ValueError(f"scheme {self.name!r} supports gradients of "
-                             f"{', '.join(map(str, self.dtypes))}, got {self._dtype}; "
-                             "use scheme='dense'")
-        self._submitted = 0
-        self._t_first = None  # first submission of the step (for stats' communicate_s)
-        self._all = frozenset(self._trainable)
-        self._last_sparse = frozenset()
-        #: the whole model gradient as one flat vector (canonical order)
-        self.flat = FlatLayout([p.shape for p in self._trainable],
-                               [config.names[p] for p in self._trainable])
-        self.transport = Transport(config, self.prefix)
-        self._memory = self._new_memory()
-        self._iteration = 0
-
-    _KEY = "flat"  # the memory key of the whole flat gradient
-
-    def _new_memory(self):
-        """Empty residuals and local rule state for the whole flat gradient."""
-        mem = self.config.recipe.make_memory(self._dtype)
-        mem.register(self._KEY, self.flat.names, self.flat.shapes)
-        return mem
-
-    def sparsifies(self, p: torch.Tensor) -> bool:
-        return True
-
-    def sparse_params(self) -> frozenset:
-        return self._last_sparse
-
-    def _density(self) -> float:
-        """The density in force for the step being synchronized (density warm-up); the
-        local rule is told (its "auto" masking depends on it)."""
-        d = self.config.recipe.density_at(self._iteration)
-        self._memory.rule.density = d
-        return d
-
-    def _acc_dtype(self) -> torch.dtype:
-        return self._memory.acc_dtype(self._dtype)
-
-    def _finished(self) -> None:
-        """Book-keeping at the end of a synchronized step."""
-        self._last_sparse = self._all
-        self._iteration += 1
-
-    def memories(self) -> list:
-        return [self._memory]
-
-    def _step_state(self) -> dict:
-        return {"iteration": self._iteration, "last_sparse": self._last_sparse}
-
-    def _restore_step_state(self, saved: dict) -> None:
-        self._iteration, self._last_sparse = saved["iteration"], saved["last_sparse"]
-
-    def _memory_state(self) -> dict:
-        return self._memory.named_state()
-
-    def _load_memory_state(self, state: dict) -> None:
-        """Restores residuals and the local rule's state (``named_state``'s keys)."""
-        self._memory.load_named_state(state, self._device)
-
-    def shared_state(self) -> dict:
-        return {"iteration": self._iteration}
-
-    def signature(self):
-        return (self._iteration, 0)
-
-    def adopt_shared(self, shared: dict, keep_local: bool, all_keep: bool) -> None:
-        if keep_local:
-            return
-        self.reset()
-        self._iteration = int(shared["iteration"])
-        self._memory = self._new_memory()  # residuals and rule state from zero
-
-    def _grad(self, p: torch.Tensor) -> torch.Tensor:
-        if p.grad.is_sparse:  # sparse gradients travel densely in these schemes
-            p.grad = p.grad.to_dense()
-        return p.grad
-
-    def _flat_grad(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Every trainable gradient, back to back (into ``out`` when given)."""
-        return self.flat.gather([self._grad(p) for p in self._trainable], out)
-
-    def _deliver(self, flat: torch.Tensor) -> None:
-        """The synchronized flat gradient into every ``p.grad``."""
-        self.flat.scatter(flat, [p.grad for p in self._trainable])
-
-    def _step_stats(self, t_wait: float, t_end: float, **values) -> StepStats:
-        """The stats of a finished step: every gradient sparsified, ``elements`` the whole
-        model, timings from the first submission; ``values`` sets the rest."""
-        values = {"phase": "sparse", "iteration": self._iteration, "tensors_dense": 0,
-                  "tensors_sparse": len(self._trainable), "elements": self.flat.numel, **values}
-        st = StepStats(**values)
-        return st.timed(self._t_first, t_wait, t_end)
-
-    def reset(self) -> None:
-        """Forgets the step in flight; a subclass adds its own per-step state."""
-        self._submitted = 0
-        self._t_first = None
-        self._sparsify_s = 0.0
-        self.transport.reset_counters()
-
-    def submit(self, p: torch.Tensor) -> None:
-        if self._t_first is None:
-            self._t_first = time.perf_counter()
-        self._submitted += 1
-        if self._submitted == len(self._trainable):  # (the optimizer read the agreement)
-            self._launch()
-
-    def _launch(self) -> None:
-        raise NotImplementedError

@@ -99,7 +99,8 @@ from .. import ops
 from ..plan.cost import nominal_k
 from ..sparsify.base import trim
 from ..sparsify.threshold import Threshold
-from .base import Option, SyncConfig, WholeGradientScheme, is_int, is_real
+from .base import Option, SyncConfig, is_int, is_real
+from .whole import WholeGradientScheme
 
 __all__ = ["ExDynaScheme", "ExDynaState"]
 

@@ -78,7 +78,8 @@ from .. import ops
 from ..core import wire
 from ..plan.cost import nominal_k
 from ..sparsify import make_sparsifier
-from .base import Option, SyncConfig, WholeGradientScheme, is_int
+from .base import Option, SyncConfig, is_int
+from .whole import WholeGradientScheme
 
 __all__ = ["ZenScheme", "imbalance_ratio", "pack_bitmap", "unpack_bitmap"]
 

@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from ..base import Option, SyncConfig, WholeGradientScheme, is_int
+from ..base import Option, SyncConfig, is_int
+from ..whole import WholeGradientScheme
 from .algorithm import BSAGState, Gather, Layout, RankResult, output_scale, run_rank
 
 __all__ = ["SparDLScheme"]
