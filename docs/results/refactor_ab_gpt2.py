@@ -1,6 +1,12 @@
 """Refactor A/B (issue 35): GPT-2 on a fixed profile; the plan's digest, the bytes of each
 step and the step times. Run with PYTHONPATH at the tree to measure."""
-import hashlib, json, statistics, sys, time
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
 import torch
 import horovod.torch as hvd
 import ssfusion_hvd
@@ -12,7 +18,7 @@ model, loss_of = build("gpt2", seq_len=64, seed=0, rank=hvd.rank())
 opt = ssfusion_hvd.DistributedOptimizer(
     torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
     named_parameters=model.named_parameters(), scheme="ssfusion_oi", density=0.01,
-    profile="/work/main/docs/results/profile_1gbit.json", log_plan=False)
+    profile=str(Path(__file__).with_name("profile_1gbit.json")), log_plan=False)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 times, sent = [], []
 for step in range(int(sys.argv[1])):
