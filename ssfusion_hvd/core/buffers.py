@@ -111,8 +111,8 @@ def nonfinite_count(decoded: torch.Tensor) -> int:
     term makes it NaN; an infinite one makes it infinite, or NaN beside the opposite
     infinity), so a finite sum means no non-finite element. Accumulating in at least
     float32 keeps a half-precision sum from overflowing; a sum that overflows all the same
-    (or a gradient that does hold NaN/Inf) takes the exact count. On GPT-2's 124M
-    elements on one CPU thread: 12 ms against 0.87 s for counting every element."""
+    (or a gradient that does hold NaN/Inf) takes the exact count: one sum's pass costs a
+    small part of counting every element (``docs/design.md``, "Invariants")."""
     if not decoded.is_floating_point():
         return int(decoded)
     acc = torch.float64 if decoded.dtype == torch.float64 else torch.float32
@@ -122,20 +122,15 @@ def nonfinite_count(decoded: torch.Tensor) -> int:
 
 
 #: Largest share of a sparse part's output that its P gathered records may touch for the
-#: decode to write them straight into the gradients (:meth:`SparsePart.decode_into`).
-#: GPT-2's tensors / 5 at density 0.01, CPU, 2 threads (``bench_decode`` of
-#: ``scripts/bench_kernels.py`` with the share forced either way, two runs each): 4 %
-#: touched (P = 4) decodes 1.07-1.10x faster direct than by the full path, 6 % (P = 6)
-#: 0.88x, 8 % 0.80x; the lines cross near 4.6 %. (Before the decode's loads were
-#: prefetched, P = 4 was 0.83-0.99x and the bound 3 %.)
+#: decode to write them straight into the gradients (:meth:`SparsePart.decode_into`):
+#: below it the direct path's scattered writes cost less than the full path's streaming
+#: passes; on the CPU the two cross near 4.6 % (``docs/kernels.md``, "Decode").
 DIRECT_MAX_SHARE = 0.045
 
-#: Whether a GPU decode may take the direct path at all. It does less GPU work (GPT-2 / 5,
-#: density 0.01, P = 2 on an H100: 160 us of kernels against 234 us for the full path) but
-#: more host work per call (zeroing 148 gradients, the per-call tensor table of
-#: ``deliver_chunks``), and the host is what the GPU waits on there: 442-464 us a decode
-#: against 251-253 us for the full path at P = 2, 525-626 against 288-294 at P = 4
-#: (``scripts/bench_kernels_cuda.py``, CUDA events, medians of 30, three runs).
+#: Whether a GPU decode may take the direct path at all. It runs fewer kernels but does
+#: more host work per call (zeroing every gradient, the per-call tensor table of
+#: ``deliver_chunks``), and the host is what the GPU waits on there: the full path
+#: measured faster on an H100 (``docs/kernels.md``, "GPU": "Decode").
 DIRECT_ON_CUDA = False
 
 

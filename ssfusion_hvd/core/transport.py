@@ -43,10 +43,10 @@ __all__ = ["Transport", "allgather_bytes", "broadcast_object", "root_rank", "all
 
 #: Horovod's ``synchronize`` waits by spinning on ``sched_yield``. Where ranks share cores
 #: (several ranks per host on a CPU job, or the offload worker beside backward) the ranks
-#: that wait take the cores from the rank still computing, the one they all wait for: on
-#: GPT-2 with 4 ranks on 2 cores a straggler's forward took 3.3 s instead of its 0.8 s
-#: while the other three waited. :meth:`Transport.wait` polls instead, sleeping from
-#: ``POLL_FIRST_S`` doubling up to ``POLL_MAX_S``, the most it adds to a wait.
+#: that wait take the cores from the rank still computing, the one they all wait for
+#: (``docs/design.md``, "Transport", has the measurement). :meth:`Transport.wait` polls
+#: instead, sleeping from ``POLL_FIRST_S`` doubling up to ``POLL_MAX_S``, the most it adds
+#: to a wait.
 POLL_FIRST_S, POLL_MAX_S = 20e-6, 5e-4
 
 #: cores a rank needs to itself before its waits spin: its own thread, Horovod's
