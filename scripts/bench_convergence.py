@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-from bench_e2e import SCHEMES, choices, environment  # noqa: E402
+from bench_e2e import SCHEMES, choices, environment, save_figure  # noqa: E402
 
 #: task -> epochs (the image tasks of the accuracy suite as digits)
 EPOCHS = {"digits": 10, "mlp": 10, "mlp_wide": 10, "mlp_deep": 10, "gru": 10, "lm": 3, "code": 3}
@@ -189,8 +189,7 @@ def plot(runs: list, task: str, path: Path) -> None:
     ax.set_title(f"{task}: mean over seeds, density sent 0.01 for the sparse schemes")
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def report(doc: dict, out: Path, name: str) -> str:

@@ -333,6 +333,22 @@ def environment() -> dict:
 
 
 # ------------------------------------------------------------------ report
+
+def save_figure(fig, path) -> None:
+    """Write a matplotlib figure as a 64-colour PNG and close it. The figures are tracked in
+    ``docs/results/`` and line plots need no more colours: a third of the bytes of
+    matplotlib's RGBA output, and the tracked results stay small (issue 35)."""
+    import io
+
+    from PIL import Image
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    plt.close(fig)
+    buf.seek(0)
+    Image.open(buf).convert("RGB").quantize(colors=64).save(path, optimize=True)
+
 def checked(r: dict) -> bool:
     """Whether a run had the per-step agreement check (runs before --agreement all did)."""
     return r.get("agreement", "on") == "on"
@@ -515,8 +531,7 @@ def plot(rows: list, model: str, topologies: list, path: Path) -> None:
     ax.set_title(f"{model}: throughput on the shaped network (median of timed iterations)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def cost_table(rows: list, model: str, scheme: str = "ssfusion_oi") -> str:

@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
 """Scale what-if (SIMULATION): every scheme at 8-64 workers and 10-100 Gbit/s.
 
-    .venv/bin/python scripts/whatif.py                        # cost model from docs/results/e2e.json
+    .venv/bin/python scripts/whatif.py                        # the tracked cost model (below)
+    .venv/bin/python scripts/whatif.py --e2e docs/results/validate.json   # one a bench run measured
     .venv/bin/python scripts/whatif.py --profile cost.json    # or any CostModel JSON
+
+The default cost model, ``docs/results/cost_model_gpt2_w4.json``, is the start-up profile
+of the GPT-2 ssfusion_oi run at 4 workers of ``docs/results.md`` §3a, extracted from that
+sweep's raw output so the page's table regenerates from a fresh clone.
 
 Nothing here runs a collective. The planner's timeline simulator (``plan/timeline.py``) and
 the closed forms of SparDL, ZEN and ExDyna (``plan/formulas.py``) are evaluated on the
@@ -60,8 +65,10 @@ HOP_LATENCY_S = 25e-6
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", help="a CostModel JSON (default: the one measured in --e2e)")
-    p.add_argument("--e2e", default=str(REPO / "docs" / "results" / "e2e.json"))
+    p.add_argument("--profile", default=str(REPO / "docs" / "results" / "cost_model_gpt2_w4.json"),
+                   help="a CostModel JSON (ignored with --e2e)")
+    p.add_argument("--e2e", help="a bench_e2e.py output: the cost model of its planned run with the "
+                                 "most workers (gpt2 first, ssfusion_oi first)")
     p.add_argument("--models", default="resnet152,bert-large,gpt2-large")
     p.add_argument("--workers", default="8,16,32,64")
     p.add_argument("--bandwidths", default="10,25,100", help="Gbit/s")
@@ -72,10 +79,12 @@ def parse_args(argv=None):
 
 
 def measured_profile(args) -> tuple[dict, str]:
-    """(CostModel dict, where it came from): ``--profile``, else the planned run of the
-    e2e benchmark with the most workers (gpt2 first, ssfusion_oi first)."""
-    if args.profile:
-        return json.loads(Path(args.profile).read_text()), args.profile
+    """(CostModel dict, where it came from): the planned run of ``--e2e`` with the most
+    workers (gpt2 first, ssfusion_oi first), else ``--profile``."""
+    if not args.e2e:
+        path = Path(args.profile).resolve()
+        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+        return json.loads(path.read_text()), str(shown)
     doc = json.loads(Path(args.e2e).read_text())
     runs = [r for r in doc["runs"] if r.get("cost_model")]
     if not runs:
