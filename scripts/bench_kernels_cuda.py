@@ -18,7 +18,7 @@ each call on the current stream, in microseconds. Rows:
                ranks' records (scripts/bench_kernels.py's decode_cases): the direct decode
                (records delivered straight into the gradients) vs the full decode (zero,
                scatter-add, scale, copy; what a GPU decode runs unless
-               buffers.DIRECT_ON_CUDA) in the ref column;
+               sparse_part.DIRECT_ON_CUDA) in the ref column;
   * sampled:   ops.sampled_threshold (DGC, 0.1% / 1% samples) for the largest n.
 Prints one table at the end.
 """
@@ -134,21 +134,21 @@ def main():
     del res
 
     if dtype == torch.float32:  # the decode sums in the gradient's dtype; float32 here
-        from ssfusion_hvd.core import buffers
+        from ssfusion_hvd.core import sparse_part
         for nranks in (2, 4):
             n, ntensors, k, full, new, copy, direct = decode_cases("gpt2", 5, 0.01, nranks, dev)
             full_us, mem = t(full), t(copy)
-            on_cuda = buffers.DIRECT_ON_CUDA
-            buffers.DIRECT_ON_CUDA = True  # the direct path, which a GPU decode skips by default
+            on_cuda = sparse_part.DIRECT_ON_CUDA
+            sparse_part.DIRECT_ON_CUDA = True  # the direct path, which a GPU decode skips by default
             try:
                 if not direct():  # e.g. the records touch more than DIRECT_MAX_SHARE
                     sys.exit(f"decode P={nranks}: the direct path does not apply")
                 direct_us = t(new)
             finally:
-                buffers.DIRECT_ON_CUDA = on_cuda
+                sparse_part.DIRECT_ON_CUDA = on_cuda
             rows.append((f"direct decode P={nranks} gpt2/5 (ref: full)", n, k, direct_us,
                          full_us, mem, f"{ntensors} tensors; full/direct "
-                         f"{full_us / direct_us:.2f}x; buffers.DIRECT_ON_CUDA={on_cuda}"))
+                         f"{full_us / direct_us:.2f}x; sparse_part.DIRECT_ON_CUDA={on_cuda}"))
             print("progress:", rows[-1][:4], file=sys.stderr, flush=True)
 
     x = torch.randn(25_000_000, device=dev, dtype=dtype)

@@ -83,7 +83,8 @@ def _check_groups(groups, num_groups, scheme):
 
 
 def check_arguments(optimizer, scheme, sparsifier, scheme_options, density, warmup_steps,
-                    backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups):
+                    backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups,
+                    grad_scaler=None):
     """Every argument check that needs no collective; returns ``(scheme options with
     defaults, density as float, groups in force)``."""
     from .core.transport import Average
@@ -100,6 +101,9 @@ def check_arguments(optimizer, scheme, sparsifier, scheme_options, density, warm
     _positive_int("backward_passes_per_step", backward_passes_per_step)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got "
+                         f"{type(grad_scaler).__name__}")
     if scheme != "dense":
         _check_sparse_dtypes(optimizer, scheme)
     return options, density, _check_groups(groups, num_groups, scheme)

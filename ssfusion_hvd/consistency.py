@@ -11,6 +11,7 @@ when the signatures differ, so that no rank is left waiting on a collective.
 from __future__ import annotations
 
 import ast
+import functools
 
 __all__ = ["model_signature", "check_same_model", "mismatch_message"]
 
@@ -126,3 +127,12 @@ def check_same_model(named, declared_names, process_set=None, setup=None) -> Non
                        f"ssfusion_hvd.DistributedOptimizer.")
     if message is not None:
         raise ValueError(message)
+
+
+def model_check(named, param_groups, process_set=None, setup=None):
+    """:func:`check_same_model` for the parameters ``named`` (``(name, tensor)`` pairs) as
+    ``param_groups`` declare them, bound and ready to run (the optimizer's first
+    collective, or under Horovod elastic its check at every broadcast adoption)."""
+    name_of = {id(v): k for k, v in named}
+    declared = [name_of[id(v)] for g in param_groups for v in g["params"] if id(v) in name_of]
+    return functools.partial(check_same_model, named, declared, process_set, setup=setup)

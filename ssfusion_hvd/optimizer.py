@@ -8,55 +8,36 @@ and hands each finished gradient to the scheme (``ssfusion_hvd/schemes/``).
 """
 from __future__ import annotations
 
-import functools
-import math
-import sys
 import weakref
 import warnings
 from contextlib import contextmanager
 
 import horovod.torch as hvd
-import horovod.torch.functions as _hvd_functions
 import torch
 from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, global_process_set
 from torch.amp.grad_scaler import OptState
 
 from .core import transport
-from .core.transport import Transport, numbered_as
+from .core.transport import Transport
 
 from .agreement import RanksDisagree, StepAgreement
 from .arguments import check_arguments, named_parameters as _named_parameters
-from .consistency import check_same_model
+from .consistency import model_check
 from .recipe import DEFAULT_MASKING, DEFAULT_MOMENTS, DEFAULT_WARMUP_STEPS, resolve_recipe
 from .registry import SCHEMES
-from .schemes import OutsideTheSet, SyncConfig
+from .schemes import SyncConfig
 from .state import CheckpointState
+from .transaction import StepTransaction
+from .world import SchemeWorld
 
 __all__ = ["DistributedOptimizer", "SCHEMES", "broadcast_optimizer_state"]
 
-# This optimizer declares that its step() handles loss scaling (``_step_supports_amp_scaling``
-# and a ``grad_scaler`` argument): GradScaler then hands itself to step() instead of checking
-# the gradients before it, which it would do before they are synchronized. torch (2.3 and
-# later) warns that it will stop doing so; until another contract gives an optimizer the
-# scaler's state to update, this one is the only that lets step() synchronize first.
+# step() handles loss scaling (``_step_supports_amp_scaling``): GradScaler hands itself to
+# step() instead of checking the gradients before they are synchronized. torch warns that
+# it will stop doing so; until another contract exists, only this one lets step() go first.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself",
                         category=FutureWarning)
-
-def _in_horovod_broadcast() -> bool:
-    """Whether Horovod's ``broadcast_optimizer_state`` is running in this thread, whatever
-    lies between it and the caller: step wrappers (LR schedulers, AMP, loggers,
-    ``torch.compile``), a helper a later Horovod moves its ``step()`` call into. The whole
-    stack is searched for its code object; this runs only where a step comes without a
-    gradient (``step()``) and in ``state_dict()``, never per step of training.
-    :func:`broadcast_optimizer_state` says so explicitly instead."""
-    code = _hvd_functions.broadcast_optimizer_state.__code__
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code is code:
-            return True
-        f = f.f_back
-    return False
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None:
@@ -65,8 +46,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None
     state initialization (local, no collective) and its ``state_dict()`` carries the
     root's shared scheme state. Calling ``hvd.broadcast_optimizer_state`` directly works
     as well (it is recognized on the stack); this is the explicit form."""
-    # (our optimizers' classes are made by DistributedOptimizer from _DistributedOptimizer's
-    # methods, not derived from it)
+    # (our classes take _DistributedOptimizer's methods, they do not derive from it)
     ours = type(optimizer).__dict__.get("_in_broadcast") is _DistributedOptimizer._in_broadcast
     if ours:
         optimizer._broadcasting = True
@@ -75,20 +55,6 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None
     finally:
         if ours:
             optimizer._broadcasting = False
-
-
-def _remove_hooks(handles) -> None:
-    for h in handles:
-        h.remove()
-
-
-def _world(process_set):
-    """``(size, rank)`` of ``process_set`` as this rank sees it (rank None outside the
-    set); None once Horovod is shut down (a checkpoint saved after the job)."""
-    try:
-        return process_set.size(), (process_set.rank() if process_set.included() else None)
-    except ValueError:
-        return None
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -124,20 +90,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # the step's agreement across the ranks and their non-finite flags, in one small
         # allreduce (agreement.py)
         self._agreement = StepAgreement(self._transport, self._requires_update, scheme)
-        # the step as a transaction (_begin_step, _end_step): a step whose synchronized
-        # gradients are not finite is undone on every rank
-        self._in_step = False
-        self._journal = None  # what the recipe changed in the wrapped optimizer's state
-        self._step_undone = False  # the last synchronized step was undone
-        self._keep = None  # _keep_step()'s answer for the step in flight
-        self._steps_skipped = 0
-        # loss scaling (GradScaler): the scaler, learnt from step(grad_scaler=); the state
-        # is kept unscaled, so the scale of the step in flight divides the sparsified
-        # gradients on the way in and multiplies their synchronized sums on the way out
-        self._scaler = None
-        if grad_scaler is not None and grad_scaler.is_enabled():
-            self._scaler = grad_scaler
-        self._scale = self._inv_scale = None
+        self._init_transaction(grad_scaler)  # the step as a transaction (transaction.py)
         self._hook_handles = []
         if included:
             # the hooks reach the optimizer through a weak reference, so parameters that
@@ -152,58 +105,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
             for p in self._requires_update:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
-            weakref.finalize(self, _remove_hooks, list(self._hook_handles))
-
-    # ------------------------------------------------------------------ world
-    def _build_scheme(self, tag=None) -> None:
-        """The scheme for the process set as it is now. A rank outside the set makes no
-        collective and steps on its own gradients, as under Horovod's optimizer: it builds
-        no scheme and no transport. ``tag``: the name of the transport being replaced."""
-        config = self._config
-        with numbered_as(tag):
-            self._scheme = (SCHEMES[self._scheme_name].load() if config.process_set.included()
-                            else OutsideTheSet)(config)
-        self._scheme.keep_step = self._keep_step
-        self._world = _world(config.process_set)
-
-    def _follow_world(self) -> None:
-        """Horovod elastic: after a reset the process set may have another size (ranks
-        left or joined) and this rank another rank. Every rank of the new world sees that
-        at the same call (the first ``state_dict``, ``load_state_dict``, backward hook or
-        ``synchronize()`` after the reset) and rebuilds its scheme for it: the planned
-        schemes profile and plan again, ExDyna calibrates again, and every rank starts
-        with empty residuals, which is what a rank that joined has. The optimizer state
-        carries over: the wrapped optimizer's (shared moments' too), and the local rules'
-        through the torch entries their new buffers start from (docs/horovod.md,
-        "Elastic training")."""
-        world = _world(self._config.process_set)
-        if world is None or world == self._world:
-            return
-        old = self._scheme
-        with torch.no_grad():
-            self._mirror_into_live()  # the local rules' state, where the new ones start from
-        old.close()
-        self._drop_step()
-        self._build_scheme(getattr(getattr(old, "transport", None), "tag", None))
-        if self._transport is not None:
-            with numbered_as(self._transport.tag):
-                self._transport = self._agreement.transport = Transport(self._config,
-                                                                        "ssfusion.check.")
-        if self._config.recipe.shared is not None:
-            self._config.recipe.shared.reset()  # the ages went with the residuals
-
-    def _drop_step(self) -> None:
-        """Forgets the step in flight (a checkpoint load, a rebuilt scheme)."""
-        self._scheme.reset()
-        self._agreement.reset()
-        self._in_step = False
-        self._step_undone = True  # (no step to undo: the state is what was loaded)
-        self._config.recipe.journal = self._journal = None
-        self._submitted.clear()
-        self._synchronized = False
-        self._should_synchronize = True
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
+            weakref.finalize(self, lambda handles: [h.remove() for h in handles],
+                             list(self._hook_handles))
 
     # ------------------------------------------------------------------ hooks
     @property
@@ -230,26 +133,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._scheme.cost
 
     def stats(self) -> dict:
-        """Metrics of the last synchronized iteration, on this rank: ``allreduce_bytes`` and
-        ``allgather_bytes`` sent, ``tensors_dense`` / ``tensors_sparse``, ``elements_sent``
-        of ``elements`` and the achieved ``density``, ``tensors_missing`` (tensors that sent
-        nothing), ``nonfinite`` (NaN/Inf elements in the synchronized gradients), and seconds
-        in ``sparsify_s`` (inline selection), ``offload_s`` (worker selection),
-        ``communicate_s`` (first submission to the end of the wait), ``wait_s`` (blocked
-        in ``synchronize()``) and ``agreement_s`` (blocked reading the step's agreement:
-        for the whole-gradient schemes all that the check costs a step; for the others it
-        includes the wait on the ranks' non-finite flags that the agreement carries).
-        ``phase`` is ``dense``, ``warmup``, ``planned``, ``sparse`` (SparDL, ExDyna, ZEN)
-        or ``calibration`` (ExDyna's exact top-k step); those schemes add their own keys.
-
-        Counts that need a pass over the outputs (``nonfinite`` of the planned schemes) or
-        a device-to-host read are taken here, not in the training step: call ``stats()``
-        between steps (before the next ``step()``/``synchronize()``).
-
-        ``skipped``: the step's synchronized gradients (or a rank's own) were not finite, so
-        it was undone and its synchronized gradients are NaN (docs/horovod.md, "Mixed precision");
-        ``nonfinite`` then counts what the synchronized sum held before that.
-        ``steps_skipped`` counts such steps."""
+        """Metrics of the last synchronized iteration, on this rank: bytes sent, tensors
+        dense, sparse and missing, the density achieved and in force, seconds selecting,
+        communicating and waiting, a skipped step (every key: ``docs/schemes.md``, "What
+        ``opt.stats()`` reports"). Counts that need a pass over the outputs or a
+        device-to-host read are taken here, not in the training step: call it between
+        steps."""
         out = self._scheme.stats()
         if out and self._scheme.stateful:
             out["steps_skipped"] = self._steps_skipped
@@ -292,13 +181,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if wd:  # the local rule accumulates g + wd·w, where SGD/Adam would add the decay
                 p.grad.add_(p.detach(), alpha=wd)
         if self._scheme.agrees_before_launch and len(self._submitted) == len(self._requires_update):
-            # the step's last gradient: such a scheme selects and launches everything now.
-            # The agreement (sent with the first gradient) is read after its selection,
-            # which so overlaps the round trip, and before its first collective: on ranks at
-            # different points, or beside a rank that called hvd.join(), the error comes
-            # before any collective of the step starts (Horovod 0.28.1's background loop on
-            # a joined rank even fails on ExDyna's index allgather, whose length changes
-            # every step), and the selection's residuals are put back
+            # the last gradient: such a scheme selects and launches everything now. The
+            # agreement (sent with the first gradient) is read after its selection, which
+            # overlaps the round trip, and before its first collective, so ranks that
+            # disagree (or one that called hvd.join()) fail before any collective of the
+            # step, and the selection's residuals are put back (docs/design.md, scheme interface)
             try:
                 with transport.first_launch(self._agreement.read):
                     self._scheme.submit(p)
@@ -308,81 +195,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._agreement.read()  # (read already, unless the scheme launched nothing)
             return
         self._scheme.submit(p)
-
-    # ------------------------------------------------------------------ transaction
-    def _begin_step(self) -> None:
-        """The step's first gradient: what it may change is remembered, and the loss scale
-        in force (``GradScaler.update()`` changes it in place after the step) is taken."""
-        self._in_step = True
-        if not self._scheme.stateful:
-            return
-        self._scheme.begin_step()
-        self._journal = self._config.recipe.journal = []
-        sc = self._scaler
-        if sc is not None and sc.is_enabled() and getattr(sc, "_scale", None) is not None:
-            self._scale = sc._scale.detach().clone()
-            self._inv_scale = self._scale.reciprocal()
-        else:
-            self._scale = self._inv_scale = None
-
-    def _end_step(self) -> None:
-        """After ``finish()``: the step is kept, or, when any rank's gradients or the
-        synchronized ones are not finite (the same answer on every rank), undone: the
-        scheme's state, the recipe's hand-over of optimizer state, the counters. Every
-        synchronized gradient is then NaN, so GradScaler (or the user) skips the step as it
-        would with Horovod's optimizer, and no partial sum of it can be applied."""
-        keep = self._keep_step()
-        self._in_step = False
-        self._config.recipe.journal = None
-        self._step_undone = False
-        self._keep = None
-        if not keep:
-            self._undo_step()
-            for p in self._requires_update:  # all of it: a part of a sum is not the step's
-                if p.grad is not None:
-                    p.grad.fill_(math.nan)
-            return
-        if self._scale is not None:
-            sparse = [p.grad for p in self._scheme.sparse_params() if p.grad is not None]
-            if sparse:  # back in the loss scale's units, as GradScaler.unscale_ expects
-                torch._foreach_mul_(sparse, self._scale)
-
-    def _keep_step(self) -> bool:
-        """Whether the step in flight is kept: no rank's gradients and none of the
-        synchronized ones hold NaN or Inf. The same answer on every rank: the flags are
-        summed by an allreduce and the synchronized gradients are the same everywhere.
-        Asked once the outputs are in ``p.grad``, by the scheme before it counts the step
-        (``Scheme.keep_step``) or by ``_end_step``; one host read per step."""
-        if self._keep is None:
-            self._keep = not self._agreement.any_nonfinite(self._scheme)
-        return self._keep
-
-    def _put_back(self) -> None:
-        """The scheme's state and the recipe's hand-over of optimizer state as they were
-        before the step's first gradient."""
-        self._scheme.rollback()
-        if self._journal:
-            self._config.recipe.undo_takes(self._journal)
-        self._journal = None
-
-    def _abandon_step(self) -> None:
-        """The ranks disagree (:class:`RanksDisagree`): the step in flight ends here, and
-        what it changed is put back, so the residuals and momentum a checkpoint saves next
-        are this rank's own (its selected elements were never applied anywhere)."""
-        if self._in_step and self._scheme.stateful:
-            self._put_back()
-        self._in_step = False
-        self._config.recipe.journal = None
-
-    def _undo_step(self) -> None:
-        """Undoes the last synchronized step (before the next begins)."""
-        if self._step_undone or not self._scheme.stateful:
-            return
-        self._put_back()
-        self._step_undone = True
-        self._steps_skipped += 1
-        self._scheme.last_stats.skipped = True
-        self._scheme.last_stats._resolved = None
 
     # ------------------------------------------------------------------ Horovod API
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -472,36 +284,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                                  self._scheme.shares()):
             return super(self.__class__, self).step(closure)
 
-    def _meet_scaler(self, scaler) -> None:
-        """The first step under ``scaler``: from the next step on, the loss scale divides
-        the sparsified gradients before they reach the state. A step already synchronized
-        without it (schemes sparse from their first step) left its state in the scale's
-        units: converted here, once; and where the local rule's output does not scale with
-        the gradient (Adam's update), its synchronized sum is put in the scale's units, as
-        the scaler expects to find it."""
-        if scaler is self._scaler:
-            return
-        first, self._scaler = self._scaler is None, scaler
-        if not (first and self._scheme.stateful and not self._step_undone):
-            return
-        memories = self._scheme.memories()
-        if not memories or not self._scheme.sparse_params():
-            return  # nothing was sparsified yet (a warm-up): nothing in the wrong units
-        if self._config.recipe.corrects() and hvd.rank() == 0:
-            warnings.warn(
-                f"ssfusion_hvd: scheme {self._scheme_name!r} sparsified its first step before "
-                "it met the GradScaler (GradScaler.step introduces it); that step's coupled "
-                "weight decay and Adam's eps acted at 1/scale of their strength. Pass "
-                "DistributedOptimizer(..., grad_scaler=scaler) to make it exact.", stacklevel=3)
-        scale = float(scaler._scale)
-        for mem in memories:
-            mem.rescale(1.0 / scale)
-        rule = self._config.recipe.make_rule()
-        if rule.units.get("residual", 1) == 0:
-            # unscale_ divides by the scale, whether it ran already or runs next
-            sparse = [p.grad for p in self._scheme.sparse_params() if p.grad is not None]
-            torch._foreach_mul_(sparse, scale)
-
     def zero_grad(self, set_to_none: bool = True):
         if self._submitted or self._scheme.pending():
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
@@ -516,7 +298,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _broadcasting = False
 
     def _in_broadcast(self) -> bool:
-        return self._broadcasting or _in_horovod_broadcast()
+        return self._broadcasting or transport.in_broadcast_optimizer_state()
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
@@ -548,28 +330,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             5). The plan is built on rank 0, broadcast, printed once (``log_plan``) and
             exposed as ``opt.plan``.
 
-    The training recipe of every sparse scheme (``ssfusion_hvd/recipe.py``, ``docs/recipe.md``):
-        momentum_correction: ``"auto"`` (default): the optimizer's momentum is corrected
-            for sparsity (``moments``) for ``torch.optim.SGD`` with momentum and
-            ``Adam``/``AdamW``, plain error feedback otherwise (with a warning when that is
-            because the optimizer is not supported). ``True``: the same, but
-            ``ValueError`` where it cannot apply. ``False``: plain error feedback on
-            gradients, the wrapped optimizer applied to the sparse sum.
-        moments: where the corrected optimizer's state lives. ``"shared"`` (default): in
-            the wrapped optimizer, the same on every rank, moved by the synchronized
-            gradient with each element's age (how many steps it waited in the residuals;
-            exactly SGD / Adam on the averaged gradient at density 1;
-            ``ssfusion_hvd/moments.py``). ``"local"``: DGC's momentum correction, each rank
-            error-compensating its own velocity or Adam update, with momentum factor
-            masking.
-        density_warmup_steps: DGC's exponential density warm-up over this many steps
-            (default 50; 0: off): 4 stages from density 0.25 down to ``density``.
-            ``stats()["density_target"]`` is the density in force.
-        fp32_accumulation: float16 gradients are accumulated, selected and decoded in
-            float32; only the sent values are float16 (default True).
-        momentum_masking: DGC's momentum factor masking of ``moments="local"``: ``"auto"``
-            (default: SGD while the density in force is below ``1 - momentum``, Adam
-            always), ``True`` or ``False``.
+    The training recipe of every sparse scheme (each keyword in ``docs/recipe.md``):
+        momentum_correction: ``"auto"`` (default), ``True`` (``ValueError`` where it
+            cannot apply) or ``False`` (plain error feedback): correct the momentum of
+            ``SGD``, ``Adam`` and ``AdamW`` for sparsity.
+        moments: ``"shared"`` (default: one optimizer state for all ranks, moved by the
+            synchronized gradient with each element's age; exactly SGD / Adam at density
+            1) or ``"local"`` (DGC's per-rank momentum correction).
+        density_warmup_steps: DGC's exponential density warm-up (default 50; 0: off).
+        fp32_accumulation: float16 gradients accumulated, selected and decoded in float32.
+        momentum_masking: DGC's momentum factor masking under ``moments="local"``.
 
     scheme_options: a dict of the scheme's own settings (e.g. ``{"teams": 2}`` for
         ``spardl``); each scheme lists what it accepts in ``docs/schemes.md`` and in its
@@ -584,20 +354,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     """
     options, density, groups = check_arguments(
         optimizer, scheme, sparsifier, scheme_options, density, warmup_steps,
-        backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups)
-    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-        raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got "
-                         f"{type(grad_scaler).__name__}")
+        backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups, grad_scaler)
     recipe = resolve_recipe(optimizer, scheme, density, momentum_correction,
                             density_warmup_steps, fp32_accumulation, momentum_masking, moments)
     named = _named_parameters(named_parameters, optimizer.param_groups)
-    # the first collective: every rank must wrap the same model, else a clear error everywhere
-    name_of = {id(v): k for k, v in named}
-    check = functools.partial(
-        check_same_model, named, [name_of[id(v)] for g in optimizer.param_groups
-                                  for v in g["params"] if id(v) in name_of], process_set,
-        # (what shapes the wire: scheme_options["waits"] is read with these two)
-        setup=(scheme, sorted(options.items()), recipe.family, moments))
+    # the first collective: every rank must wrap the same model and setup (what shapes the
+    # wire: scheme_options["waits"] is read with the recipe), else a clear error everywhere
+    check = model_check(named, optimizer.param_groups, process_set,
+                        setup=(scheme, sorted(options.items()), recipe.family, moments))
     # Under Horovod elastic no collective here (transport.elastic): the check runs at every
     # broadcast adoption, which every rank of the new world reaches together
     elastic = transport.elastic()
@@ -627,8 +391,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     return wrapped
 
 
-#: the methods of our optimizers' classes: the optimizer's and its state protocol's
-#: (state.py), over the wrapped optimizer's class
-_METHODS = {**{k: v for k, v in CheckpointState.__dict__.items()
+#: the methods of our optimizers' classes: the optimizer's, its state protocol's (state.py),
+#: its step transaction's (transaction.py) and its world's (world.py), over the wrapped
+#: optimizer's class
+_METHODS = {**{k: v for part in (CheckpointState, StepTransaction, SchemeWorld) for k, v in part.__dict__.items()
                if k not in ("__dict__", "__weakref__", "__module__", "__qualname__", "__doc__")},
             **_DistributedOptimizer.__dict__}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ssfusion_hvd import ops
-from ssfusion_hvd.core import buffers
+from ssfusion_hvd.core import sparse_part
 from ssfusion_hvd.core.buffers import (DensePart, SelectionResult, SparsePart, nonfinite_count,
                                        unpack)
 from ssfusion_hvd.sparsify import make_sparsifier
@@ -19,7 +19,7 @@ from ssfusion_hvd.sparsify import make_sparsifier
 def direct_decode(monkeypatch):
     """These parts are dense enough (~4 % per rank) that the decode would take the full
     path; the tests below are about the direct one, so it is allowed at any density."""
-    monkeypatch.setattr(buffers, "DIRECT_MAX_SHARE", 1.0)
+    monkeypatch.setattr(sparse_part, "DIRECT_MAX_SHARE", 1.0)
 
 SHAPES = [torch.Size([40, 25]), torch.Size([0]), torch.Size([]), torch.Size([7, 3, 5]),
           torch.Size([300])]
@@ -194,7 +194,7 @@ def test_decode_path_follows_the_touched_share(monkeypatch, share, direct):
     """Records touching more of the output than DIRECT_MAX_SHARE take the full path (the
     output scanned, returned as a float tensor), else the direct one (a 0-d count): the
     same gradients either way."""
-    monkeypatch.setattr(buffers, "DIRECT_MAX_SHARE", share)
+    monkeypatch.setattr(sparse_part, "DIRECT_MAX_SHARE", share)
     part = _part(torch.float32, None)
     grads = _grads(torch.float32)
     gathered, record_len = _gather(part, 2, seed=5)

@@ -12,6 +12,7 @@ LAYERS = {
     "ssfusion_hvd": 0, "ssfusion_hvd.optimizer": 0,
     "ssfusion_hvd.agreement": 1, "ssfusion_hvd.arguments": 1, "ssfusion_hvd.consistency": 1,
     "ssfusion_hvd.registry": 1, "ssfusion_hvd.recipe": 1, "ssfusion_hvd.state": 1,
+    "ssfusion_hvd.transaction": 1, "ssfusion_hvd.world": 1,
     "ssfusion_hvd.schemes": 2, "ssfusion_hvd.profile": 2,
     "ssfusion_hvd.core": 3, "ssfusion_hvd.moments": 3, "ssfusion_hvd.sparsify": 3,
     "ssfusion_hvd.rules": 3,
@@ -134,3 +135,27 @@ def test_the_checks_see_the_imports():
     assert "ssfusion_hvd.recipe" in all_edges["ssfusion_hvd.schemes.base"]
     assert "ssfusion_hvd.recipe" not in edges["ssfusion_hvd.schemes.base"]  # function-local
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+def _drawing() -> str:
+    """The import graph at the top level of the package (a subpackage is one node; every
+    import, function-local ones too), one line per node, in layer order."""
+    modules, _, all_edges, _ = _graph()
+
+    def unit(m):
+        return m.split(".")[1] if "." in m else "__init__"
+
+    def key(u):
+        return (_layer("ssfusion_hvd" if u == "__init__" else f"ssfusion_hvd.{u}"), u)
+
+    out = {unit(m): set() for m in modules}
+    for a, targets in all_edges.items():
+        out[unit(a)] |= {unit(b) for b in targets} - {unit(a)}
+    return "\n".join(f"{u:<12} ->{' ' if out[u] else ''}{', '.join(sorted(out[u], key=key))}"
+                     for u in sorted(out, key=key))
+
+
+def test_design_md_draws_the_import_graph_as_it_is():
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    drawn = text.split("<!-- import-graph -->\n```\n")[1].split("\n```\n<!-- /import-graph -->")[0]
+    assert drawn == _drawing(), "docs/design.md's import graph is stale; it is now:\n" + _drawing()

@@ -14,7 +14,7 @@
 import pytest
 import torch
 
-from ssfusion_hvd.core import buffers
+from ssfusion_hvd.core import sparse_part
 from ssfusion_hvd.core.buffers import SelectionResult, SparsePart, fresh_table, unpack
 from ssfusion_hvd.core.wire import WAIT_EXACT, WAIT_MAX, code_waits, wait_codes
 from ssfusion_hvd.moments import SHARE_ROWS, SharedMoments, fresh_share, share_table
@@ -108,7 +108,7 @@ def _records(part, nranks, seed):
 
 
 def _decode(part, records, monkeypatch, direct, postscale=0.5):
-    monkeypatch.setattr(buffers, "DIRECT_MAX_SHARE", 1.0 if direct else 0.0)
+    monkeypatch.setattr(sparse_part, "DIRECT_MAX_SHARE", 1.0 if direct else 0.0)
     record_len = OFFSET + part.length
     sends = []
     for vals, idx, waits in records:

@@ -175,7 +175,7 @@ def float64_errors(schemes):
     """A float64 model with every sparse scheme: the error each rank gets, with the first
     collective (the model check) replaced by one that fails loudly, so an error raised
     after it would show; then one allreduce, which only completes if every rank is here."""
-    import ssfusion_hvd.optimizer as optimizer_module
+    import ssfusion_hvd.consistency as optimizer_module  # (what the optimizer calls first)
 
     def no_collective(*args, **kwargs):
         raise AssertionError("a collective ran before the argument check")

@@ -27,6 +27,7 @@ import collections
 import itertools
 import os
 import re
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -34,12 +35,14 @@ from typing import Optional, Sequence
 
 import torch
 from horovod.common.util import split_list
+import horovod.torch.functions as _hvd_functions
 from horovod.torch import mpi_ops as _mpi
 from horovod.torch.mpi_ops import Average, Max, Min, Sum, global_process_set
 
 __all__ = ["Transport", "allgather_bytes", "broadcast_object", "root_rank", "allreduce",
            "allgather", "barrier", "split_list", "Average", "Sum", "Max", "Min",
-           "global_process_set", "op_scales", "gated", "first_launch", "done"]
+           "global_process_set", "op_scales", "gated", "first_launch", "done",
+           "in_broadcast_optimizer_state"]
 
 #: Horovod's ``synchronize`` waits by spinning on ``sched_yield``. Where ranks share cores
 #: (several ranks per host on a CPU job, or the offload worker beside backward) the ranks
@@ -62,8 +65,6 @@ def _spin() -> bool:
     once, from what the job shares: the local ranks and this process's usable cores."""
     global _SPIN
     if _SPIN is None:
-        import os
-
         try:
             cores = len(os.sched_getaffinity(0))
         except AttributeError:  # not Linux
@@ -164,6 +165,20 @@ def elastic() -> bool:
     return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
+def in_broadcast_optimizer_state() -> bool:
+    """Whether Horovod's ``broadcast_optimizer_state`` runs in this thread, whatever lies
+    between it and the caller (step wrappers, ``torch.compile``, a helper a later Horovod
+    moves its ``step()`` call into): the stack is searched for its code object. Asked only
+    where a step comes without a gradient and in ``state_dict()``, never per step."""
+    code = _hvd_functions.broadcast_optimizer_state.__code__
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
 def _ps(process_set):
     return global_process_set if process_set is None else process_set
 
@@ -203,9 +218,7 @@ def root_rank(process_set=None) -> int:
 def broadcast_object(obj, name: str, process_set=None):
     """The first rank's ``obj`` on every rank of ``process_set``. Collective."""
     ps = _ps(process_set)
-    from horovod.torch.functions import broadcast_object as _bcast
-
-    return _bcast(obj, root_rank=root_rank(ps), name=name, process_set=ps)
+    return _hvd_functions.broadcast_object(obj, root_rank=root_rank(ps), name=name, process_set=ps)
 
 
 def allgather_bytes(payload: bytes, name: str, process_set=None) -> list:

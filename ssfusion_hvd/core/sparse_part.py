@@ -1,0 +1,382 @@
+"""One sparse part of a fusion group: its tensors staged back to back, error-compensated,
+selected, packed into the group's allgather buffer, and decoded from every rank's record
+(``core/buffers.py`` has the group around it and the wire format).
+
+A sparse part covers several tensors staged back to back in one flat buffer; its
+indices are positions in that flat buffer. ``mode`` says how it selects:
+
+* ``"segmented"``: per-tensor top-k of every tensor in ONE kernel call, fused with the error
+  feedback (``ops.segmented_ef_topk``);
+* ``"group"``: the part's budget (the sum of its tensors' k) shared by magnitude, each
+  tensor keeping at least its floor (``ops.group_ef_topk``; SSFusion's default,
+  ``docs/schemes.md``, "Group budget");
+* ``"per_tensor"``: per-tensor selection by any sparsifier (one call per tensor: the loop runs
+  over the sparsified tensors of one group only);
+* ``"buffer"``: one selection over the whole fusion buffer (multi-tensor, Cupcake; tensors can
+  go missing, SSFusion §III-A).
+
+A part whose sparsifiers select the same indices on every rank (random-k: its seed is
+shared) sends ``capacity`` values and no indices; decode sums them over the ranks at the
+positions this rank selected.
+
+With ``waits`` (the shared moments, ``scheme_options["waits"]``) a part's record is
+followed by one byte per entry, its sender's wait (``core/wire.wait_codes``), and the
+decode also computes :attr:`SparsePart.share`, the shares of what arrived that the
+moments' rule reads (``moments.share_table``; ``docs/design.md``, "Each sender's wait").
+
+Sparsifiers that return fewer than ``capacity`` elements are padded with zero values at
+distinct *sink* positions past the end of the staged data, so decoding (a scatter-add of P
+chunks, which needs distinct indices within a chunk) stays one kernel call and the sink is
+never delivered.
+
+A sparse part decodes without a pass over its dense output: ``SparsePart.out`` is zero
+between decodes, the records are added into it, and ``ops.deliver_chunks`` moves the
+positions they touched, scaled, into the freshly zeroed ``.grad`` tensors and clears them
+(:meth:`SparsePart.decode_into`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from .. import ops
+from ..moments import share_table
+from ..sparsify import ResidualMemory, Sparsifier
+from .layout import views
+from .wire import code_waits, wait_codes
+
+__all__ = ["DIRECT_MAX_SHARE", "DIRECT_ON_CUDA", "SelectionResult", "SparsePart", "fresh_table"]
+
+
+@dataclass
+class SelectionResult:
+    """One sparse part's selection in one iteration (indices are positions in the part)."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    per_tensor: Optional[List[int]] = None  # elements selected per tensor, when known on host
+    waits: Optional[torch.Tensor] = None  # this rank's wait per entry, where the wire carries it
+
+
+def _scaled_copy(out: torch.Tensor, part, grads: List[torch.Tensor],
+                 postscale: float) -> torch.Tensor:
+    """The full decode's second half: ``out`` (a part's summed records) scaled and copied
+    into ``grads``; returns it."""
+    if postscale != 1.0:
+        out.mul_(postscale)
+    torch._foreach_copy_(grads, part.out_views)
+    return out
+
+
+def fresh_table(kind: str, hparams: dict, device) -> Optional[torch.Tensor]:
+    """:func:`~ssfusion_hvd.moments.share_table` of every wait code (the wait it stands
+    for), float32 on ``device``: a :class:`SparsePart`'s :attr:`~SparsePart.fresh`;
+    None where the rule reads no share."""
+    table = share_table(kind, hparams, code_waits())
+    return None if table is None else table.to(device=device, dtype=torch.float32)
+
+
+#: Largest share of a sparse part's output that its P gathered records may touch for the
+#: decode to write them straight into the gradients (:meth:`SparsePart.decode_into`):
+#: below it the direct path's scattered writes cost less than the full path's streaming
+#: passes; on the CPU the two cross near 4.6 % (``docs/kernels.md``, "Decode").
+DIRECT_MAX_SHARE = 0.045
+
+#: Whether a GPU decode may take the direct path at all. It runs fewer kernels but does
+#: more host work per call (zeroing every gradient, the per-call tensor table of
+#: ``deliver_chunks``), and the host is what the GPU waits on there: the full path
+#: measured faster on an H100 (``docs/kernels.md``, "GPU": "Decode").
+DIRECT_ON_CUDA = False
+
+
+class SparsePart:
+    """Sparsified tensors of one group: staged, error-compensated, selected, packed.
+
+    ``dtype`` is the wire (gradient) dtype; ``acc_dtype`` (default: the same) that of the
+    staged input, the selection and the decode sums (float32 for float16 gradients)."""
+
+    def __init__(self, key: str, tensors: Sequence[int], shapes: Sequence[torch.Size],
+                 ks: Sequence[int], mode: str, sparsifiers: Sequence[Sparsifier], offset: int,
+                 dtype: torch.dtype, device: torch.device, stage_device: torch.device | None = None,
+                 acc_dtype: torch.dtype | None = None, floors: Sequence[int] | None = None,
+                 waits: int = 0):
+        if mode not in ("segmented", "group", "per_tensor", "buffer"):
+            raise ValueError(f"unknown sparse part mode {mode!r}")
+        self.key = key
+        self.tensors = list(tensors)
+        self.numels = [math.prod(s) for s in shapes]
+        self.bounds = [0]
+        for n in self.numels:
+            self.bounds.append(self.bounds[-1] + n)
+        self.numel = self.bounds[-1]
+        self.ks = [int(k) for k in ks]  # per tensor, or one k for mode "buffer"
+        self.mode = mode
+        self.sparsifiers = list(sparsifiers)  # one per tensor, or one for the buffer
+        expect = 1 if mode == "buffer" else len(self.tensors)
+        if len(self.ks) != expect or len(self.sparsifiers) != expect:
+            raise ValueError(f"part {key}: mode {mode!r} needs {expect} k and sparsifier(s), "
+                             f"got {len(self.ks)} and {len(self.sparsifiers)}")
+        if (mode == "group") != (floors is not None) or (
+                floors is not None and (len(floors) != len(self.ks)
+                                        or any(not 0 <= f <= k for f, k in zip(floors, self.ks)))):
+            raise ValueError(f"part {key}: mode {mode!r} with floors {floors} for ks {self.ks} "
+                             "(mode 'group' needs one floor per tensor, at most its k)")
+        self.floors = None if floors is None else [int(f) for f in floors]
+        if mode == "buffer":
+            self.capacity = self.sparsifiers[0].capacity(self.ks[0])
+        else:
+            self.capacity = sum(s.capacity(k) for s, k in zip(self.sparsifiers, self.ks)) \
+                if mode == "per_tensor" else sum(self.ks)
+        self.dtype = dtype
+        self.acc_dtype = acc_dtype or dtype
+        self.idx_dtype = ops.index_dtype(self.numel + self.capacity)
+        self.offset = offset
+        #: every rank selects the same indices (random-k's shared seed): only values travel
+        self.shared_indices = all(sp.shared_indices for sp in self.sparsifiers)
+        self.length = self.capacity if self.shared_indices else \
+            ops.record_numel(self.capacity, dtype, self.idx_dtype)
+        #: each entry carries its sender's wait (one byte after the record), from which the
+        #: decode computes ``waits`` shares (rows of :attr:`share`; True: one). Not for
+        #: shared indices: every rank sends the same elements, so the union's age is every
+        #: sender's wait.
+        self.waits = 0 if self.shared_indices else int(waits)
+        #: per share, what each wait code weighs (``moments.share_table`` of the rule and
+        #: hyper-parameters in force; rows, 256), float32 on the decode's device: set by
+        #: the owner before a decode (:func:`fresh_table`)
+        self.fresh: Optional[torch.Tensor] = None
+        if self.waits:
+            self._codes_at = offset + self.length
+            self._code_span = -(-self.capacity // torch.empty(0, dtype=dtype).element_size())
+            self.length += self._code_span
+            #: the shares of the arrived sum (rows), at the positions the last decode
+            #: touched (finite everywhere; where nothing arrived the gradient is 0)
+            self.share = torch.zeros(self.waits, self.numel + self.capacity,
+                                     dtype=torch.float32, device=device)
+            #: per tensor, its shares, shape (rows, *shape)
+            self.share_views = [self.share[:, lo:hi].view(self.waits, *shape) for lo, hi, shape
+                                in zip(self.bounds, self.bounds[1:], shapes)]
+        self._sent_indices: Optional[torch.Tensor] = None
+        stage_device = device if stage_device is None else stage_device
+        pin = stage_device.type == "cpu" and device.type == "cuda" and torch.cuda.is_available()
+        self.stage = torch.empty(self.numel, dtype=self.acc_dtype, device=stage_device, pin_memory=pin)
+        # decode target: the part's tensors plus the sink that padding entries point into;
+        # zero wherever the last decode did not write (decode_into keeps it so)
+        self.out = torch.zeros(self.numel + self.capacity, dtype=self.acc_dtype, device=device)
+        self.out_views = views(self.out, shapes)
+        self._out_zero = True  # out is all zero: the next decode needs no zeroing pass
+        self._offsets = torch.tensor(self.bounds, dtype=torch.int64)
+        self._ks = torch.tensor(self.ks if floors is None else self.floors, dtype=torch.int64)
+        self._sink = torch.arange(self.numel, self.numel + self.capacity,
+                                  dtype=self.idx_dtype, device=stage_device)
+
+    # -- encode ------------------------------------------------------------------------
+    def stage_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        torch.cat([g.reshape(-1) for g in grads], out=self.stage)
+
+    def select_grads(self, memory: ResidualMemory, grads: Sequence[torch.Tensor]) -> SelectionResult:
+        """:meth:`stage_grads` then :meth:`select`, in one: an exact top-k part whose
+        gradients the fused kernel can read where they lie (``ResidualMemory.
+        select_topk_tensors``: the CPU, a residual that exists, a rule it takes inside) is
+        selected from them directly, without writing the staged copy, a pass over the part's
+        bytes (on GPT-2's 124M elements, one thread: 25 ms of a 85 ms stage and select).
+        Same result."""
+        if self.stage.device == grads[0].device:
+            got = None
+            if self.mode in ("segmented", "group"):
+                got = memory.select_topk_tensors(self.key, grads, self._group_k(),
+                                                 offsets=self._offsets, ks=self._ks,
+                                                 wire_dtype=self.dtype)
+            elif self.mode == "buffer" and self.sparsifiers[0].exact_topk:
+                got = memory.select_topk_tensors(self.key, grads, self.ks[0], wire_dtype=self.dtype)
+            if got is not None:
+                return self._sent(memory, SelectionResult(got[0], got[1], self._counts()))
+        self.stage_grads(grads)
+        return self.select(memory)
+
+    def _sent(self, memory: ResidualMemory, result: SelectionResult) -> SelectionResult:
+        """``result``, with this rank's wait per entry where the wire carries it."""
+        if self.waits:
+            result.waits = memory.sent_waits(self.key, result.indices)
+        return result
+
+    def _group_k(self) -> Optional[int]:
+        """The budget of a group part (its tensors' k summed; ``_ks`` holds the floors),
+        None for a segmented one."""
+        return self.capacity if self.mode == "group" else None
+
+    def _counts(self) -> Optional[List[int]]:
+        """Elements selected per tensor where the host knows them without a sync: a
+        segmented part's ks (a group part's split follows the magnitudes)."""
+        return list(self.ks) if self.mode == "segmented" else None
+
+    def select(self, memory: ResidualMemory) -> SelectionResult:
+        """Error feedback around the selection: acc = grad + residual; what is not sent
+        becomes the new residual (``ResidualMemory``: bit-exact bookkeeping). Exact top-k
+        (segmented, or over the buffer) runs fused with the error feedback, one kernel."""
+        return self._sent(memory, self._select(memory))
+
+    def _select(self, memory: ResidualMemory) -> SelectionResult:
+        if self.mode in ("segmented", "group"):
+            values, indices = memory.select_topk(self.key, self.stage, self._group_k(),
+                                                 offsets=self._offsets, ks=self._ks,
+                                                 wire_dtype=self.dtype)
+            return SelectionResult(values, indices, self._counts())
+        if self.mode == "buffer" and self.sparsifiers[0].exact_topk:
+            values, indices = memory.select_topk(self.key, self.stage, self.ks[0],
+                                                 wire_dtype=self.dtype)
+            return SelectionResult(values, indices)
+        acc = memory.compensate(self.key, self.stage)
+        if self.mode == "buffer":
+            values, indices = self.sparsifiers[0].select(acc, self.ks[0])
+            result = SelectionResult(values, indices)
+        else:
+            vals, idxs, counts = [], [], []
+            for s, k, lo, hi in zip(self.sparsifiers, self.ks, self.bounds, self.bounds[1:]):
+                v, i = s.select(acc[lo:hi], k)
+                vals.append(v)
+                idxs.append(i.to(self.idx_dtype) + lo)
+                counts.append(v.numel())
+            result = SelectionResult(torch.cat(vals), torch.cat(idxs), counts)
+        memory.update(self.key, acc, result.indices, self.dtype)
+        return result
+
+    def pack(self, result: SelectionResult, send: torch.Tensor, prescale: float) -> None:
+        """Writes the record of ``result`` (padded to capacity) at this part's offset."""
+        values, indices = result.values, result.indices.to(self.idx_dtype)
+        count = values.numel()
+        if count > self.capacity:
+            raise RuntimeError(f"part {self.key}: selection of {count} exceeds its capacity "
+                               f"{self.capacity}")
+        waits = result.waits
+        if count < self.capacity:
+            values = torch.cat([values, values.new_zeros(self.capacity - count)])
+            indices = torch.cat([indices, self._sink[count:]])
+            if waits is not None:
+                waits = torch.cat([waits, waits.new_ones(self.capacity - count)])
+        if prescale != 1.0:
+            values = values * prescale
+        values, indices = values.to(send.device, send.dtype), indices.to(send.device)
+        if self.shared_indices:  # the values alone; the indices are this rank's own
+            send[self.offset:self.offset + self.capacity].copy_(values)
+            self._sent_indices = indices
+            return
+        end = ops.pack(values, indices, send, self.offset)
+        if self.waits:
+            end = self._codes_at + self._code_span
+            codes = send.view(torch.uint8)[self._codes_at * send.element_size():
+                                           end * send.element_size()]
+            codes[:self.capacity].copy_(wait_codes(waits.to(send.device)))
+            codes[self.capacity:].zero_()
+        if end != self.offset + self.length:
+            raise RuntimeError(f"part {self.key}: record ends at {end}, its slot at "
+                               f"{self.offset + self.length}")
+
+    # -- decode ------------------------------------------------------------------------
+    def decode(self, gathered: torch.Tensor, nranks: int, record_len: int) -> torch.Tensor:
+        """The summed records in ``out``, unscaled, after a zeroing pass over ``out``: the
+        full path's first half (see :meth:`decode_into`)."""
+        self.out.zero_()
+        self._out_zero = False
+        if self.shared_indices:  # the same positions on every rank: sum the values there
+            chunks = gathered.view(nranks, record_len)[:, self.offset:self.offset + self.capacity]
+            summed = torch.sum(chunks, dim=0, dtype=self.out.dtype)
+            self.out.index_copy_(0, self._sent_indices.to(self.out.device).long(), summed)
+        else:
+            ops.scatter_add_chunks(self.out, gathered, nranks, self.offset, self.capacity,
+                                   self.idx_dtype)
+            self._decode_shares(gathered, nranks, record_len)
+        return self.out[:self.numel]
+
+    def _decode_shares(self, gathered: torch.Tensor, nranks: int, record_len: int) -> None:
+        """:attr:`share` at the positions the records touch: per row of :attr:`fresh`
+        (``w``: a sender's wait's weight), ``Σ_r v_r·w(a_r) / Σ_r v_r`` over the ranks'
+        entries there; 0 where they sum to exactly 0 or the ratio is not finite (a step
+        whose records hold NaN/Inf is skipped, but its positions keep their shares until
+        touched again, and a share multiplies a zero gradient there: it must stay finite,
+        or 0·NaN would reach the moments). Reads the sums from ``out``, so it runs after the
+        records were added into it and before they are scaled or delivered. A ratio, so
+        the optimizer's step may rescale the gradient first (a loss scale, clipping).
+        O(P·capacity), no pass over the part; the weighted values are added one rank at a
+        time (a record's indices are distinct), so the sums run in rank order and every
+        rank gets the same bits, on a GPU too. Nothing without a :attr:`fresh` table
+        (an SGD without momentum: no rule reads a share)."""
+        if not self.waits or self.fresh is None:
+            return
+        if self.fresh.shape[0] != self.waits:
+            raise RuntimeError(f"part {self.key}: {self.fresh.shape[0]} share tables for "
+                               f"{self.waits} shares")
+        rows = gathered.view(nranks, record_len)
+        vspan, ispan = ops.record_spans(self.capacity, self.dtype, self.idx_dtype)
+        values = rows[:, self.offset:self.offset + self.capacity]
+        at = self.offset + vspan
+        idx = rows[:, at:at + ispan].clone().view(self.idx_dtype)[:, :self.capacity].long()
+        codes = rows[:, self._codes_at:self._codes_at + self._code_span].contiguous()
+        # (shares, ranks, capacity)
+        weighted = self.fresh[:, codes.view(torch.uint8)[:, :self.capacity].long()] * values
+        self.share.index_fill_(1, idx.reshape(-1), 0.0)
+        for r in range(nranks):
+            self.share.index_add_(1, idx[r], weighted[:, r])
+        idx = idx.reshape(-1)
+        sums = self.out.index_select(0, idx).float()
+        ratio = self.share.index_select(1, idx).div_(sums)
+        keep = (sums != 0) & torch.isfinite(ratio)
+        self.share.index_copy_(1, idx, torch.where(keep, ratio, torch.zeros_like(ratio)))
+
+    def _direct(self, grads: List[torch.Tensor], nranks: int) -> bool:
+        """Whether the records are delivered straight into ``grads``: the part has indices,
+        the gradients are contiguous, of the wire dtype, on out's device, and the records
+        touch at most :data:`DIRECT_MAX_SHARE` of the output (past that, random accesses to
+        out and the gradients cost more than the streaming passes they replace); on a GPU
+        only with :data:`DIRECT_ON_CUDA`."""
+        return (not self.shared_indices
+                and (self.out.device.type == "cpu" or DIRECT_ON_CUDA)
+                and nranks * self.capacity <= DIRECT_MAX_SHARE * self.numel
+                and all(g.is_contiguous() and g.dtype == self.dtype
+                        and g.device == self.out.device for g in grads))
+
+    def decode_into(self, gathered: torch.Tensor, nranks: int, record_len: int,
+                    grads: List[torch.Tensor], postscale: float) -> torch.Tensor:
+        """Decodes into ``grads``, scaled by ``postscale`` (see :func:`unpack`).
+
+        With indices (the usual case), the gradients are touched once and ``out`` only where
+        the records point: ``grads`` zeroed (one write pass), the records scatter-added into
+        ``out`` (zero there by the invariant: all zero between decodes), then
+        ``ops.deliver_chunks`` writes ``out * postscale`` at those positions into ``grads``
+        and re-zeroes them in ``out``. Returns a 0-d int64 count of the non-finite values
+        written. Bit for bit the result of the full path below.
+
+        Random-k parts (values only), records touching more than :data:`DIRECT_MAX_SHARE`
+        of the output, and gradients the native op cannot write (not contiguous) take the
+        full path: zero ``out``, add, scale it, copy it into ``grads``;
+        returns the scaled flat output."""
+        if self._direct(grads, nranks):
+            if not self._out_zero:  # a full-path decode ran last
+                self.out.zero_()
+            torch._foreach_zero_(grads)
+            self._out_zero = False  # until the records are out of it again
+            ops.scatter_add_chunks(self.out, gathered, nranks, self.offset, self.capacity,
+                                   self.idx_dtype)
+            self._decode_shares(gathered, nranks, record_len)
+            count = ops.deliver_chunks(self.out, grads, gathered, nranks, self.offset,
+                                       self.capacity, self.idx_dtype, postscale)
+            self._out_zero = True
+            return count
+        return _scaled_copy(self.decode(gathered, nranks, record_len), self, grads, postscale)
+
+    def missing(self, result: SelectionResult) -> torch.Tensor | int:
+        """Tensors of this part with no element selected (host int when known, else a
+        0-d device tensor: no host sync in the backward path)."""
+        if result.per_tensor is not None:
+            return sum(1 for c in result.per_tensor if c == 0)
+        if self.floors is not None and min(self.floors) >= 1:
+            return 0  # every tensor sends at least its floor
+        if len(self.tensors) == 1:
+            return int(result.values.numel() == 0)
+        owner = torch.bucketize(result.indices.long(), self._offsets[1:-1].to(result.indices.device),
+                                right=True)
+        hit = torch.zeros(len(self.tensors), dtype=torch.bool, device=owner.device)
+        hit[owner] = True
+        return (~hit).sum()
