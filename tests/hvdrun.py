@@ -1,8 +1,9 @@
 """Runs a test function on real Horovod workers (``horovodrun --gloo``) and collects results.
 
-``run_workers("workers_dense:equivalence", np=2, steps=20)`` launches ``np`` processes;
-each calls ``hvd.init()`` then the function with the keyword arguments, and returns a
-picklable result. The call returns the per-rank results (rank order) or raises
+``run_workers(workers_dense.equivalence, np=2, steps=20)`` launches ``np`` processes;
+each calls ``hvd.init()`` then that function (imported there by its module and name) with
+the keyword arguments, and returns a picklable result. The test names the function
+itself, not a string: a renamed or missing worker fails where the test is collected. The call returns the per-rank results (rank order) or raises
 ``WorkerError`` with the workers' output; a run past ``timeout`` is killed with its whole
 process group, so a hang fails the test instead of freezing the suite.
 """
@@ -94,8 +95,12 @@ def launch(args, np: int, timeout: float, env=None, controller: str = "gloo", ho
     return proc.returncode, out
 
 
-def run_workers(target: str, np: int = 2, timeout: float = 180, env=None,
+def run_workers(fn, np: int = 2, timeout: float = 180, env=None,
                 controller: str = "gloo", hosts: int = 1, **kwargs):
+    if not callable(fn) or "." in fn.__qualname__ or fn.__module__ == "__main__":
+        raise TypeError(f"run_workers takes a module-level function of an importable module, "
+                        f"got {fn!r}")
+    target = f"{fn.__module__}:{fn.__name__}"
     with tempfile.TemporaryDirectory(prefix="ssf-workers-") as outdir:
         rc, out = launch([sys.executable, str(TESTS / "_worker.py"), target, outdir,
                           json.dumps(kwargs)], np, timeout, env, controller, hosts)

@@ -100,7 +100,7 @@ def test_a_scheme_written_in_a_test_file_runs_on_real_workers():
     from hvdrun import run_workers
 
     assert "randomk_example" in ssfusion_hvd.SCHEMES
-    ranks = run_workers("test_add_a_scheme:train", np=2, timeout=180)
+    ranks = run_workers(train, np=2, timeout=180)
     n = ranks[0]["own"][0].numel()
     k = max(1, round(DENSITY * n))
     residuals = [torch.zeros(n) for _ in ranks]

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from hvdrun import CLUSTER, CLUSTER_PREFIX, launch, mpi_built, run_workers
+import workers_cluster
+import workers_dense
+import workers_schemes
 from test_optimizer_dense import _check
 from test_schemes import check_run
 
@@ -50,7 +53,7 @@ def no_leftovers():
 def test_ranks_are_spread_over_hosts_and_cross_the_links(controller):
     if controller == "mpi" and not mpi_built():
         pytest.skip("Horovod built without MPI")
-    results = run_workers("workers_cluster:topology", np=4, hosts=2, controller=controller,
+    results = run_workers(workers_cluster.topology, np=4, hosts=2, controller=controller,
                           timeout=120)
     assert [r["host"] for r in results] == ["h1", "h1", "h2", "h2"]
     assert [(r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"])
@@ -61,14 +64,14 @@ def test_ranks_are_spread_over_hosts_and_cross_the_links(controller):
 
 
 def test_dense_matches_horovod_across_two_hosts():
-    _check(run_workers("workers_dense:equivalence", np=4, hosts=2, steps=8, timeout=300), 4)
+    _check(run_workers(workers_dense.equivalence, np=4, hosts=2, steps=8, timeout=300), 4)
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_sparse_scheme_matches_reference_across_two_hosts(controller):
     if controller == "mpi" and not mpi_built():
         pytest.skip("Horovod built without MPI")
-    results = run_workers("workers_schemes:record_all", np=4, hosts=2, controller=controller,
+    results = run_workers(workers_schemes.record_all, np=4, hosts=2, controller=controller,
                           timeout=400, schemes=["ssfusion_oi"], steps=4, warmup=2)
     for scheme in ("ssfusion_oi", "forced"):  # live plan after a warm-up; every part kind
         assert check_run([r[scheme] for r in results]) == (4 if scheme == "forced" else 2), scheme

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hvdrun import run_workers
+import workers_exdyna
 from ssfusion_hvd import ops
 from ssfusion_hvd.schemes.exdyna import ExDynaState
 from ssfusion_hvd.sparsify import Threshold
@@ -212,7 +213,7 @@ STATS_KEYS = {"phase", "allreduce_bytes", "allgather_bytes", "tensors_dense", "t
 def results(request):
     np_ = request.param
     if np_ not in _RESULTS:
-        _RESULTS[np_] = run_workers("workers_exdyna:all_cases", np=np_, timeout=300)
+        _RESULTS[np_] = run_workers(workers_exdyna.all_cases, np=np_, timeout=300)
     return _RESULTS[np_]
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hvdrun import run_workers
+import workers_horovod
 from ssfusion_hvd.plan import Plan
 
 pytestmark = pytest.mark.multiworker
@@ -28,7 +29,7 @@ def resumed(tmp_path_factory):
     out = {}
     ckpt = tmp_path_factory.mktemp("ckpt")
     for scheme in SCHEMES:  # one job per scheme
-        ranks = run_workers("workers_horovod:resume_cases", np=2, timeout=400, scheme=scheme,
+        ranks = run_workers(workers_horovod.resume_cases, np=2, timeout=400, scheme=scheme,
                             optimizers=["sgd", "adam"], owns=[False, True], ckpt_dir=str(ckpt))
         for key in ranks[0]:
             out[(scheme,) + key] = [r[key] for r in ranks]
@@ -75,7 +76,7 @@ def test_resume_with_shared_moments(scheme, tmp_path):
     saved with its residuals); a rank-0 load followed by the broadcast leaves every rank
     bit-identical, with the ages restarted on all of them alike."""
     scheme, _, waits = scheme.partition("+")
-    ranks = run_workers("workers_horovod:resume_cases", np=2, timeout=400, scheme=scheme,
+    ranks = run_workers(workers_horovod.resume_cases, np=2, timeout=400, scheme=scheme,
                         optimizers=["sgd", "adam"], owns=[False, True], ckpt_dir=str(tmp_path),
                         moments="shared", options={"waits": True} if waits else None)
     for kind in ("sgd", "adam"):
@@ -100,7 +101,7 @@ def test_checkpoint_of_ours_loads_anywhere(optimizer, tmp_path):
     every tensor's state) continues under a plain torch optimizer, Horovod's optimizer,
     and ours with another scheme (dense, SparDL) exactly where the uninterrupted run goes
     (density 1, the same batches on every rank: the rules are then the torch optimizer)."""
-    ranks = run_workers("workers_horovod:portable", np=2, timeout=300, optimizer=optimizer,
+    ranks = run_workers(workers_horovod.portable, np=2, timeout=300, optimizer=optimizer,
                         ckpt_dir=str(tmp_path))
     for r in ranks:
         for name in ("torch", "horovod", "dense", "spardl"):
@@ -119,9 +120,9 @@ def test_resume_rank0_equals_explicit_fresh_local_state(tmp_path):
     loading rank 0's checkpoint with every per-rank store removed (residuals, velocity):
     "start from zero" is what happens, for ssfusion_oi with SGD's local rule (the per-rank
     velocity; shared moments have none: test_resume_with_shared_moments)."""
-    a = run_workers("workers_horovod:resume", np=2, timeout=240, scheme="ssfusion_oi",
+    a = run_workers(workers_horovod.resume, np=2, timeout=240, scheme="ssfusion_oi",
                     optimizer="sgd", own=False, ckpt_dir=str(tmp_path), moments="local")
-    b = run_workers("workers_horovod:resume", np=2, timeout=240, scheme="ssfusion_oi",
+    b = run_workers(workers_horovod.resume, np=2, timeout=240, scheme="ssfusion_oi",
                     optimizer="sgd", own=False, ckpt_dir=str(tmp_path), strip_rank1=True,
                     moments="local")
     for r in range(2):
@@ -137,7 +138,7 @@ def test_rank0_resume_for_every_optimizer(scheme, tmp_path):
     """The rank-0 resume pattern with every torch optimizer Horovod's tests use (per-rank
     hyper-parameters before the broadcast): no hang, every rank bit-identical in
     parameters, optimizer state and hyper-parameters."""
-    ranks = run_workers("workers_horovod:resume_cases", np=2, timeout=400,
+    ranks = run_workers(workers_horovod.resume_cases, np=2, timeout=400,
                         scheme=scheme, optimizers=OPTIMIZERS, ckpt_dir=str(tmp_path))
     for kind in OPTIMIZERS:
         a, b = ranks[0][kind, False], ranks[1][kind, False]
@@ -153,7 +154,7 @@ def test_fresh_broadcast_for_every_optimizer(scheme):
     broadcast_parameters + broadcast_optimizer_state) for every torch optimizer Horovod's
     tests use: no hang, identical state and hyper-parameters after the broadcast, and
     identical parameters and state after training."""
-    ranks = run_workers("workers_horovod:fresh_broadcast", np=2, timeout=400, scheme=scheme,
+    ranks = run_workers(workers_horovod.fresh_broadcast, np=2, timeout=400, scheme=scheme,
                         optimizers=OPTIMIZERS)
     for kind in OPTIMIZERS:
         a, b = ranks[0][kind], ranks[1][kind]
@@ -170,7 +171,7 @@ def test_process_sets(scheme, np_, layout):
     """Disjoint process sets used at once: each optimizer synchronizes within its set
     (the pair's ranks end identical, planned in the sparse schemes) and no rank waits on
     a rank outside its set."""
-    ranks = run_workers("workers_horovod:process_sets", np=np_, timeout=180,
+    ranks = run_workers(workers_horovod.process_sets, np=np_, timeout=180,
                         env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, scheme=scheme, layout=layout)
     for ranks_of_set in layout:
         first = ranks[ranks_of_set[0]]
@@ -194,7 +195,7 @@ def wrapped(tmp_path_factory):
     out = {}
     for scheme in ("dense", "ssfusion_oi", "zen"):
         d = tmp_path_factory.mktemp(f"wrapped-{scheme}")
-        out[scheme] = run_workers("workers_horovod:wrapped_resume", np=2, timeout=180,
+        out[scheme] = run_workers(workers_horovod.wrapped_resume, np=2, timeout=180,
                                   scheme=scheme, cases=WRAPPED, ckpt_dir=str(d))
     return out
 
@@ -220,7 +221,7 @@ def test_resume_with_wrapped_step(wrapped, scheme, case):
 def outside():
     """One job per size: every scheme's optimizer built on every rank with the even
     ranks' process set (Horovod's own test shape)."""
-    return {np_: run_workers("workers_horovod:outside_the_set", np=np_, timeout=240,
+    return {np_: run_workers(workers_horovod.outside_the_set, np=np_, timeout=240,
                              env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, schemes=SCHEMES)
             for np_ in (2, 3)}
 
@@ -249,7 +250,7 @@ def test_rank_outside_the_process_set(outside, np_, scheme):
 
 @pytest.fixture(scope="module")
 def behaviours():
-    return {scheme: run_workers("workers_horovod:behaviours", np=2, timeout=300, scheme=scheme)
+    return {scheme: run_workers(workers_horovod.behaviours, np=2, timeout=300, scheme=scheme)
             for scheme in ("dense", "ssfusion_oi", "per_tensor", "zen", "exdyna", "spardl")}
 
 
@@ -283,7 +284,7 @@ def test_checkpoint_on_one_rank_without_broadcast_fails_clearly(scheme, tmp_path
     """The mistake the resume pattern avoids: rank 0 loads a checkpoint (planned, step 6)
     and the job trains on without hvd.broadcast_optimizer_state. The step's agreement
     check fails on every rank with the same message instead of a hang."""
-    errors = run_workers("workers_horovod:load_on_rank0_only", np=2, timeout=120,
+    errors = run_workers(workers_horovod.load_on_rank0_only, np=2, timeout=120,
                          scheme=scheme, ckpt_dir=str(tmp_path))
     assert errors[0] is not None and errors[0] == errors[1]
     assert "different points" in errors[0] and "broadcast_optimizer_state" in errors[0]
@@ -298,7 +299,7 @@ def test_the_agreement_rides_on_the_steps_one_small_allreduce(scheme):
     whole-gradient scheme, which reads it before it launches, sends it with the first
     gradient, its flags after the last: two with, one without. The runs with and without
     end with the same parameters. Dense (stateless, nothing to agree on) makes none."""
-    on, off = (run_workers("workers_horovod:own_collectives", np=2, timeout=120,
+    on, off = (run_workers(workers_horovod.own_collectives, np=2, timeout=120,
                            scheme=scheme, agreement=a) for a in (True, False))
     whole = scheme in ("spardl", "zen", "exdyna")
     for r in on:
@@ -392,7 +393,7 @@ def test_uneven_steps_with_hvd_join(scheme):
     collective of the step, after their selection, whose residuals are put back): both
     ranks still hold the same parameters, rank 0 its residuals and momentum, rank 0 joins
     too, and a later collective completes on both (no hang)."""
-    r0, r1 = run_workers("workers_horovod:uneven_join", np=2, timeout=180, scheme=scheme)
+    r0, r1 = run_workers(workers_horovod.uneven_join, np=2, timeout=180, scheme=scheme)
     assert r1["error"] is None
     if scheme == "dense":
         assert r0["error"] is None
@@ -408,7 +409,7 @@ def test_uneven_steps_with_hvd_join(scheme):
 def test_process_sets_with_live_probes():
     """The start-up probes, the cost model's and the plan's broadcasts run on each
     scheme's own process set (no profile given): a pair and a single rank plan at once."""
-    ranks = run_workers("workers_horovod:process_sets", np=3, timeout=240,
+    ranks = run_workers(workers_horovod.process_sets, np=3, timeout=240,
                         env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, scheme="ssfusion_oi",
                         layout=[[0, 1], [2]], probe=True)
     _equal_dicts(ranks[0]["params"], ranks[1]["params"])
@@ -417,7 +418,7 @@ def test_process_sets_with_live_probes():
 
 
 def test_broadcast_between_different_schemes_fails_on_every_rank():
-    errors = run_workers("workers_horovod:scheme_mismatch", np=2, timeout=120)
+    errors = run_workers(workers_horovod.scheme_mismatch, np=2, timeout=120)
     assert all(e is not None and "setup differs across ranks" in e
                # each scheme's options with their defaults, the optimizer's family, moments
                and "('per_tensor', [('waits', 'auto')], 'sgd', 'shared')" in e
@@ -436,9 +437,9 @@ def test_checkpoint_of_another_job_size(tmp_path, kind):
     broadcasts): the scheme's size-bound state (plan, ZEN's hashing, SparDL's teams,
     residuals) is left behind with a warning on rank 0, the optimizer state carries over,
     and the job trains on, every rank identical and finite."""
-    run_workers("workers_horovod:other_size_save", np=2, timeout=240, schemes=OTHER_SIZE,
+    run_workers(workers_horovod.other_size_save, np=2, timeout=240, schemes=OTHER_SIZE,
                 ckpt_dir=str(tmp_path), kind=kind)
-    ranks = run_workers("workers_horovod:other_size_load", np=3, timeout=240,
+    ranks = run_workers(workers_horovod.other_size_load, np=3, timeout=240,
                         schemes=OTHER_SIZE, ckpt_dir=str(tmp_path), kind=kind)
     for scheme in OTHER_SIZE:
         r0 = ranks[0][scheme]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hvdrun import run_workers
+import workers_moments
 
 pytestmark = pytest.mark.multiworker
 
@@ -67,7 +68,7 @@ def _torch_optimizer(group, params):
 
 @pytest.fixture(scope="module")
 def limit_runs():
-    return run_workers("workers_moments:record_all", np=4, timeout=300, cases=LIMIT)
+    return run_workers(workers_moments.record_all, np=4, timeout=300, cases=LIMIT)
 
 
 @pytest.mark.parametrize("name", sorted(LIMIT))
@@ -197,7 +198,7 @@ def _senders(ranks, s, n, group):
 
 @pytest.fixture(scope="module")
 def sparse_runs():
-    return run_workers("workers_moments:record_all", np=2, timeout=300, cases=SPARSE)
+    return run_workers(workers_moments.record_all, np=2, timeout=300, cases=SPARSE)
 
 
 @pytest.mark.parametrize("name", sorted(SPARSE))

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from hvdrun import mpi_built, run_workers
+import workers_dense
+import workers_schemes
 from test_optimizer_dense import _check
 from test_schemes import check_run
 
@@ -15,11 +17,11 @@ pytestmark = [pytest.mark.multiworker,
 
 
 def test_dense_matches_horovod_under_mpi():
-    _check(run_workers("workers_dense:equivalence", np=2, steps=10, controller="mpi"), 2)
+    _check(run_workers(workers_dense.equivalence, np=2, steps=10, controller="mpi"), 2)
 
 
 def test_sparse_scheme_matches_reference_under_mpi():
-    results = run_workers("workers_schemes:record_all", np=2, timeout=300, controller="mpi",
+    results = run_workers(workers_schemes.record_all, np=2, timeout=300, controller="mpi",
                           schemes=["ssfusion_oi"], steps=5, warmup=2)
     for scheme in ("ssfusion_oi", "forced"):  # live plan after a warm-up; every part kind
         runs = [r[scheme] for r in results]
@@ -40,7 +42,7 @@ needs_mpi4py = pytest.mark.skipif(not _have_mpi4py(), reason="mpi4py not install
 @needs_mpi4py
 def test_mpi4py_world_communicator():
     """hvd.init(comm=MPI.COMM_WORLD): our optimizer on it, sparse and dense."""
-    results = run_workers("workers_schemes:record_all", np=2, timeout=300, controller="mpi",
+    results = run_workers(workers_schemes.record_all, np=2, timeout=300, controller="mpi",
                           mpi_comm="world", schemes=["dense", "multi_tensor"], steps=4,
                           warmup=2, forced=False)
     assert [r["multi_tensor"]["size"] for r in results] == [2, 2]
@@ -52,7 +54,7 @@ def test_mpi4py_world_communicator():
 def test_mpi4py_split_sub_communicators():
     """Four MPI ranks split into two communicators (even, odd world ranks) of two, one
     Horovod job on each: every sub-job synchronizes within its own communicator only."""
-    results = run_workers("workers_schemes:record_all", np=4, timeout=400, controller="mpi",
+    results = run_workers(workers_schemes.record_all, np=4, timeout=400, controller="mpi",
                           mpi_comm="split", schemes=["ssfusion_oi"], steps=4, warmup=2,
                           forced=False)
     assert [r["ssfusion_oi"]["size"] for r in results] == [2, 2, 2, 2]

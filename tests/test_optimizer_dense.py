@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from hvdrun import run_workers
+import workers_dense
 
 pytestmark = pytest.mark.multiworker
 
@@ -26,15 +27,15 @@ def _check(results, np):
     dict(groups=2),
 ], ids=["average", "passes2", "sum", "predivide", "groups"])
 def test_dense_matches_horovod(kwargs):
-    _check(run_workers("workers_dense:equivalence", np=2, steps=20, **kwargs), 2)
+    _check(run_workers(workers_dense.equivalence, np=2, steps=20, **kwargs), 2)
 
 
 def test_dense_matches_horovod_three_workers():
-    _check(run_workers("workers_dense:equivalence", np=3, steps=10, passes=2), 3)
+    _check(run_workers(workers_dense.equivalence, np=3, steps=10, passes=2), 3)
 
 
 def test_bad_inputs_raise_on_every_rank_without_hang():
-    results = run_workers("workers_dense:bad_inputs", np=2, timeout=120)
+    results = run_workers(workers_dense.bad_inputs, np=2, timeout=120)
     expected = {"scheme": "no-such-scheme", "sparsifier": "no-such-sparsifier",
                 "density0": "0.0", "density_big": "1.5", "density_nan": "nan",
                 "density_str": "'0.1'", "passes": "0", "duplicate": "w", "missing": "not named",

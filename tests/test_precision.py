@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hvdrun import gpu_built, run_workers
+import workers_precision
 
 pytestmark = pytest.mark.multiworker
 
@@ -48,7 +49,7 @@ def _assert_trains_like_float32(ranks, scheme, exact=True):
 
 @pytest.fixture(scope="module")
 def overflow():
-    return run_workers("workers_precision:overflow_cases", np=2, timeout=600,
+    return run_workers(workers_precision.overflow_cases, np=2, timeout=600,
                        schemes=SCHEMES, kinds=["sgd", "adam"])
 
 
@@ -77,7 +78,7 @@ def test_an_overflow_step_never_happened(overflow, scheme, kind, pattern):
 
 @pytest.fixture(scope="module")
 def scale_change():
-    return run_workers("workers_precision:scale_change_cases", np=2, timeout=600,
+    return run_workers(workers_precision.scale_change_cases, np=2, timeout=600,
                        schemes=SPARSE)
 
 
@@ -97,7 +98,7 @@ def test_the_loss_scale_does_not_reach_the_state(scale_change, scheme, kind):
 
 @pytest.fixture(scope="module")
 def bf16_autocast():
-    return run_workers("workers_precision:autocast_cases", np=2, timeout=600, schemes=SCHEMES)
+    return run_workers(workers_precision.autocast_cases, np=2, timeout=600, schemes=SCHEMES)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -109,7 +110,7 @@ def test_bfloat16_autocast_trains_like_float32(bf16_autocast, scheme):
 
 @pytest.fixture(scope="module")
 def bf16_model():
-    return run_workers("workers_precision:bf16_model_cases", np=2, timeout=600, schemes=SCHEMES)
+    return run_workers(workers_precision.bf16_model_cases, np=2, timeout=600, schemes=SCHEMES)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -135,7 +136,7 @@ def test_mixed_precision_on_a_gpu(case):
     scheme. Against the reference within float tolerance (atomic sums on the GPU need not
     add in the same order twice), the ranks identical likewise, the overflow steps skipped."""
     if case == "float16_overflow":
-        ranks = run_workers("workers_precision:overflow_cases", np=2, timeout=900,
+        ranks = run_workers(workers_precision.overflow_cases, np=2, timeout=900,
                             schemes=SCHEMES, kinds=["sgd", "adam"], device="cuda")
         for key in ranks[0]:
             for rank in ranks:
@@ -147,7 +148,7 @@ def test_mixed_precision_on_a_gpu(case):
             _assert_ranks_equal([r[key] for r in ranks], "run", exact=False)
     else:
         worker = {"bfloat16_model": "bf16_model_cases", "bfloat16_autocast": "autocast_cases"}
-        ranks = run_workers(f"workers_precision:{worker[case]}", np=2, timeout=900,
+        ranks = run_workers(getattr(workers_precision, worker[case]), np=2, timeout=900,
                             schemes=SCHEMES, device="cuda")
         for scheme in SCHEMES:
             _assert_trains_like_float32(ranks, scheme, exact=False)
@@ -157,7 +158,7 @@ def test_a_float64_model_is_refused_on_every_rank_before_any_collective():
     """Sparse schemes take float32, float16 and bfloat16: a float64 model gets a
     ValueError naming the dtype on every rank, before the optimizer's first collective,
     and the ranks are still together afterwards."""
-    ranks = run_workers("workers_precision:float64_errors", np=2, timeout=120, schemes=SPARSE)
+    ranks = run_workers(workers_precision.float64_errors, np=2, timeout=120, schemes=SPARSE)
     for r in ranks:
         assert r["_after"] == 2.0
         for scheme in SPARSE:

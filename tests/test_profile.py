@@ -167,8 +167,9 @@ def test_profile_path_and_import_never_touch_horovod(tmp_path):
 @pytest.mark.multiworker
 def test_measured_model_identical_on_every_rank():
     from hvdrun import run_workers
+    import workers_profile
 
-    results = run_workers("workers_profile:measure", np=2, timeout=120, sparsifier="dgc")
+    results = run_workers(workers_profile.measure, np=2, timeout=120, sparsifier="dgc")
     models = [CostModel.from_json(r["json"]) for r in results]
     assert results[0]["json"] == results[1]["json"]
     m = models[0]
@@ -190,8 +191,9 @@ def test_measured_on_a_process_set_broadcasts_from_its_first_rank():
     """Ranks 1 and 2 of 3 measure on their own process set: the model comes from rank 1
     (Horovod's broadcast takes global ranks) and has world_size 2."""
     from hvdrun import run_workers
+    import workers_profile
 
-    results = run_workers("workers_profile:measure", np=3, timeout=150, sparsifier="topk",
+    results = run_workers(workers_profile.measure, np=3, timeout=150, sparsifier="topk",
                           subset=[1, 2], env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
     assert results[0] is None
     assert results[1]["json"] == results[2]["json"]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hvdrun import run_workers
+import workers_recipe
 from ssfusion_hvd.plan import Group, Plan
 from ssfusion_hvd.plan.cost import nominal_k
 from ssfusion_hvd.recipe import Recipe
@@ -41,7 +42,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_workers("workers_recipe:record_all", np=2, timeout=400, cases=CASES)
+    return run_workers(workers_recipe.record_all, np=2, timeout=400, cases=CASES)
 
 
 def _local_update(kind, group, masking, n, g, w, state, own):
@@ -197,7 +198,7 @@ def test_checkpoint_restart_is_bit_identical_with_the_recipe(tmp_path):
              ("zen", "sgd", "local"), ("spardl", "adamw", "local"), ("exdyna", "sgd", "local"),
              ("ssfusion_oi", "adam", "shared"), ("spardl", "sgd", "shared"),
              ("exdyna", "adamw", "shared"), ("zen", "sgd", "shared")]
-    results = run_workers("workers_recipe:checkpoint_all", np=2, timeout=400, cases=cases,
+    results = run_workers(workers_recipe.checkpoint_all, np=2, timeout=400, cases=cases,
                           ckpt=str(tmp_path))
     for r in results:
         for scheme, optimizer, moments in cases:

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 
 from hvdrun import TESTS, launch, run_workers
+import workers_reliability
+import workers_schemes
 from ssfusion_hvd.consistency import mismatch_message, model_signature
 
 WORKER = str(TESTS / "workers_reliability.py")
@@ -67,19 +69,19 @@ def test_mismatch_message_names_every_differing_rank():
 # --------------------------------------------------------------------------- on workers
 @pytest.mark.multiworker
 def test_mismatched_models_raise_on_every_rank():
-    _check_messages(run_workers("workers_reliability:check_cases", np=2, timeout=120))
+    _check_messages(run_workers(workers_reliability.check_cases, np=2, timeout=120))
 
 
 @pytest.mark.multiworker
 def test_single_rank_check_is_a_no_op():
-    [r] = run_workers("workers_reliability:check_cases", np=1, timeout=120)
+    [r] = run_workers(workers_reliability.check_cases, np=1, timeout=120)
     assert r["total"] == 1.0
     assert all(m is None for m in r["messages"].values())
 
 
 @pytest.mark.multiworker
 def test_distributed_optimizer_rejects_mismatched_models():
-    _check_messages(run_workers("workers_reliability:optimizer_cases", np=2, timeout=120,
+    _check_messages(run_workers(workers_reliability.optimizer_cases, np=2, timeout=120,
                                 scheme="dense"))
 
 
@@ -133,8 +135,8 @@ def test_checkpoint_restart_is_bit_identical(scheme, sparsifier, tmp_path):
     """Save at step 4 (after the 2 warm-up steps: the plan, residuals and sparsifier state
     are in the checkpoint), restart in a new job, 4 more steps: bit-identical parameters."""
     kw = dict(scheme=scheme, sparsifier=sparsifier, ckpt_dir=str(tmp_path))
-    straight = run_workers("workers_schemes:checkpoint_run", np=2, timeout=240, **kw)
-    resumed = run_workers("workers_schemes:checkpoint_resume", np=2, timeout=240, **kw)
+    straight = run_workers(workers_schemes.checkpoint_run, np=2, timeout=240, **kw)
+    resumed = run_workers(workers_schemes.checkpoint_resume, np=2, timeout=240, **kw)
     for r in range(2):
         for n, t in straight[r].items():
             assert torch.equal(resumed[r][n], t), (r, n)
@@ -149,7 +151,7 @@ def test_nonfinite_gradients_reach_every_rank_and_the_step_is_undone():
     finds its whole synchronized gradient NaN; nothing stays in a residual, so step 4 is
     finite again."""
     for scheme in ("dense", "per_tensor", "multi_tensor", "forced", "spardl", "zen"):
-        runs = run_workers("workers_schemes:nonfinite", np=2, timeout=240, scheme=scheme)
+        runs = run_workers(workers_schemes.nonfinite, np=2, timeout=240, scheme=scheme)
         for run in runs:
             for name in ("a.weight", "c.bias"):
                 g = run[3]["grads"][name].reshape(-1)
@@ -163,7 +165,7 @@ def test_nonfinite_gradients_reach_every_rank_and_the_step_is_undone():
 
 @pytest.mark.multiworker
 def test_scheme_options_are_validated_and_agreed_on_every_rank():
-    out = run_workers("workers_reliability:options_cases", np=2, timeout=180)
+    out = run_workers(workers_reliability.options_cases, np=2, timeout=180)
     for r in out:  # every rank raised the same errors and is still in step
         assert r["total"] == 2.0
         m = r["messages"]
@@ -190,7 +192,7 @@ def test_scheme_options_are_validated_and_agreed_on_every_rank():
 
 @pytest.mark.multiworker
 def test_a_dropped_optimizer_and_its_offload_thread_are_released():
-    for r in run_workers("workers_reliability:released", np=2, timeout=180):
+    for r in run_workers(workers_reliability.released, np=2, timeout=180):
         assert r["workers_during"] == 1
         assert not r["optimizer_alive"]
         assert r["workers_after"] == 0
@@ -204,7 +206,7 @@ def test_a_rank_that_waits_sleeps_instead_of_spinning():
     several times less CPU than Horovod's own wait measured the same way (the spinning this
     guards against; compared with each other rather than with a whole core, so that a
     loaded machine, which gives the spin less than a core, still tells them apart)."""
-    rank0 = run_workers("workers_reliability:waiting", np=2, timeout=120, delay=1.0)[0]
+    rank0 = run_workers(workers_reliability.waiting, np=2, timeout=120, delay=1.0)[0]
     (wall, cpu, ok), (h_wall, h_cpu, h_ok) = rank0["ours"], rank0["horovod"]
     assert ok and h_ok
     assert wall > 0.5 and h_wall > 0.5, rank0  # rank 0 did wait for rank 1

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hvdrun import gpu_built, run_workers
+import workers_schemes
 from ssfusion_hvd import ops
 from ssfusion_hvd.plan import Plan, nominal_k
 from ssfusion_hvd.plan.schemes import AUTO_PREFERENCE, AUTO_TIE
@@ -149,7 +150,7 @@ def test_auto_runs_dense_on_a_fast_link_and_a_sparse_plan_on_a_slow_one():
     the simulation, on 10 Mbit/s with 50 us a sparse plan does; every rank runs the same
     plan, and its gradients equal the reference of that plan."""
     links = [(1e5, 1e-7), (0.01, 5e-5)]
-    results = run_workers("workers_schemes:auto_runs", np=2, timeout=300, links=links,
+    results = run_workers(workers_schemes.auto_runs, np=2, timeout=300, links=links,
                           steps=5, warmup=2)
     for i, want_sparse in ((0, False), (1, True)):
         gbit = links[i][0]
@@ -170,7 +171,7 @@ def test_auto_runs_dense_on_a_fast_link_and_a_sparse_plan_on_a_slow_one():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_every_scheme_matches_reference(np_):
-    results = run_workers("workers_schemes:record_all", np=np_, timeout=300,
+    results = run_workers(workers_schemes.record_all, np=np_, timeout=300,
                           schemes=SCHEMES, steps=5, warmup=2, min_k=True)
     # scheme_options {"min_k": 32}: every tensor whose top-k at density 0.05 would keep
     # fewer than 32 elements is sent dense (which plans the rule changes: tests/test_plan.py;
@@ -209,7 +210,7 @@ def test_variants_match_reference(variant):
     """bfloat16: its records travel as raw 16-bit words and its dense parts are summed in
     float32 (Horovod 0.28.1 reduces no bfloat16); the sum is rounded to bfloat16 once."""
     schemes = ["per_tensor", "multi_tensor", "ssfusion_oi"]
-    results = run_workers("workers_schemes:record_all", np=2, timeout=300, schemes=schemes,
+    results = run_workers(workers_schemes.record_all, np=2, timeout=300, schemes=schemes,
                           steps=4, warmup=1, **variant)
     tol = {"float16": dict(rtol=2e-3, atol=2e-3),
            "bfloat16": dict(rtol=1.6e-2, atol=1.6e-2)}.get(variant.get("dtype"), {})
@@ -230,7 +231,7 @@ def test_every_scheme_matches_reference_on_a_gpu(dtype):
     staged into pinned host memory by a copy on the worker's side stream, selected on the
     CPU and sent back. CI has no GPU; it has not run yet (docs/kernels.md, "GPU": the lent
     machine had no Horovod built with CUDA)."""
-    results = run_workers("workers_schemes:record_all", np=2, timeout=300, schemes=SCHEMES,
+    results = run_workers(workers_schemes.record_all, np=2, timeout=300, schemes=SCHEMES,
                           steps=5, warmup=2, device="cuda", dtype=dtype)
     tol = dict(rtol=2e-3, atol=2e-3) if dtype == "float16" else {}
     for scheme in SCHEMES + ["forced", "forced_segmented"]:
@@ -250,7 +251,7 @@ def test_bfloat16_models_are_accepted_by_every_scheme():
     """Horovod 0.28.1 reduces and gathers no bfloat16; every scheme accepts a bfloat16
     model all the same (Transport moves its records as raw 16-bit words and sums its
     dense values in float32: test_variants_match_reference, tests/test_precision.py)."""
-    [errors] = run_workers("workers_schemes:dtype_errors", np=1, timeout=120,
+    [errors] = run_workers(workers_schemes.dtype_errors, np=1, timeout=120,
                            schemes=SCHEMES + ["exdyna", "zen", "spardl"])
     assert all(e is None for e in errors.values()), errors
 
@@ -259,7 +260,7 @@ def test_randomk_sends_values_only_and_matches_reference():
     """Random-k's indices are the same on every rank (shared seed): a sparse part sends
     its values alone, and the synchronized gradient still equals the reference that draws
     the same indices."""
-    out = run_workers("workers_schemes:record_all", np=2, timeout=600,
+    out = run_workers(workers_schemes.record_all, np=2, timeout=600,
                       schemes=["multi_tensor"], sparsifier="randomk", steps=5, warmup=2)
     for scheme in ("multi_tensor", "forced"):
         runs = [r[scheme] for r in out]

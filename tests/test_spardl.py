@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hvdrun import run_workers
+import workers_spardl
 from ssfusion_hvd.schemes.spardl import (BSAGState, Layout, SparDLScheme, output_scale,
                                          simulate)
 
@@ -129,7 +130,7 @@ def check_launch(results, teams):
 @pytest.mark.multiworker
 @pytest.mark.parametrize("np_,teams", [(2, [1, 2]), (3, [1, 3]), (4, [1, 2, 4])])
 def test_spardl_live_matches_simulation(np_, teams):
-    results = run_workers("workers_spardl:run_all", np=np_, timeout=300, teams=teams)
+    results = run_workers(workers_spardl.run_all, np=np_, timeout=300, teams=teams)
     assert check_launch(results, teams) == np_
 
 

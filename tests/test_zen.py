@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from hvdrun import run_workers
+import workers_zen
 from ssfusion_hvd import ops
 from ssfusion_hvd.core import wire
 from ssfusion_hvd.plan.cost import nominal_k
@@ -220,7 +221,7 @@ CHECKS = {  # case -> reference arguments
 @pytest.mark.multiworker
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_zen_equals_dense_allreduce_of_sparse_inputs(np_):
-    results = run_workers("workers_zen:run_all", np=np_, timeout=300, cases=CASES[np_])
+    results = run_workers(workers_zen.run_all, np=np_, timeout=300, cases=CASES[np_])
     for case, (func, _) in CASES[np_].items():
         runs = [r[case] for r in results]
         if func == "record":
