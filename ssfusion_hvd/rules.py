@@ -46,7 +46,7 @@ class LocalRule:
         self.steps: Dict[str, int] = {}
         #: ``seed(key, buffers)``: the state a key starts from, or None (set by ResidualMemory)
         self.seed: Optional[Callable] = None
-        #: the density in force (set by the scheme every step; "auto" masking reads it)
+        #: the density in force (``ResidualMemory.set_density``; "auto" masking reads it)
         self.density = 1.0
         self.masking = False
 

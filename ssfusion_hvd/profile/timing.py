@@ -130,7 +130,7 @@ def time_sparsifier(sparsifier: str, device="cpu", density=0.01, sizes_bytes=SPA
                           stage_device=stage, floors=[1] * len(halves) if len(halves) > 1 else None)
         send = torch.empty(part.length, dtype=dtype, device=dev)
         memory = ResidualMemory(rule() if rule is not None else None)
-        memory.rule.density = float(density)
+        memory.set_density(density)
         grad = torch.randn(n, generator=gen).to(dtype=dtype, device=dev)
 
         def run(part=part, send=send, memory=memory, grad=grad):

@@ -100,7 +100,7 @@ class PlannedPhase:
             return
         self._stage = stage
         self.active = active = self.plan.at_density(recipe.stage_density(stage))
-        self.memory.rule.density = active.density  # the local rule's "auto" masking reads it
+        self.memory.set_density(active.density)
         offload = any(active.offload)
         shapes = [p.shape for p in self.params]
         self.groups = [build_group(gi, active, shapes, self.dtype, self.device,

@@ -69,9 +69,9 @@ class WholeGradientScheme(Scheme):
 
     def _density(self) -> float:
         """The density in force for the step being synchronized (density warm-up); the
-        local rule is told (its "auto" masking depends on it)."""
+        residual memory's rule is told (its "auto" masking depends on it)."""
         d = self.config.recipe.density_at(self._iteration)
-        self._memory.rule.density = d
+        self._memory.set_density(d)
         return d
 
     def _acc_dtype(self) -> torch.dtype:

@@ -104,6 +104,13 @@ class ResidualMemory:
         rule.seed = self._seed_key
         self.rule = rule
 
+    def set_density(self, density: float) -> None:
+        """The density in force (the recipe's warm-up stage), for the local rule, whose
+        ``"auto"`` masking depends on it. Called by the scheme where the stage changes
+        (a planned scheme's ``enter_stage``, a whole-gradient scheme's step); the memory
+        owns its rule, so the rule is told nowhere else."""
+        self.rule.density = float(density)
+
     def acc_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None else grad_dtype
 
