@@ -13,6 +13,7 @@ LAYERS = {
     "ssfusion_hvd.agreement": 1, "ssfusion_hvd.arguments": 1, "ssfusion_hvd.consistency": 1,
     "ssfusion_hvd.registry": 1, "ssfusion_hvd.recipe": 1, "ssfusion_hvd.state": 1,
     "ssfusion_hvd.transaction": 1, "ssfusion_hvd.world": 1,
+    "ssfusion_hvd.ddp": 0,
     "ssfusion_hvd.schemes": 2, "ssfusion_hvd.profile": 2,
     "ssfusion_hvd.core": 3, "ssfusion_hvd.moments": 3, "ssfusion_hvd.sparsify": 3,
     "ssfusion_hvd.rules": 3,

@@ -31,7 +31,7 @@ import torch
 import ssfusion_hvd
 from ssfusion_hvd.registry import options_for
 from ssfusion_hvd.examples.models import MODELS, build, rank_device
-from ssfusion_hvd.examples.peers import POWERSGD_START, PEERS, bytes_per_step, make_peer
+from ssfusion_hvd.examples.peers import POWERSGD_START, PEERS, make_peer, peer_bytes
 
 
 def parse_args(argv=None):
@@ -89,12 +89,14 @@ def host_tx_bytes(interfaces=("lo",)) -> int:
     return total
 
 
-def _peer_stats(peer: str, params, step: int, start: int) -> dict:
-    """A peer's step in ``opt.stats()``'s terms: its payload bytes as an allreduce's, the
-    elements they stand for (a float32 element per 4 bytes), nothing waited on apart."""
-    sent = bytes_per_step(peer, params, step, start)
+def _peer_stats(peer: str, module, params, step: int, start: int) -> dict:
+    """A peer's step in ``opt.stats()``'s terms: its payload bytes (an allreduce's, or our
+    DDP hook's allgather), the elements they stand for (a float32 element per 4 bytes),
+    nothing waited on apart."""
+    sent = peer_bytes(peer, module, params, step, start)
     n = sum(p.numel() for p in params)
-    return {"phase": "peer", "allreduce_bytes": sent, "elements_sent": sent / 4, "elements": n,
+    kind = "allgather_bytes" if peer == "ddp_ssfusion" else "allreduce_bytes"
+    return {"phase": "peer", kind: sent, "elements_sent": sent / 4, "elements": n,
             "tensors_missing": 0, "nonfinite": 0, "density_target": 1.0}
 
 
@@ -117,7 +119,8 @@ def main(argv=None) -> dict:
     forward = None  # the module the loss runs through: the model, or a peer's DDP wrapper
     if peer:
         forward, opt, _ = make_peer(args.scheme, model, opt, list(model.named_parameters()),
-                                    powersgd_start=args.powersgd_start)
+                                    powersgd_start=args.powersgd_start, density=args.density,
+                                    density_warmup_steps=args.density_warmup_steps)
     else:
         opt = ssfusion_hvd.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), scheme=args.scheme,
@@ -166,7 +169,8 @@ def main(argv=None) -> dict:
         compute.append((t1 - t0, t2 - t1))
         if step >= args.warmup:
             times.append(t3 - t0)
-            s = opt.stats() if not peer else _peer_stats(args.scheme, params, step, args.powersgd_start)
+            s = opt.stats() if not peer else _peer_stats(args.scheme, forward, params, step,
+                                                              args.powersgd_start)
             per_iter.append({"forward_s": t1 - t0, "backward_s": t2 - t1, "step_s": t3 - t2,
                              "sync_s": t_sync - t2, "update_s": t3 - t_sync})
             per_iter[-1].update({k: s.get(k, 0) for k in (

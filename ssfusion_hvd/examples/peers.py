@@ -9,7 +9,9 @@ same data, seeds and launcher (``examples/train.py --scheme PEER``):
   suggests 10 % of the training, and our schemes' own dense steps are 5 plus a 50-step
   density warm-up), a tensor compressed only where that at least halves it (torch's
   default);
-* ``hvd_fp16``: Horovod's own ``hvd.DistributedOptimizer`` with ``Compression.fp16``.
+* ``hvd_fp16``: Horovod's own ``hvd.DistributedOptimizer`` with ``Compression.fp16``;
+* ``ddp_ssfusion``: DDP with our own hook (``ssfusion_hvd.ddp``, scheme ``ssfusion`` at the
+  job's density, plain error feedback): the engine's second face, beside the peers.
 
 The DDP peers run inside the job ``horovodrun`` started (Horovod initialized first): rank
 0 picks a free TCP port and every rank learns it by ``hvd.broadcast_object``, then
@@ -25,9 +27,9 @@ from typing import Iterable, Tuple
 
 import torch
 
-__all__ = ["PEERS", "POWERSGD_START", "bytes_per_step", "make_peer"]
+__all__ = ["PEERS", "POWERSGD_START", "bytes_per_step", "make_peer", "peer_bytes"]
 
-PEERS = ("ddp", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4", "hvd_fp16")
+PEERS = ("ddp", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4", "hvd_fp16", "ddp_ssfusion")
 #: PowerSGD's plain-allreduce steps before it compresses (``start_powerSGD_iter``)
 POWERSGD_START = 10
 #: DDP's bucket size under the PowerSGD peers: one bucket for any model here (see make_peer)
@@ -63,6 +65,13 @@ def bytes_per_step(peer: str, params: Iterable[torch.Tensor], step: int = POWERS
     return total
 
 
+def peer_bytes(peer: str, module, params, step: int, start: int = POWERSGD_START) -> int:
+    """What ``peer`` sent at ``step``: the hook's own count for ``ddp_ssfusion`` (``module``:
+    the DDP model ``make_peer`` returned), else :func:`bytes_per_step`."""
+    hook = getattr(module, "ssfusion_hook", None)
+    return hook.bytes_sent if hook is not None else bytes_per_step(peer, params, step, start)
+
+
 def _init_gloo() -> None:
     """torch.distributed's gloo group over the ranks horovodrun started."""
     import horovod.torch as hvd
@@ -84,10 +93,12 @@ def _init_gloo() -> None:
 
 
 def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
-              powersgd_start: int = POWERSGD_START) -> Tuple[torch.nn.Module, object, str]:
+              powersgd_start: int = POWERSGD_START, density: float = 0.01,
+              density_warmup_steps: int = 50) -> Tuple[torch.nn.Module, object, str]:
     """``(module to run forward through, optimizer to step, description)`` for ``peer``.
     Every rank starts from rank 0's parameters (DDP broadcasts them; the Horovod peer is
-    broadcast by the caller, as for ours)."""
+    broadcast by the caller, as for ours). ``ddp_ssfusion``'s module carries its hook as
+    ``ssfusion_hook`` (its ``bytes_sent``)."""
     if peer not in PEERS:
         raise ValueError(f"unknown peer {peer!r}; choose one of {PEERS}")
     if peer == "hvd_fp16":
@@ -114,6 +125,12 @@ def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         what = (f"DDP (gloo) + PowerSGD rank {r} (error feedback, warm start, plain allreduce "
                 f"for the first {state.start_powerSGD_iter} steps)")
+    elif peer == "ddp_ssfusion":
+        import ssfusion_hvd.ddp
+
+        ddp.ssfusion_hook = ssfusion_hvd.ddp.register(ddp, scheme="ssfusion", density=density,
+                                                      density_warmup_steps=density_warmup_steps)
+        what = f"DDP (gloo) + ssfusion_hvd.ddp hook, scheme ssfusion, density {density}"
     elif peer == "ddp_fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

@@ -38,7 +38,7 @@ import ssfusion_hvd
 from ssfusion_hvd.registry import options_for
 from ssfusion_hvd.examples.data import DIGITS_MODELS, Split, load_digits_split, shard
 from ssfusion_hvd.examples.models import rank_device
-from ssfusion_hvd.examples.peers import PEERS, bytes_per_step, make_peer
+from ssfusion_hvd.examples.peers import PEERS, make_peer, peer_bytes
 
 TASKS = (*DIGITS_MODELS, "lm", "code")
 #: per task: (batch size per worker, learning rate, steps per epoch or 0 for one pass); the
@@ -220,7 +220,11 @@ def main(argv=None):
     peer = args.scheme in PEERS
     if peer:  # what a user would run instead (DDP broadcasts rank 0's parameters itself)
         task.forward[0], opt, peer_what = make_peer(args.scheme, model, task.optimizer,
-                                                    model.named_parameters())
+                                                    model.named_parameters(),
+                                                    density=args.density,
+                                                    **({} if args.density_warmup_steps is None else
+                                                       {"density_warmup_steps":
+                                                        args.density_warmup_steps}))
     else:
         opt = ssfusion_hvd.DistributedOptimizer(task.optimizer,
                                                 named_parameters=model.named_parameters(),
@@ -241,7 +245,7 @@ def main(argv=None):
         a step): its bytes, PowerSGD's first plain steps counted dense."""
         if not peer:
             return opt.stats()
-        sent = bytes_per_step(args.scheme, params, peer_steps[0])
+        sent = peer_bytes(args.scheme, task.forward[0], params, peer_steps[0])
         peer_steps[0] += 1
         return {"phase": args.scheme, "bytes_sent": sent, "elements": dense_bytes // 4}
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,259 @@
+"""``ssfusion_hvd.ddp``: the sparse engine as a ``DistributedDataParallel`` communication
+hook, for jobs on ``torch.distributed`` rather than Horovod.
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import ssfusion_hvd.ddp
+
+    model = DDP(model)
+    hook = ssfusion_hvd.ddp.register(model, scheme="ssfusion", density=0.01)
+    ...
+    torch.save({"model": ..., "optimizer": ..., "hook": hook.state_dict()}, path)
+
+Each DDP bucket is a fusion group. Its gradients go through the same code as a planned
+Horovod scheme's sparse part (``core/sparse_part.py``): error feedback fused with the
+selection (``ResidualMemory``, the kernels of ``kernels/``), the same record format, the
+same decode; only the collective is ``torch.distributed``'s allgather instead of Horovod's.
+The hook returns the bucket's average over the ranks, which DDP writes into ``p.grad``.
+
+Schemes, by how a bucket's budget (``density`` of its elements) is spent:
+
+* ``"per_tensor"``: every tensor its own top-k (one segmented kernel call per bucket);
+* ``"multi_tensor"``: one top-k over the whole bucket (tensors may send nothing);
+* ``"ssfusion"``: the bucket's budget shared by magnitude, every tensor keeping at least
+  one element (SSFusion's group budget, the Horovod engine's default);
+* ``"dense"``: DDP's own average, for comparisons.
+
+Residuals are kept per bucket and saved per parameter. DDP rebuilds its buckets once,
+after its first iteration (and a resumed job's DDP does so again): when a bucket of new
+tensors arrives, every residual is split by parameter and each new bucket takes its
+tensors' residuals, so nothing is lost and nothing depends on how DDP groups them.
+
+Not yet here (docs/ddp.md): momentum correction and the Adam rule (they need the
+optimizer's cooperation; this hook applies plain error feedback, ``momentum_correction=
+False`` of the Horovod optimizer), the planner's choice of ``bucket_cap_mb`` and of dense
+tensors within a bucket, the offload worker, and NCCL (the code path is the same; no GPU
+run yet).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .core.sparse_part import SparsePart
+from .plan.cost import nominal_k
+from .recipe import Recipe
+from .sparsify import SPARSIFIERS, ResidualMemory, make_sparsifier
+
+__all__ = ["SCHEMES", "SparseHook", "register"]
+
+#: scheme -> the sparse part's selection mode (``core/sparse_part.py``); None: dense
+SCHEMES = {"dense": None, "per_tensor": "segmented", "multi_tensor": "buffer", "ssfusion": "group"}
+#: every rank's record back to back in one tensor (torch 2.13 renamed the call; the old
+#: name is what earlier versions have)
+_ALLGATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: the floating dtypes a sparse bucket may hold (the wire's)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class _Bucket:
+    """One bucket's sparse part at one density, its send buffer and the gathered one."""
+
+    def __init__(self, part: SparsePart, nranks: int):
+        self.part = part
+        self.send = torch.empty(part.length, dtype=part.dtype, device=part.out.device)
+        self.gathered = torch.empty(nranks * part.length, dtype=part.dtype, device=part.out.device)
+
+
+class SparseHook:
+    """The hook's state (``register`` makes one): the residuals of every bucket, the
+    synchronized step count, and the buffers of each bucket at each density in force.
+    ``state_dict()`` / ``load_state_dict()`` carry the residuals (by parameter name) and
+    the step, so a resumed job continues exactly; each rank saves and loads its own."""
+
+    def __init__(self, names: Dict[torch.Tensor, str], process_group, scheme: str,
+                 density: float, sparsifier: str, density_warmup_steps: int,
+                 fp32_accumulation: bool):
+        self.names = names
+        self.group = process_group
+        self.scheme, self.sparsifier = scheme, sparsifier
+        # the schedule of the density in force (the Horovod optimizer's warm-up); plain
+        # error feedback, so the recipe's "none"
+        self.recipe = Recipe("none", density, density_warmup_steps, fp32_accumulation)
+        self.step = 0
+        #: bytes this rank sent in the last synchronized step (allgathered records, or the
+        #: allreduced buckets under "dense")
+        self.bytes_sent = 0
+        self._bytes = 0
+        self.memory: Optional[ResidualMemory] = None
+        self._keys: Dict[Tuple[str, ...], str] = {}  # a bucket's tensor names -> residual key
+        self._owner: Dict[str, str] = {}  # tensor name -> its residual key
+        self._buckets: Dict[Tuple[str, float], _Bucket] = {}
+        self._loaded: Optional[dict] = None  # a checkpoint's residuals, taken as keys appear
+        self._saved_buckets: set = set()  # the checkpoint's buckets, until DDP's first differ
+
+    # ------------------------------------------------------------------ the hook
+    def __call__(self, bucket) -> torch.futures.Future:
+        step = self.step
+        buffer = bucket.buffer()
+        nranks = self.group.size()
+        if SCHEMES[self.scheme] is None:
+            self._count(bucket, buffer)
+            buffer.div_(nranks)
+            return (dist.all_reduce(buffer, group=self.group, async_op=True)
+                    .get_future().then(lambda fut: fut.value()[0]))
+        b = self._bucket(bucket, self.recipe.density_at(step), nranks)
+        part = b.part
+        result = part.select_grads(self.memory, bucket.gradients())
+        part.pack(result, b.send, 1.0)
+        self._count(bucket, b.send)
+        work = _ALLGATHER(b.gathered, b.send, group=self.group, async_op=True)
+
+        def decode(fut):
+            fut.wait()
+            out = part.decode(b.gathered, nranks, part.length)[:part.numel]
+            return out.mul_(1.0 / nranks).to(buffer.dtype).view_as(buffer)
+
+        return work.get_future().then(decode)
+
+    def _count(self, bucket, sent: torch.Tensor) -> None:
+        """Bytes this rank sends in the step, and the step's end: DDP calls the hook bucket
+        by bucket, in index order, the last bucket last."""
+        self._bytes += sent.numel() * sent.element_size()
+        if bucket.is_last():
+            self.step += 1
+            self.bytes_sent, self._bytes = self._bytes, 0
+
+    def _bucket(self, bucket, density: float, nranks: int) -> _Bucket:
+        params = bucket.parameters()
+        names = tuple(self.names[p] for p in params)
+        key = self._keys.get(names)
+        if key is None:
+            key = self._register(names, [p.shape for p in params], bucket.buffer())
+        found = self._buckets.get((key, density))
+        if found is None:
+            found = self._buckets[(key, density)] = _Bucket(
+                self._part(key, [p.shape for p in params], density, bucket.buffer()), nranks)
+        return found
+
+    def _register(self, names, shapes, buffer: torch.Tensor) -> str:
+        if any(n in self._owner for n in names):
+            self._regroup()  # DDP rebuilt its buckets (the same on every rank)
+        if self._saved_buckets and frozenset(names) not in self._saved_buckets \
+                and SCHEMES[self.scheme] in ("buffer", "group"):
+            if self.group.rank() == 0:
+                warnings.warn(f"ssfusion_hvd.ddp: DDP's first buckets after the load differ "
+                              f"from the checkpoint's ({sorted(names)[:3]}...): scheme "
+                              f"{self.scheme!r} selects over a bucket, so from this step on the "
+                              f"job may differ from the uninterrupted one (the residuals carry "
+                              f"over exactly)", stacklevel=2)
+            self._saved_buckets = set()
+
+        if buffer.dtype not in _DTYPES:
+            raise ValueError(f"ssfusion_hvd.ddp: scheme {self.scheme!r} sparsifies float "
+                             f"gradients, a bucket holds {buffer.dtype}")
+        if self.memory is None:
+            self.memory = ResidualMemory(None, self.recipe.accumulation_dtype(buffer.dtype))
+        key = f"b{len(self._keys)}"
+        self._keys[names] = key
+        self._owner.update({n: key for n in names})
+        self.memory.register(key, list(names), shapes, buffer.device)
+        if self._loaded is not None:
+            have = self._loaded["residuals"]
+            if any(n in have for n in names):
+                self.memory.residuals[key] = torch.cat(
+                    [have.pop(n).reshape(-1) if n in have else torch.zeros(math.prod(s))
+                     for n, s in zip(names, shapes)]).to(buffer.device, self.memory.acc_dtype(buffer.dtype))
+        return key
+
+    def _part(self, key: str, shapes, density: float, buffer: torch.Tensor) -> SparsePart:
+        mode = SCHEMES[self.scheme]
+        numels = [math.prod(s) for s in shapes]
+        if mode == "buffer":
+            ks = [int(nominal_k(sum(numels), density))]
+            sps = [make_sparsifier(self.sparsifier)]
+        else:
+            ks = [int(nominal_k(n, density)) if n else 0 for n in numels]
+            sps = [make_sparsifier(self.sparsifier) for _ in numels]
+        floors = None
+        if mode == "group" and len(shapes) > 1:
+            floors = [min(k, 1) for k in ks]  # at least one element each: none is missing
+        elif mode == "group":
+            mode = "segmented"  # (one tensor: its own k either way)
+        if mode == "segmented" and not all(s.exact_topk for s in sps):
+            mode = "per_tensor"  # one call per tensor, any sparsifier
+        return SparsePart(key, list(range(len(shapes))), shapes, ks, mode, sps, 0,
+                          buffer.dtype, buffer.device,
+                          acc_dtype=self.recipe.accumulation_dtype(buffer.dtype), floors=floors)
+
+    def _regroup(self) -> None:
+        """Every residual, split by parameter, waits for its tensor's new bucket (the
+        buckets already selected this step keep their selection; their residuals are
+        among those split)."""
+        self._loaded = {"residuals": self.state_dict()["residuals"]}
+        self.memory, self._keys, self._owner, self._buckets = None, {}, {}, {}
+
+    def bucket_names(self) -> List[Tuple[str, ...]]:
+        """The tensor names of each bucket since the buckets were last formed, in the order
+        the hook met them (for tests and reports)."""
+        return list(self._keys)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """This rank's residuals by parameter name, and the step count."""
+        named = self.memory.named_state() if self.memory is not None else {"residuals": {}}
+        if self._loaded is not None:  # keys not seen since the load keep the loaded values
+            named["residuals"] = {**self._loaded.get("residuals", {}), **named["residuals"]}
+        return {"scheme": self.scheme, "density": self.recipe.density, "step": self.step,
+                "residuals": named["residuals"], "buckets": [list(b) for b in self._keys]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("scheme") != self.scheme:
+            raise ValueError(f"ssfusion_hvd.ddp: the checkpoint's hook ran scheme "
+                             f"{state.get('scheme')!r}, this one runs {self.scheme!r}")
+        self.step = int(state["step"])
+        self.memory, self._keys, self._owner, self._buckets = None, {}, {}, {}
+        self._loaded = {"residuals": dict(state.get("residuals", {}))}
+        self._saved_buckets = {frozenset(b) for b in state.get("buckets", ())}
+
+
+def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsifier: str = "topk",
+             density_warmup_steps: int = 50, fp32_accumulation: bool = True) -> SparseHook:
+    """Installs the hook on ``ddp_model`` (a ``DistributedDataParallel``) and returns its
+    state. ``scheme``: one of :data:`SCHEMES`; ``density``: the share of each bucket's
+    elements sent, in (0, 1]; ``sparsifier``: one of ``ssfusion_hvd.SPARSIFIERS``;
+    ``density_warmup_steps``: DGC's exponential warm-up (0: off), as in the Horovod
+    optimizer. Bad arguments raise ``ValueError`` on every rank before any collective
+    (nothing in the checks depends on the rank)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise ValueError(f"register takes a DistributedDataParallel model, got "
+                         f"{type(ddp_model).__name__}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {tuple(SCHEMES)}")
+    if sparsifier not in SPARSIFIERS:
+        raise ValueError(f"unknown sparsifier {sparsifier!r}; choose one of {tuple(SPARSIFIERS)}")
+    if isinstance(density, bool) or not isinstance(density, (int, float)) \
+            or not 0.0 < float(density) <= 1.0 or math.isnan(float(density)):
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    if isinstance(density_warmup_steps, bool) or not isinstance(density_warmup_steps, int) \
+            or density_warmup_steps < 0:
+        raise ValueError(f"density_warmup_steps must be an int >= 0, got {density_warmup_steps!r}")
+    if scheme == "ssfusion" and not make_sparsifier(sparsifier).exact_topk:
+        raise ValueError(f"scheme 'ssfusion' shares a bucket's budget by magnitude, which "
+                         f"needs an exact top-k sparsifier, got {sparsifier!r}")
+    names = {p: n for n, p in ddp_model.module.named_parameters()}
+    hook = SparseHook(names, ddp_model.process_group, scheme, float(density), sparsifier,
+                      density_warmup_steps, bool(fp32_accumulation))
+    ddp_model.register_comm_hook(hook, _call)
+    return hook
+
+
+def _call(state, bucket):
+    # (no annotations: DDP compares them with torch.futures.Future[torch.Tensor], and under
+    # ``from __future__ import annotations`` they would be strings)
+    return state(bucket)

@@ -1,0 +1,51 @@
+"""Runs a test function on ``np`` torch.distributed (gloo) processes and collects results:
+the DDP counterpart of ``hvdrun.run_workers``. Each process joins a process group (a file
+store in a fresh directory), calls ``fn(rank=..., world=..., **kwargs)`` and saves what it
+returns; a run past ``timeout`` is killed, so a hang fails the test."""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class DDPWorkerError(RuntimeError):
+    pass
+
+
+def _entry(rank: int, world: int, store: str, outdir: str, fn, kwargs: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        result = fn(rank=rank, world=world, **kwargs)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        # every rank's last collective is done on every rank before any tears its group
+        # down: a rank that left while a peer's receive was still in flight made that
+        # peer abort in gloo ("terminate called without an active exception")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ddp(fn, np: int = 2, timeout: float = 120, **kwargs):
+    """Per-rank results of ``fn`` (a module-level function), in rank order."""
+    with tempfile.TemporaryDirectory(prefix="ssf-ddp-") as outdir:
+        ctx = mp.start_processes(_entry, args=(np, os.path.join(outdir, "store"), outdir, fn, kwargs),
+                                 nprocs=np, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise DDPWorkerError(f"{fn.__name__} on {np} ranks ran past {timeout} s")
+        except mp.ProcessRaisedException as e:
+            raise DDPWorkerError(str(e)) from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+                for r in range(np)]

@@ -1,0 +1,104 @@
+"""Workers for tests/test_ddp.py, run on gloo process groups by tests/ddprun.py: DDP with
+the ssfusion_hvd.ddp hook; each records its own gradients (from a copy of the model outside
+DDP) and the synchronized ones, step by step, with the buckets the hook met."""
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ssfusion_hvd.ddp
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(20, 32)
+        self.b = torch.nn.Linear(32, 32)
+        self.c = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 20, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def _model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def _steps(ddp, ref, hook, rank, steps, out, no_sync=False):
+    """Gradients of ``steps`` steps (no optimizer: the weights stay, so ``ref`` computes
+    this rank's own gradients of the same batches); with ``no_sync`` each step first
+    accumulates one extra batch under ``ddp.no_sync()``."""
+    for step in steps:
+        ddp.zero_grad()
+        ref.zero_grad()
+        if no_sync:
+            x, y = _batch(rank + 100, step)
+            with ddp.no_sync():
+                F.cross_entropy(ddp(x), y).backward()
+            F.cross_entropy(ref(x), y).backward()
+        x, y = _batch(rank, step)
+        F.cross_entropy(ddp(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        out["local"].append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        out["synced"].append({n: p.grad.clone() for n, p in ddp.module.named_parameters()})
+        out["buckets"].append(hook.bucket_names() if hook is not None else None)
+
+
+def record(rank, world, scheme, density, steps=4, bucket_cap_mb=0.004, no_sync=False):
+    model = _model()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0)
+    out = {"local": [], "synced": [], "buckets": []}
+    _steps(ddp, ref, hook, rank, range(steps), out, no_sync)
+    return out
+
+
+def resume(rank, world, scheme, density, steps=5, split=3, bucket_cap_mb=0.004):
+    """The synchronized gradients of ``steps`` steps, run through, and run as ``split``
+    steps, a checkpoint of the hook, and the rest on a new DDP model and hook that load it."""
+    through = {"local": [], "synced": [], "buckets": []}
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0)
+    _steps(ddp, copy.deepcopy(model), hook, rank, range(steps), through)
+    resumed = {"local": [], "synced": [], "buckets": []}
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0)
+    _steps(ddp, copy.deepcopy(model), hook, rank, range(split), resumed)
+    saved = copy.deepcopy(hook.state_dict())
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0)
+    hook.load_state_dict(saved)
+    _steps(ddp, copy.deepcopy(model), hook, rank, range(split, steps), resumed)
+    return {"through": through["synced"], "resumed": resumed["synced"]}
+
+
+def bad_input(rank, world):
+    """Each bad argument's error on this rank, then one collective that completes only if
+    every rank got here (nothing before it ran a collective on a subset of the ranks)."""
+    ddp = DDP(_model())
+    errors = {}
+    for kw in ({"scheme": "nope"}, {"density": 0.0}, {"density": 1.5}, {"sparsifier": "x"},
+               {"density_warmup_steps": -1}, {"scheme": "ssfusion", "sparsifier": "randomk"}):
+        try:
+            ssfusion_hvd.ddp.register(ddp, **kw)
+            errors[str(kw)] = None
+        except ValueError as e:
+            errors[str(kw)] = str(e)
+    try:
+        ssfusion_hvd.ddp.register(_model())
+    except ValueError as e:
+        errors["not ddp"] = str(e)
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    return {"errors": errors, "sum": float(t)}
