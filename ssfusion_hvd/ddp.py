@@ -5,7 +5,7 @@ hook, for jobs on ``torch.distributed`` rather than Horovod.
     import ssfusion_hvd.ddp
 
     model = DDP(model)
-    hook = ssfusion_hvd.ddp.register(model, scheme="ssfusion", density=0.01)
+    hook = ssfusion_hvd.ddp.register(model, scheme="ssfusion", density=0.01, optimizer=opt)
     ...
     torch.save({"model": ..., "optimizer": ..., "hook": hook.state_dict()}, path)
 
@@ -28,11 +28,17 @@ after its first iteration (and a resumed job's DDP does so again): when a bucket
 tensors arrives, every residual is split by parameter and each new bucket takes its
 tensors' residuals, so nothing is lost and nothing depends on how DDP groups them.
 
-Not yet here (docs/ddp.md): momentum correction and the Adam rule (they need the
-optimizer's cooperation; this hook applies plain error feedback, ``momentum_correction=
-False`` of the Horovod optimizer), the planner's choice of ``bucket_cap_mb`` and of dense
-tensors within a bucket, the offload worker, and NCCL (the code path is the same; no GPU
-run yet).
+**The recipe's optimizer side.** Given ``optimizer=``, the hook applies the Horovod
+optimizer's training recipe with shared moments (``docs/recipe.md``): coupled weight decay
+is folded into each gradient before its error feedback, and ``optimizer.step`` is wrapped
+so that the sparsified tensors take the shared-moments step (each element's momentum or
+Adam moments moved by the synchronized gradient with its age, exactly SGD / Adam at
+density 1; ``recipe.step_dense_only``, ``moments.SharedMoments``), the wrapped step
+moving only what the hook sent dense. Without ``optimizer=`` it is plain error feedback.
+
+Not yet here (docs/ddp.md): ``moments="local"``, loss scaling (GradScaler), the planner's
+choice of ``bucket_cap_mb`` and of dense tensors within a bucket, the offload worker, and
+NCCL (the code path is the same; no GPU run yet).
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ import torch.distributed as dist
 
 from .core.sparse_part import SparsePart
 from .plan.cost import nominal_k
-from .recipe import Recipe
+from .recipe import DEFAULT_WARMUP_STEPS, Recipe, resolve_recipe
 from .sparsify import SPARSIFIERS, ResidualMemory, make_sparsifier
 
 __all__ = ["SCHEMES", "SparseHook", "register"]
@@ -75,14 +81,20 @@ class SparseHook:
     the step, so a resumed job continues exactly; each rank saves and loads its own."""
 
     def __init__(self, names: Dict[torch.Tensor, str], process_group, scheme: str,
-                 density: float, sparsifier: str, density_warmup_steps: int,
-                 fp32_accumulation: bool):
+                 sparsifier: str, recipe: Recipe, optimizer=None):
         self.names = names
         self.group = process_group
         self.scheme, self.sparsifier = scheme, sparsifier
-        # the schedule of the density in force (the Horovod optimizer's warm-up); plain
-        # error feedback, so the recipe's "none"
-        self.recipe = Recipe("none", density, density_warmup_steps, fp32_accumulation)
+        #: the density schedule and, with an optimizer, its momentum correction
+        self.recipe = recipe
+        self.optimizer = optimizer
+        # which param group holds p, by position (load_state_dict replaces the group dicts,
+        # never which group a parameter is in; the group is read where it is used)
+        self._group_index = ({p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+                             if optimizer is not None else {})
+        self._sent_sparse: set = set()  # the tensors this step sparsified, so far
+        #: the tensors the last synchronized step sparsified (the wrapped step's to move)
+        self.sparse_params: frozenset = frozenset()
         self.step = 0
         #: bytes this rank sent in the last synchronized step (allgathered records, or the
         #: allreduced buckets under "dense")
@@ -107,7 +119,15 @@ class SparseHook:
                     .get_future().then(lambda fut: fut.value()[0]))
         b = self._bucket(bucket, self.recipe.density_at(step), nranks)
         part = b.part
-        result = part.select_grads(self.memory, bucket.gradients())
+        grads = bucket.gradients()
+        if self.recipe.corrects():
+            # the shared rule error-compensates g + wd·w, where SGD/Adam would add the decay
+            for p, g in zip(bucket.parameters(), grads):
+                wd = self.recipe.coupled_decay(self.optimizer.param_groups[self._group_index[p]])
+                if wd:
+                    g.add_(p.detach(), alpha=wd)
+            self._sent_sparse.update(bucket.parameters())
+        result = part.select_grads(self.memory, grads)
         part.pack(result, b.send, 1.0)
         self._count(bucket, b.send)
         work = _ALLGATHER(b.gathered, b.send, group=self.group, async_op=True)
@@ -126,6 +146,7 @@ class SparseHook:
         if bucket.is_last():
             self.step += 1
             self.bytes_sent, self._bytes = self._bytes, 0
+            self.sparse_params, self._sent_sparse = frozenset(self._sent_sparse), set()
 
     def _bucket(self, bucket, density: float, nranks: int) -> _Bucket:
         params = bucket.parameters()
@@ -207,8 +228,11 @@ class SparseHook:
         named = self.memory.named_state() if self.memory is not None else {"residuals": {}}
         if self._loaded is not None:  # keys not seen since the load keep the loaded values
             named["residuals"] = {**self._loaded.get("residuals", {}), **named["residuals"]}
-        return {"scheme": self.scheme, "density": self.recipe.density, "step": self.step,
-                "residuals": named["residuals"], "buckets": [list(b) for b in self._keys]}
+        out = {"scheme": self.scheme, "density": self.recipe.density, "step": self.step,
+               "residuals": named["residuals"], "buckets": [list(b) for b in self._keys]}
+        if self.recipe.shared is not None:
+            out["ages"] = self.recipe.shared.state_dict(self.names)
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("scheme") != self.scheme:
@@ -218,16 +242,23 @@ class SparseHook:
         self.memory, self._keys, self._owner, self._buckets = None, {}, {}, {}
         self._loaded = {"residuals": dict(state.get("residuals", {}))}
         self._saved_buckets = {frozenset(b) for b in state.get("buckets", ())}
+        if self.recipe.shared is not None:
+            self.recipe.shared.load_state_dict(state.get("ages"), self.names)
 
 
 def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsifier: str = "topk",
-             density_warmup_steps: int = 50, fp32_accumulation: bool = True) -> SparseHook:
+             optimizer=None, momentum_correction="auto",
+             density_warmup_steps: int = DEFAULT_WARMUP_STEPS,
+             fp32_accumulation: bool = True) -> SparseHook:
     """Installs the hook on ``ddp_model`` (a ``DistributedDataParallel``) and returns its
     state. ``scheme``: one of :data:`SCHEMES`; ``density``: the share of each bucket's
     elements sent, in (0, 1]; ``sparsifier``: one of ``ssfusion_hvd.SPARSIFIERS``;
-    ``density_warmup_steps``: DGC's exponential warm-up (0: off), as in the Horovod
-    optimizer. Bad arguments raise ``ValueError`` on every rank before any collective
-    (nothing in the checks depends on the rank)."""
+    ``optimizer``: the job's optimizer, for the recipe's momentum correction (shared
+    moments; ``momentum_correction`` as in the Horovod optimizer: ``"auto"``, ``True``,
+    ``False``; without an optimizer, plain error feedback); ``density_warmup_steps``:
+    DGC's exponential warm-up (0: off). Call ``optimizer.step()`` as usual: the hook wraps
+    it. Bad arguments raise ``ValueError`` on every rank before any collective (nothing
+    in the checks depends on the rank)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(ddp_model, DistributedDataParallel):
@@ -240,17 +271,48 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
     if isinstance(density, bool) or not isinstance(density, (int, float)) \
             or not 0.0 < float(density) <= 1.0 or math.isnan(float(density)):
         raise ValueError(f"density must be in (0, 1], got {density!r}")
-    if isinstance(density_warmup_steps, bool) or not isinstance(density_warmup_steps, int) \
-            or density_warmup_steps < 0:
-        raise ValueError(f"density_warmup_steps must be an int >= 0, got {density_warmup_steps!r}")
     if scheme == "ssfusion" and not make_sparsifier(sparsifier).exact_topk:
         raise ValueError(f"scheme 'ssfusion' shares a bucket's budget by magnitude, which "
                          f"needs an exact top-k sparsifier, got {sparsifier!r}")
     names = {p: n for n, p in ddp_model.module.named_parameters()}
-    hook = SparseHook(names, ddp_model.process_group, scheme, float(density), sparsifier,
-                      density_warmup_steps, bool(fp32_accumulation))
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got "
+                             f"{type(optimizer).__name__}")
+        if any(p not in names for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("optimizer steps parameters that are not the DDP model's")
+        recipe = resolve_recipe(optimizer, scheme, float(density), momentum_correction,
+                                density_warmup_steps, fp32_accumulation, moments="shared")
+    else:
+        if momentum_correction is True:
+            raise ValueError("momentum_correction=True needs the optimizer: "
+                             "register(..., optimizer=opt)")
+        if isinstance(density_warmup_steps, bool) or not isinstance(density_warmup_steps, int) \
+                or density_warmup_steps < 0:
+            raise ValueError(f"density_warmup_steps must be an int >= 0, got "
+                             f"{density_warmup_steps!r}")
+        recipe = Recipe("none", float(density), density_warmup_steps if scheme != "dense" else 0,
+                        bool(fp32_accumulation))
+    hook = SparseHook(names, ddp_model.process_group, scheme, sparsifier, recipe, optimizer)
     ddp_model.register_comm_hook(hook, _call)
+    if recipe.corrects():
+        _wrap_step(optimizer, hook)
     return hook
+
+
+def _wrap_step(optimizer, hook: SparseHook) -> None:
+    """``optimizer.step`` steps the tensors the hook sparsified by the shared moments and
+    leaves the rest to the optimizer's own step (``Recipe.step_dense_only``)."""
+    import functools
+
+    inner = optimizer.step
+
+    @functools.wraps(inner)
+    def step(*args, **kwargs):
+        with hook.recipe.step_dense_only(optimizer, hook.sparse_params):
+            return inner(*args, **kwargs)
+
+    optimizer.step = step
 
 
 def _call(state, bucket):

@@ -125,3 +125,17 @@ def test_bad_input_raises_on_every_rank_before_any_collective():
         assert rec["errors"] == ranks[0]["errors"]
     assert "unknown scheme 'nope'" in ranks[0]["errors"]["{'scheme': 'nope'}"]
     assert "DistributedDataParallel" in ranks[0]["errors"]["not ddp"]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_the_recipe_at_density_1_is_the_optimizer_on_the_average(kind):
+    """With the optimizer given, the hook's recipe (shared moments, coupled weight decay
+    folded before the error feedback, the wrapped step) is exactly SGD (Nesterov, weight
+    decay) / Adam / AdamW on the averaged gradient when every element is sent."""
+    ranks = run_ddp(workers_ddp.dense_limit, np=2, kind=kind)
+    for rec in ranks:
+        for n, want in rec["ddp"].items():
+            torch.testing.assert_close(rec["hook"][n], want, rtol=1e-5, atol=1e-6)
+            assert not torch.equal(want, workers_ddp._model().state_dict()[n])  # it trained
+    for n in ranks[0]["hook"]:
+        assert torch.equal(ranks[0]["hook"][n], ranks[1]["hook"][n])

@@ -18,7 +18,10 @@ class Net(torch.nn.Module):
         self.c = torch.nn.Linear(32, 10)
 
     def forward(self, x):
-        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+        # tanh, not ReLU: a dead unit's gradient is exactly zero, which the shared moments
+        # read as "not arrived" (docs/recipe.md §1), so the dense-limit test would not be
+        # the optimizer's step exactly where AdamW folds no weight decay into it
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
 def _batch(rank: int, step: int):
@@ -89,7 +92,10 @@ def bad_input(rank, world):
     ddp = DDP(_model())
     errors = {}
     for kw in ({"scheme": "nope"}, {"density": 0.0}, {"density": 1.5}, {"sparsifier": "x"},
-               {"density_warmup_steps": -1}, {"scheme": "ssfusion", "sparsifier": "randomk"}):
+               {"density_warmup_steps": -1}, {"scheme": "ssfusion", "sparsifier": "randomk"},
+               {"momentum_correction": True}, {"optimizer": "sgd"},
+               {"optimizer": torch.optim.SGD(_model().parameters(), lr=0.1)},
+               {"optimizer": torch.optim.SGD(ddp.parameters(), lr=0.1), "momentum_correction": True}):
         try:
             ssfusion_hvd.ddp.register(ddp, **kw)
             errors[str(kw)] = None
@@ -102,3 +108,33 @@ def bad_input(rank, world):
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
     return {"errors": errors, "sum": float(t)}
+
+
+def _optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-2, weight_decay=1e-2)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2)
+
+
+def dense_limit(rank, world, kind, scheme="per_tensor", steps=6):
+    """Parameters after ``steps`` optimizer steps: DDP's own average with the optimizer,
+    and the hook at density 1 with the optimizer's side of the recipe (shared moments),
+    which there is exactly the optimizer on the averaged gradient."""
+    out = {}
+    for label in ("ddp", "hook"):
+        model = _model()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        opt = _optimizer(kind, model.parameters())
+        if label == "hook":
+            hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=1.0, optimizer=opt,
+                                             density_warmup_steps=0)
+            assert hook.recipe.shared is not None and hook.recipe.corrects()
+        for step in range(steps):
+            x, y = _batch(rank, step)
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        out[label] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out

@@ -11,7 +11,8 @@ same data, seeds and launcher (``examples/train.py --scheme PEER``):
   default);
 * ``hvd_fp16``: Horovod's own ``hvd.DistributedOptimizer`` with ``Compression.fp16``;
 * ``ddp_ssfusion``: DDP with our own hook (``ssfusion_hvd.ddp``, scheme ``ssfusion`` at the
-  job's density, plain error feedback): the engine's second face, beside the peers.
+  job's density, the recipe's shared moments through the optimizer): the engine's second
+  face, beside the peers.
 
 The DDP peers run inside the job ``horovodrun`` started (Horovod initialized first): rank
 0 picks a free TCP port and every rank learns it by ``hvd.broadcast_object``, then
@@ -128,9 +129,11 @@ def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
     elif peer == "ddp_ssfusion":
         import ssfusion_hvd.ddp
 
-        ddp.ssfusion_hook = ssfusion_hvd.ddp.register(ddp, scheme="ssfusion", density=density,
-                                                      density_warmup_steps=density_warmup_steps)
-        what = f"DDP (gloo) + ssfusion_hvd.ddp hook, scheme ssfusion, density {density}"
+        ddp.ssfusion_hook = hook = ssfusion_hvd.ddp.register(
+            ddp, scheme="ssfusion", density=density, density_warmup_steps=density_warmup_steps,
+            optimizer=optimizer)
+        what = (f"DDP (gloo) + ssfusion_hvd.ddp hook, scheme ssfusion, density {density}, "
+                f"{hook.recipe.describe()}")
     elif peer == "ddp_fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
