@@ -49,3 +49,32 @@ def run_ddp(fn, np: int = 2, timeout: float = 120, **kwargs):
                     p.kill()
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
                 for r in range(np)]
+
+
+def run_torchrun(script: str, np: int, args, timeout: float = 120):
+    """``torchrun --standalone --nproc_per_node=np script args outdir``; the per-rank
+    results the script saved as ``<outdir>/rank<r>.pt``."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    with tempfile.TemporaryDirectory(prefix="ssf-torchrun-") as outdir:
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                               os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.Popen([torchrun, "--standalone", f"--nproc_per_node={np}", script,
+                                 *args, outdir], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise DDPWorkerError(f"torchrun {script} ran past {timeout} s") from None
+        if proc.returncode != 0:
+            raise DDPWorkerError(f"torchrun exited {proc.returncode}:\n{out[-6000:]}")
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+                for r in range(np)]

@@ -139,3 +139,15 @@ def test_the_recipe_at_density_1_is_the_optimizer_on_the_average(kind):
             assert not torch.equal(want, workers_ddp._model().state_dict()[n])  # it trained
     for n in ranks[0]["hook"]:
         assert torch.equal(ranks[0]["hook"][n], ranks[1]["hook"][n])
+
+
+def test_torchrun_launches_it():
+    """Launched as users launch DDP: torchrun, the process group from its environment."""
+    from ddprun import run_torchrun
+
+    ranks = run_torchrun(workers_ddp.__file__, 2, [])
+    expect = _reference(ranks, "ssfusion", DENSITY)
+    for step, want in enumerate(expect):
+        for rec in ranks:
+            for n, g in rec["synced"][step].items():
+                torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-7)

@@ -138,3 +138,18 @@ def dense_limit(rank, world, kind, scheme="per_tensor", steps=6):
             opt.step()
         out[label] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+if __name__ == "__main__":
+    # under torchrun (tests/test_ddp.py): the process group from torchrun's environment
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = record(rank, world, scheme="ssfusion", density=0.1)
+    torch.save(result, os.path.join(sys.argv[1], f"rank{rank}.pt"))
+    dist.barrier()  # (see tests/ddprun.py)
+    dist.destroy_process_group()
