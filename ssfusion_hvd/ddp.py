@@ -36,9 +36,12 @@ Adam moments moved by the synchronized gradient with its age, exactly SGD / Adam
 density 1; ``recipe.step_dense_only``, ``moments.SharedMoments``), the wrapped step
 moving only what the hook sent dense. Without ``optimizer=`` it is plain error feedback.
 
-Not yet here (docs/ddp.md): ``moments="local"``, loss scaling (GradScaler), the planner's
-choice of ``bucket_cap_mb`` and of dense tensors within a bucket, the offload worker, and
-NCCL (the code path is the same; no GPU run yet).
+**Mixed precision** (``grad_scaler=``): residuals in unscaled units, and a step the scaler
+skips (any rank's overflow: each record carries a finite-or-NaN flag) undone.
+
+Not yet here (docs/ddp.md): ``moments="local"``, the planner's choice of ``bucket_cap_mb``
+and of dense tensors within a bucket, the offload worker, and NCCL (the code path is the
+same; no GPU run yet).
 """
 from __future__ import annotations
 
@@ -66,12 +69,16 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 class _Bucket:
-    """One bucket's sparse part at one density, its send buffer and the gathered one."""
+    """One bucket's sparse part at one density, its send buffer and the gathered one. A
+    record is the part's, then one element: 0, or NaN when this rank's gradients in the
+    bucket are not all finite, so every rank learns it from the allgather it makes anyway."""
 
     def __init__(self, part: SparsePart, nranks: int):
         self.part = part
-        self.send = torch.empty(part.length, dtype=part.dtype, device=part.out.device)
-        self.gathered = torch.empty(nranks * part.length, dtype=part.dtype, device=part.out.device)
+        self.record_len = part.length + 1
+        self.send = torch.empty(self.record_len, dtype=part.dtype, device=part.out.device)
+        self.gathered = torch.empty(nranks * self.record_len, dtype=part.dtype,
+                                    device=part.out.device)
 
 
 class SparseHook:
@@ -81,13 +88,19 @@ class SparseHook:
     the step, so a resumed job continues exactly; each rank saves and loads its own."""
 
     def __init__(self, names: Dict[torch.Tensor, str], process_group, scheme: str,
-                 sparsifier: str, recipe: Recipe, optimizer=None):
+                 sparsifier: str, recipe: Recipe, optimizer=None, grad_scaler=None):
         self.names = names
         self.group = process_group
         self.scheme, self.sparsifier = scheme, sparsifier
         #: the density schedule and, with an optimizer, its momentum correction
         self.recipe = recipe
         self.optimizer = optimizer
+        #: the job's GradScaler: residuals kept unscaled, a skipped step undone
+        self.scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        self._in_step = False  # between a step's first bucket and its last
+        # the last step changed the residuals and its optimizer.step has not run (yet): at
+        # the next step's first bucket it is undone (GradScaler skipped it)
+        self._undo_last = False
         # which param group holds p, by position (load_state_dict replaces the group dicts,
         # never which group a parameter is in; the group is read where it is used)
         self._group_index = ({p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -117,8 +130,24 @@ class SparseHook:
             buffer.div_(nranks)
             return (dist.all_reduce(buffer, group=self.group, async_op=True)
                     .get_future().then(lambda fut: fut.value()[0]))
+        first = not self._in_step
+        if first:  # the step's first bucket: a skipped last step never happened
+            self._in_step = True
+            if self._undo_last and self.memory is not None:
+                self.memory.restore()
+            self._undo_last = False
         b = self._bucket(bucket, self.recipe.density_at(step), nranks)
         part = b.part
+        if first and self.scaler is not None:
+            self.memory.checkpoint()
+            self._undo_last = True  # unless the wrapped optimizer.step runs
+        scale = None
+        if self.scaler is not None and getattr(self.scaler, "_scale", None) is not None:
+            # the state is kept unscaled: the scale (a power of two: exact) divides the
+            # gradients on the way in and multiplies their average on the way out, where
+            # GradScaler.unscale_ expects to find it scaled
+            scale = self.scaler._scale.detach().clone()
+            buffer.mul_(scale.reciprocal().to(buffer.dtype))
         grads = bucket.gradients()
         if self.recipe.corrects():
             # the shared rule error-compensates g + wd·w, where SGD/Adam would add the decay
@@ -127,6 +156,8 @@ class SparseHook:
                 if wd:
                     g.add_(p.detach(), alpha=wd)
             self._sent_sparse.update(bucket.parameters())
+        # 0 * (a sum that is finite exactly when every term is) is 0, or NaN
+        b.send[-1:].copy_(torch.sum(buffer, dtype=torch.float32).mul_(0.0).reshape(1))
         result = part.select_grads(self.memory, grads)
         part.pack(result, b.send, 1.0)
         self._count(bucket, b.send)
@@ -134,8 +165,14 @@ class SparseHook:
 
         def decode(fut):
             fut.wait()
-            out = part.decode(b.gathered, nranks, part.length)[:part.numel]
-            return out.mul_(1.0 / nranks).to(buffer.dtype).view_as(buffer)
+            out = part.decode(b.gathered, nranks, b.record_len)[:part.numel]
+            # any rank's non-finite gradients make the whole bucket NaN on every rank, so
+            # every rank skips the step alike (GradScaler) and no partial sum is applied
+            out.add_(b.gathered.view(nranks, b.record_len)[:, -1].sum(dtype=torch.float32))
+            out.mul_(1.0 / nranks)
+            if scale is not None:
+                out.mul_(scale)
+            return out.to(buffer.dtype).view_as(buffer)
 
         return work.get_future().then(decode)
 
@@ -145,6 +182,7 @@ class SparseHook:
         self._bytes += sent.numel() * sent.element_size()
         if bucket.is_last():
             self.step += 1
+            self._in_step = False
             self.bytes_sent, self._bytes = self._bytes, 0
             self.sparse_params, self._sent_sparse = frozenset(self._sent_sparse), set()
 
@@ -213,7 +251,9 @@ class SparseHook:
     def _regroup(self) -> None:
         """Every residual, split by parameter, waits for its tensor's new bucket (the
         buckets already selected this step keep their selection; their residuals are
-        among those split)."""
+        among those split). DDP rebuilds from a step's first bucket, before anything of the
+        step changed them; a rebuild later in a step would leave that step, if a
+        GradScaler then skips it, not undone (the new memory has no checkpoint)."""
         self._loaded = {"residuals": self.state_dict()["residuals"]}
         self.memory, self._keys, self._owner, self._buckets = None, {}, {}, {}
 
@@ -240,6 +280,7 @@ class SparseHook:
                              f"{state.get('scheme')!r}, this one runs {self.scheme!r}")
         self.step = int(state["step"])
         self.memory, self._keys, self._owner, self._buckets = None, {}, {}, {}
+        self._in_step = self._undo_last = False
         self._loaded = {"residuals": dict(state.get("residuals", {}))}
         self._saved_buckets = {frozenset(b) for b in state.get("buckets", ())}
         if self.recipe.shared is not None:
@@ -249,15 +290,17 @@ class SparseHook:
 def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsifier: str = "topk",
              optimizer=None, momentum_correction="auto",
              density_warmup_steps: int = DEFAULT_WARMUP_STEPS,
-             fp32_accumulation: bool = True) -> SparseHook:
+             fp32_accumulation: bool = True, grad_scaler=None) -> SparseHook:
     """Installs the hook on ``ddp_model`` (a ``DistributedDataParallel``) and returns its
     state. ``scheme``: one of :data:`SCHEMES`; ``density``: the share of each bucket's
     elements sent, in (0, 1]; ``sparsifier``: one of ``ssfusion_hvd.SPARSIFIERS``;
     ``optimizer``: the job's optimizer, for the recipe's momentum correction (shared
     moments; ``momentum_correction`` as in the Horovod optimizer: ``"auto"``, ``True``,
     ``False``; without an optimizer, plain error feedback); ``density_warmup_steps``:
-    DGC's exponential warm-up (0: off). Call ``optimizer.step()`` as usual: the hook wraps
-    it. Bad arguments raise ``ValueError`` on every rank before any collective (nothing
+    DGC's exponential warm-up (0: off); ``grad_scaler``: the job's ``torch.amp.GradScaler``
+    (needs ``optimizer``): the residuals are kept in unscaled units and a step the scaler
+    skips is undone. Call ``optimizer.step()`` (or ``scaler.step(optimizer)``) as usual: the
+    hook wraps it. Bad arguments raise ``ValueError`` on every rank before any collective (nothing
     in the checks depends on the rank)."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -275,6 +318,13 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
         raise ValueError(f"scheme 'ssfusion' shares a bucket's budget by magnitude, which "
                          f"needs an exact top-k sparsifier, got {sparsifier!r}")
     names = {p: n for n, p in ddp_model.module.named_parameters()}
+    if grad_scaler is not None:
+        if not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got "
+                             f"{type(grad_scaler).__name__}")
+        if optimizer is None:
+            raise ValueError("grad_scaler needs the optimizer (register(..., optimizer=opt)): "
+                             "a step the scaler skips is seen by its step not running")
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got "
@@ -293,22 +343,25 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
                              f"{density_warmup_steps!r}")
         recipe = Recipe("none", float(density), density_warmup_steps if scheme != "dense" else 0,
                         bool(fp32_accumulation))
-    hook = SparseHook(names, ddp_model.process_group, scheme, sparsifier, recipe, optimizer)
+    hook = SparseHook(names, ddp_model.process_group, scheme, sparsifier, recipe, optimizer,
+                      grad_scaler)
     ddp_model.register_comm_hook(hook, _call)
-    if recipe.corrects():
+    if optimizer is not None:
         _wrap_step(optimizer, hook)
     return hook
 
 
 def _wrap_step(optimizer, hook: SparseHook) -> None:
-    """``optimizer.step`` steps the tensors the hook sparsified by the shared moments and
-    leaves the rest to the optimizer's own step (``Recipe.step_dense_only``)."""
+    """``optimizer.step`` steps the tensors the hook sparsified by the shared moments (under
+    momentum correction) and leaves the rest to the optimizer's own step
+    (``Recipe.step_dense_only``); that it ran keeps the step's residuals."""
     import functools
 
     inner = optimizer.step
 
     @functools.wraps(inner)
     def step(*args, **kwargs):
+        hook._undo_last = False
         with hook.recipe.step_dense_only(optimizer, hook.sparse_params):
             return inner(*args, **kwargs)
 

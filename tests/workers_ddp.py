@@ -95,12 +95,15 @@ def bad_input(rank, world):
                {"density_warmup_steps": -1}, {"scheme": "ssfusion", "sparsifier": "randomk"},
                {"momentum_correction": True}, {"optimizer": "sgd"},
                {"optimizer": torch.optim.SGD(_model().parameters(), lr=0.1)},
-               {"optimizer": torch.optim.SGD(ddp.parameters(), lr=0.1), "momentum_correction": True}):
+               {"optimizer": torch.optim.SGD(ddp.parameters(), lr=0.1), "momentum_correction": True},
+               {"grad_scaler": torch.amp.GradScaler("cpu")}, {"grad_scaler": 2.0}):
+        label = str({k: v if isinstance(v, (str, int, float)) else type(v).__name__
+                     for k, v in kw.items()})  # (the same on every rank)
         try:
             ssfusion_hvd.ddp.register(ddp, **kw)
-            errors[str(kw)] = None
+            errors[label] = None
         except ValueError as e:
-            errors[str(kw)] = str(e)
+            errors[label] = str(e)
     try:
         ssfusion_hvd.ddp.register(_model())
     except ValueError as e:
@@ -138,6 +141,35 @@ def dense_limit(rank, world, kind, scheme="per_tensor", steps=6):
             opt.step()
         out[label] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+
+def scaler_steps(rank, world, steps, poison=None, scheme="ssfusion"):
+    """SGD with momentum under a GradScaler whose scale grows every other step: the
+    parameters and this rank's residuals after ``steps``. ``poison``: the step whose loss
+    is infinite on rank 1 (GradScaler skips it on every rank)."""
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=0.1, optimizer=opt,
+                                     grad_scaler=scaler, density_warmup_steps=0)
+    scales = []
+    for step in steps:
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x), y)
+        if step == poison and rank == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    ddp.zero_grad()
+    x, y = _batch(rank, 99)  # one more step's first bucket: a skipped last step is undone
+    scaler.scale(F.cross_entropy(ddp(x), y)).backward()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "residuals": hook.state_dict()["residuals"], "scales": scales}
 
 
 if __name__ == "__main__":
