@@ -10,28 +10,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ssfusion_hvd.ddp
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(20, 32)
-        self.b = torch.nn.Linear(32, 32)
-        self.c = torch.nn.Linear(32, 10)
-
-    def forward(self, x):
-        # tanh, not ReLU: a dead unit's gradient is exactly zero, which the shared moments
-        # read as "not arrived" (docs/recipe.md §1), so the dense-limit test would not be
-        # the optimizer's step exactly where AdamW folds no weight decay into it
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+def _model():
+    """Three linear layers with tanh between them (not ReLU: a dead unit's gradient is
+    exactly zero, which the shared moments read as "not arrived", docs/recipe.md §1, so
+    the dense-limit test would not be the optimizer's step exactly where AdamW folds no
+    weight decay into the gradient)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                               torch.nn.Tanh(), torch.nn.Linear(32, 10))
 
 
 def _batch(rank: int, step: int):
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(8, 20, generator=g), torch.randint(0, 10, (8,), generator=g)
-
-
-def _model():
-    torch.manual_seed(0)
-    return Net()
 
 
 def _steps(ddp, ref, hook, rank, steps, out, no_sync=False):
