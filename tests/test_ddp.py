@@ -95,6 +95,16 @@ def test_dense_is_ddp_s_average():
             torch.testing.assert_close(g, want)
 
 
+def test_gradients_as_bucket_views():
+    """DDP's ``gradient_as_bucket_view=True`` (no second copy of the gradients): the same
+    synchronized gradients as the reference."""
+    ranks = run_ddp(workers_ddp.record, np=2, scheme="ssfusion", density=DENSITY, as_view=True)
+    for step, want in enumerate(_reference(ranks, "ssfusion", DENSITY)):
+        for rec in ranks:
+            for n, g in rec["synced"][step].items():
+                torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-7)
+
+
 def test_no_sync_accumulation_is_synchronized_once():
     ranks = run_ddp(workers_ddp.record, np=2, scheme="per_tensor", density=DENSITY, steps=3,
                     no_sync=True)

@@ -45,10 +45,11 @@ def _steps(ddp, ref, hook, rank, steps, out, no_sync=False):
         out["buckets"].append(hook.bucket_names() if hook is not None else None)
 
 
-def record(rank, world, scheme, density, steps=4, bucket_cap_mb=0.004, no_sync=False):
+def record(rank, world, scheme, density, steps=4, bucket_cap_mb=0.004, no_sync=False,
+           as_view=False):
     model = _model()
     ref = copy.deepcopy(model)
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=as_view)
     hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0)
     out = {"local": [], "synced": [], "buckets": []}
     _steps(ddp, ref, hook, rank, range(steps), out, no_sync)
