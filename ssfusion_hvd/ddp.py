@@ -83,7 +83,7 @@ class _Bucket:
 
 class SparseHook:
     """The hook's state (``register`` makes one): the residuals of every bucket, the
-    synchronized step count, and the buffers of each bucket at each density in force.
+    synchronized step count, and each bucket's buffers at the density in force.
     ``state_dict()`` / ``load_state_dict()`` carry the residuals (by parameter name) and
     the step, so a resumed job continues exactly; each rank saves and loads its own."""
 
@@ -116,7 +116,7 @@ class SparseHook:
         self.memory: Optional[ResidualMemory] = None
         self._keys: Dict[Tuple[str, ...], str] = {}  # a bucket's tensor names -> residual key
         self._owner: Dict[str, str] = {}  # tensor name -> its residual key
-        self._buckets: Dict[Tuple[str, float], _Bucket] = {}
+        self._buckets: Dict[str, Tuple[float, _Bucket]] = {}  # key -> (density, buffers)
         self._loaded: Optional[dict] = None  # a checkpoint's residuals, taken as keys appear
         self._saved_buckets: set = set()  # the checkpoint's buckets, until DDP's first differ
 
@@ -192,11 +192,13 @@ class SparseHook:
         key = self._keys.get(names)
         if key is None:
             key = self._register(names, [p.shape for p in params], bucket.buffer())
-        found = self._buckets.get((key, density))
-        if found is None:
-            found = self._buckets[(key, density)] = _Bucket(
-                self._part(key, [p.shape for p in params], density, bucket.buffer()), nranks)
-        return found
+        found = self._buckets.get(key)
+        if found is None or found[0] != density:
+            # a new warm-up stage: this bucket's buffers at the new density replace the old
+            # (allocated once per stage; the residual, under the same key, carries over)
+            found = self._buckets[key] = (density, _Bucket(
+                self._part(key, [p.shape for p in params], density, bucket.buffer()), nranks))
+        return found[1]
 
     def _register(self, names, shapes, buffer: torch.Tensor) -> str:
         if any(n in self._owner for n in names):

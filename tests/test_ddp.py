@@ -13,6 +13,7 @@ import torch
 
 from ddprun import run_ddp
 import workers_ddp
+from ssfusion_hvd.recipe import Recipe
 
 pytestmark = pytest.mark.multiworker
 
@@ -47,7 +48,8 @@ def _mask(acc, sizes, scheme, density):
     return mask
 
 
-def _reference(ranks, scheme, density):
+def _reference(ranks, scheme, density, warmup=0):
+    schedule = Recipe("none", density, warmup, True)  # the density in force at each step
     shapes = {n: g.shape for n, g in ranks[0]["local"][0].items()}
     residual = [{n: torch.zeros(s).reshape(-1) for n, s in shapes.items()} for _ in ranks]
     out = []
@@ -60,7 +62,8 @@ def _reference(ranks, scheme, density):
             for names in buckets:
                 acc = torch.cat([residual[r][n] + rec["local"][step][n].reshape(-1) for n in names])
                 sizes = [shapes[n].numel() for n in names]
-                sent = torch.where(_mask(acc, sizes, scheme, density), acc, torch.zeros(()))
+                sent = torch.where(_mask(acc, sizes, scheme, schedule.density_at(step)), acc,
+                                   torch.zeros(()))
                 for n, lo, hi in zip(names, [0] + list(torch.tensor(sizes).cumsum(0)[:-1]),
                                      torch.tensor(sizes).cumsum(0)):
                     residual[r][n] = (acc - sent)[lo:hi]
@@ -93,6 +96,17 @@ def test_dense_is_ddp_s_average():
         for n, g in ranks[0]["synced"][step].items():
             want = (ranks[0]["local"][step][n] + ranks[1]["local"][step][n]) / 2
             torch.testing.assert_close(g, want)
+
+
+def test_density_warm_up_stages():
+    """DGC's warm-up over 4 steps: each stage's buffers replace the last's, the residuals
+    carry over, and every step equals the reference at the density in force."""
+    ranks = run_ddp(workers_ddp.record, np=2, scheme="ssfusion", density=DENSITY, steps=6,
+                    warmup=4)
+    for step, want in enumerate(_reference(ranks, "ssfusion", DENSITY, warmup=4)):
+        for rec in ranks:
+            for n, g in rec["synced"][step].items():
+                torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-7)
 
 
 def test_gradients_as_bucket_views():

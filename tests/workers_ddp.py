@@ -46,11 +46,12 @@ def _steps(ddp, ref, hook, rank, steps, out, no_sync=False):
 
 
 def record(rank, world, scheme, density, steps=4, bucket_cap_mb=0.004, no_sync=False,
-           as_view=False):
+           as_view=False, warmup=0):
     model = _model()
     ref = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=as_view)
-    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0)
+    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density,
+                                     density_warmup_steps=warmup)
     out = {"local": [], "synced": [], "buckets": []}
     _steps(ddp, ref, hook, rank, range(steps), out, no_sync)
     return out
