@@ -150,12 +150,19 @@ class SparseHook:
             buffer.mul_(scale.reciprocal().to(buffer.dtype))
         grads = bucket.gradients()
         if self.recipe.corrects():
-            # the shared rule error-compensates g + wd·w, where SGD/Adam would add the decay
-            for p, g in zip(bucket.parameters(), grads):
+            # the shared rule error-compensates g + wd·w, where SGD/Adam would add the decay:
+            # one foreach call per decay in force (a bucket's tensors mostly share one)
+            params = bucket.parameters()
+            by_decay: Dict[float, Tuple[list, list]] = {}
+            for p, g in zip(params, grads):
                 wd = self.recipe.coupled_decay(self.optimizer.param_groups[self._group_index[p]])
                 if wd:
-                    g.add_(p.detach(), alpha=wd)
-            self._sent_sparse.update(bucket.parameters())
+                    gs, ps = by_decay.setdefault(wd, ([], []))
+                    gs.append(g)
+                    ps.append(p.detach())
+            for wd, (gs, ps) in by_decay.items():
+                torch._foreach_add_(gs, ps, alpha=wd)
+            self._sent_sparse.update(params)
         # 0 * (a sum that is finite exactly when every term is) is 0, or NaN
         b.send[-1:].copy_(torch.sum(buffer, dtype=torch.float32).mul_(0.0).reshape(1))
         result = part.select_grads(self.memory, grads)
