@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# SSFusion's case where it exists (issue 33): GPT-2 on a lent GPU machine, the ranks
-# sharing the GPU, each behind its own paced 1 Gbit/s link (scripts/pace.c: the
-# machine has no tc, and runs under gVisor), every scheme beside dense Horovod, Horovod's
-# Compression.fp16 and torch DDP + PowerSGD (rank 4) over gloo on the same links. One
-# command, for one `run` call of at most 600 s (carry .whl; docs/gpu.md):
+# What a lent GPU machine is for, in one command for one `run` call of at most 600 s
+# (carry .whl; docs/gpu.md, docs/ddp.md), most important first:
 #
 #   bash scripts/gpu_e2e.sh OUTDIR        (BUDGET: seconds from the start after which no
 #                                         run starts, default 500)
 #
+# 1. the DDP hook (issue 36): its GPU tests (NCCL with one rank, gloo with two ranks sharing
+#    the GPU) while Horovod builds, then its added time per GPT-2 step beside PowerSGD's
+#    (one rank, NCCL: scripts/ddp_hook_cost.py);
+# 2. SSFusion's case where it exists (issue 33): GPT-2, the ranks sharing the GPU, each
+#    behind its own paced 1 Gbit/s link (scripts/pace.c: the machine has no tc, and runs
+#    under gVisor), DDP + our hook and the Horovod schemes beside DDP + PowerSGD (rank 4)
+#    over gloo on the same links, then what the 2026-11-27 call left open.
+#
 # Builds Horovod with CUDA (scripts/gpu_setup.sh) while the extension builds, then runs
-# scripts/bench_e2e.py sweeps in the order of what matters most, each given what is left
-# of the budget; every finished run is already in OUTDIR/e2e_gpu.json when a later one is
-# cut off. bfloat16 autocast; GPT-2 at batch 8 x 1024 tokens per rank. The first call
-# (2026-11-27, docs/gpu.md) ran 2 ranks at density 0.01 and ResNet-50; this one runs what
-# that left open, most important first. The planned schemes profile 3 steps (the default is 5) and PowerSGD
-# compresses from its 4th step: at 1 Gbit/s a dense GPT-2 step takes seconds, and neither
-# changes the steady state that is timed.
+# scripts/bench_e2e.py sweeps, each given what is left of the budget; every finished run is
+# already in OUTDIR/e2e_gpu.json when a later one is cut off. bfloat16 autocast; GPT-2 at
+# batch 8 x 1024 tokens per rank. The planned schemes profile 3 steps (the default is 5)
+# and PowerSGD compresses from its 4th step: at 1 Gbit/s a dense GPT-2 step takes seconds,
+# and neither changes the steady state that is timed.
 set -uo pipefail
 OUT="${1:-build/gpu-e2e}"
 BUDGET="${BUDGET:-500}"
@@ -25,15 +28,24 @@ export PYTHONUNBUFFERED=1
 t0=$SECONDS
 say() { printf '[gpu_e2e %4ds] %s\n' "$((SECONDS - t0))" "$*"; }
 nvidia-smi -L
-# the extension (about 35 s) while Horovod builds (about 95 s): the machine has 16 cores
-( "$PY_SYS" setup.py build_ext --inplace > "$OUT/ext.log" 2>&1; echo $? > "$OUT/ext.rc" ) &
-if ! bash scripts/gpu_setup.sh > "$OUT/setup.log" 2>&1; then
-    tail -n 40 "$OUT/setup.log"; wait; exit 1
+# Horovod (about 95 s) while the extension builds (about 35 s) and then the DDP hook's GPU
+# tests run, which need no Horovod: the machine has 16 cores
+( bash scripts/gpu_setup.sh > "$OUT/setup.log" 2>&1; echo $? > "$OUT/setup.rc" ) &
+setup=$!
+if ! "$PY_SYS" setup.py build_ext --inplace > "$OUT/ext.log" 2>&1; then
+    tail -n 30 "$OUT/ext.log"; wait; exit 1
 fi
-wait
+say "extension built; the DDP hook's GPU tests"
+PYTHONPATH="$PWD" timeout 200 "$PY_SYS" -m pytest tests/test_ddp.py -k gpu -q -p no:cacheprovider \
+    --tb=short > "$OUT/tests_ddp_gpu.log" 2>&1
+tail -n 4 "$OUT/tests_ddp_gpu.log"
+wait "$setup"
+if [[ "$(cat "$OUT/setup.rc")" != 0 ]]; then tail -n 40 "$OUT/setup.log"; exit 1; fi
 grep "built/installed\|cuda_built" "$OUT/setup.log"
-if [[ "$(cat "$OUT/ext.rc")" != 0 ]]; then tail -n 30 "$OUT/ext.log"; exit 1; fi
-say "Horovod and the extension built"
+say "Horovod built; the hook's cost per GPT-2 step, one rank (NCCL)"
+PYTHONPATH="$PWD" timeout 150 "$PY_SYS" scripts/ddp_hook_cost.py --device cuda --model gpt2 \
+    --batch-size 8 --seq-len 1024 --amp bfloat16 --json "$OUT/hook_cost.json" 2>&1 \
+    | grep "hook_cost\]\|Error" | tail -n 8
 PY=build/gpu-venv/bin/python
 common=(--shaper pace --rate 1gbit --device cuda --amp bfloat16 --workers 2 --warmup-steps 3
         --powersgd-start 3 --timeout 150 --out "$OUT" --name e2e_gpu --merge)
@@ -55,6 +67,10 @@ if [[ -f build/pace/libssfpace.so ]]; then
     timeout 90 build/gpu-venv/bin/horovodrun -np 2 -H localhost:2 --gloo "${pace[@]}" "$PY" \
         scripts/gpu_probe_collectives.py --json "$OUT/probe.json" 2>&1 | grep "probe\]"
 fi
+# 1b. the DDP hook against PowerSGD on the same paced links (issue 36), at density 0.01 and
+#     at PowerSGD rank 4's bytes (0.0037: records are 8 bytes an element)
+sweep gpt2 ddp_ssfusion,ddp_powersgd4 "${gpt[@]}" --name e2e_gpu_ddp
+sweep gpt2 ddp_ssfusion,ssfusion_oi "${gpt[@]}" --density 0.0037 --name e2e_gpu_d0037
 # 2. training on the GPU converges as on the CPU (issue 33): digits 10 epochs, the LM 4
 #    epochs, 2 ranks on the GPU, unshaped; the CPU numbers are docs/results.md's
 hvdrun=(timeout 150 build/gpu-venv/bin/horovodrun -np 2 -H localhost:2 --gloo "$PY" -m ssfusion_hvd.examples.train --device cuda --no-progress)
@@ -66,7 +82,7 @@ for scheme in ssfusion_oi dense; do
 done
 # 3. ssfusion_oi against PowerSGD at equal bytes: density 0.0037 sends PowerSGD rank 4's
 #    3.7 MB per GPT-2 step (records are 8 bytes an element)
-sweep gpt2 ssfusion_oi,multi_tensor "${gpt[@]}" --density 0.0037 --name e2e_gpu_d0037
+sweep gpt2 multi_tensor "${gpt[@]}" --density 0.0037 --name e2e_gpu_d0037
 # 4. 4 ranks on the GPU
 sweep gpt2 ssfusion_oi,multi_tensor,ddp_powersgd4,dense "${gpt[@]}" --workers 4 --name e2e_gpu_w4
 # 5. the rest of the SSFusion family; 10 Gbit/s

@@ -1,6 +1,6 @@
 """Runs a test function on ``np`` torch.distributed (gloo) processes and collects results:
-the DDP counterpart of ``hvdrun.run_workers``. Each process joins a process group (a file
-store in a fresh directory), calls ``fn(rank=..., world=..., **kwargs)`` and saves what it
+the DDP counterpart of ``hvdrun.run_workers``. Each process joins a process group (gloo
+unless told otherwise, a file store in a fresh directory), calls ``fn(rank=..., world=..., **kwargs)`` and saves what it
 returns; a run past ``timeout`` is killed, so a hang fails the test."""
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ class DDPWorkerError(RuntimeError):
     pass
 
 
-def _entry(rank: int, world: int, store: str, outdir: str, fn, kwargs: dict) -> None:
+def _entry(rank: int, world: int, store: str, outdir: str, backend: str, fn, kwargs: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = fn(rank=rank, world=world, **kwargs)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
@@ -31,10 +31,12 @@ def _entry(rank: int, world: int, store: str, outdir: str, fn, kwargs: dict) -> 
         dist.destroy_process_group()
 
 
-def run_ddp(fn, np: int = 2, timeout: float = 120, **kwargs):
-    """Per-rank results of ``fn`` (a module-level function), in rank order."""
+def run_ddp(fn, np: int = 2, timeout: float = 120, backend: str = "gloo", **kwargs):
+    """Per-rank results of ``fn`` (a module-level function), in rank order, on a process
+    group of ``backend`` ("gloo", or "nccl" on a GPU machine)."""
     with tempfile.TemporaryDirectory(prefix="ssf-ddp-") as outdir:
-        ctx = mp.start_processes(_entry, args=(np, os.path.join(outdir, "store"), outdir, fn, kwargs),
+        ctx = mp.start_processes(_entry, args=(np, os.path.join(outdir, "store"), outdir, backend,
+                                               fn, kwargs),
                                  nprocs=np, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

@@ -193,3 +193,25 @@ def test_a_step_gradscaler_skips_is_undone_on_every_rank():
         for n in a["residuals"]:
             assert torch.isfinite(a["residuals"][n]).all()
             assert torch.equal(a["residuals"][n], b["residuals"][n]), n
+
+
+_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("backend,np_", [("nccl", 1), ("gloo", 2)])
+@pytest.mark.parametrize("scheme", ["per_tensor", "multi_tensor", "ssfusion"])
+def test_gpu_synchronized_gradients_equal_the_reference(scheme, backend, np_):
+    """On CUDA tensors: NCCL with one rank (NCCL does not let two ranks share a GPU), and
+    gloo with two ranks sharing the GPU (its allgather stages CUDA tensors through the
+    host). The same reference as on the CPU, from the gradients each rank computed there."""
+    if backend == "nccl" and not torch.distributed.is_nccl_available():
+        pytest.skip("torch built without NCCL")
+    ranks = run_ddp(workers_ddp.record, np=np_, backend=backend, scheme=scheme,
+                    density=DENSITY, device="cuda")
+    assert len(ranks[0]["buckets"][-1]) > 1
+    for step, want in enumerate(_reference(ranks, scheme, DENSITY)):
+        for r, rec in enumerate(ranks):
+            for n, g in rec["synced"][step].items():
+                assert torch.equal(g, ranks[0]["synced"][step][n]), (step, r, n)
+                torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-7)

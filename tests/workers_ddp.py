@@ -20,40 +20,42 @@ def _model():
                                torch.nn.Tanh(), torch.nn.Linear(32, 10))
 
 
-def _batch(rank: int, step: int):
+def _batch(rank: int, step: int, device="cpu"):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 20, generator=g), torch.randint(0, 10, (8,), generator=g)
+    return (torch.randn(8, 20, generator=g).to(device),
+            torch.randint(0, 10, (8,), generator=g).to(device))
 
 
-def _steps(ddp, ref, hook, rank, steps, out, no_sync=False):
+def _steps(ddp, ref, hook, rank, steps, out, no_sync=False, device="cpu"):
     """Gradients of ``steps`` steps (no optimizer: the weights stay, so ``ref`` computes
     this rank's own gradients of the same batches); with ``no_sync`` each step first
-    accumulates one extra batch under ``ddp.no_sync()``."""
+    accumulates one extra batch under ``ddp.no_sync()``. Recorded on the CPU."""
     for step in steps:
         ddp.zero_grad()
         ref.zero_grad()
         if no_sync:
-            x, y = _batch(rank + 100, step)
+            x, y = _batch(rank + 100, step, device)
             with ddp.no_sync():
                 F.cross_entropy(ddp(x), y).backward()
             F.cross_entropy(ref(x), y).backward()
-        x, y = _batch(rank, step)
+        x, y = _batch(rank, step, device)
         F.cross_entropy(ddp(x), y).backward()
         F.cross_entropy(ref(x), y).backward()
-        out["local"].append({n: p.grad.clone() for n, p in ref.named_parameters()})
-        out["synced"].append({n: p.grad.clone() for n, p in ddp.module.named_parameters()})
+        out["local"].append({n: p.grad.to("cpu", copy=True) for n, p in ref.named_parameters()})
+        out["synced"].append({n: p.grad.to("cpu", copy=True) for n, p in ddp.module.named_parameters()})
         out["buckets"].append(hook.bucket_names() if hook is not None else None)
 
 
 def record(rank, world, scheme, density, steps=4, bucket_cap_mb=0.004, no_sync=False,
-           as_view=False, warmup=0):
-    model = _model()
+           as_view=False, warmup=0, device="cpu"):
+    """``device="cuda"``: every rank on GPU 0 (gloo: ranks sharing one GPU; NCCL: one rank)."""
+    model = _model().to(device)
     ref = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=as_view)
     hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density,
                                      density_warmup_steps=warmup)
     out = {"local": [], "synced": [], "buckets": []}
-    _steps(ddp, ref, hook, rank, range(steps), out, no_sync)
+    _steps(ddp, ref, hook, rank, range(steps), out, no_sync, device)
     return out
 
 

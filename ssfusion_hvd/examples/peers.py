@@ -74,12 +74,14 @@ def peer_bytes(peer: str, module, params, step: int, start: int = POWERSGD_START
 
 
 def _init_gloo() -> None:
-    """torch.distributed's gloo group over the ranks horovodrun started."""
-    import horovod.torch as hvd
+    """torch.distributed's gloo group over the ranks horovodrun started (a group the
+    caller made already, e.g. NCCL in ``scripts/ddp_hook_cost.py``, is used as it is)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
+    import horovod.torch as hvd
+
     where = None
     if hvd.rank() == 0:
         # one host: the loopback; several: rank 0's own address, which the others reach
