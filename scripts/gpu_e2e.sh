@@ -24,7 +24,7 @@ OUT="${1:-build/gpu-e2e}"
 BUDGET="${BUDGET:-500}"
 PY_SYS="${PYTHON:-python3}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the scripts import the tree
 t0=$SECONDS
 say() { printf '[gpu_e2e %4ds] %s\n' "$((SECONDS - t0))" "$*"; }
 nvidia-smi -L
