@@ -40,7 +40,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("hash_partition_" #dev, &ssf::hash_partition_##dev, py::arg("indices"),               \
         py::arg("nparts"), py::arg("seed"), py::arg("table_size"), py::arg("rounds"), nogil); \
   m.def("hash_owner_" #dev, &ssf::hash_owner_##dev, py::arg("indices"), py::arg("nparts"),    \
-        py::arg("seed"), nogil);
+        py::arg("seed"), nogil);                                                              \
+  m.def("shared_momentum_step_" #dev, &ssf::shared_momentum_step_##dev, py::arg("params"),    \
+        py::arg("grads"), py::arg("bufs"), py::arg("ages"), py::arg("lr"),                    \
+        py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"), nogil);               \
+  m.def("shared_adam_step_" #dev, &ssf::shared_adam_step_##dev, py::arg("params"),            \
+        py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("ages"),       \
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("bias1"),  \
+        py::arg("bias2_sqrt"), nogil);
   SSF_BIND_DEVICE_OPS(cpu)
   m.def("ef_topk_tensors_cpu", &ssf::ef_topk_tensors_cpu, py::arg("grads"), py::arg("residual"),
         py::arg("k"), py::arg("wire_dtype"), py::arg("velocity") = py::none(),

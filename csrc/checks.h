@@ -189,6 +189,30 @@ inline void check_feedback_segments(const std::vector<at::Tensor>& grads,
   }
 }
 
+// The tensors of a shared-moments step (shared_momentum_step, shared_adam_step): lists of
+// one length, each entry float32, contiguous, on `device`, with one element count across
+// the lists at each position (a parameter, its gradient, its state and its ages).
+inline void check_moment_lists(const std::vector<std::vector<at::Tensor>>& lists,
+                               const char* op, c10::DeviceType device) {
+  const size_t n = lists[0].size();
+  for (const auto& l : lists)
+    TORCH_CHECK(l.size() == n, op, ": lists of different lengths (", l.size(), " and ", n, ")");
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& first = lists[0][i];
+    for (const auto& l : lists) {
+      const at::Tensor& t = l[i];
+      TORCH_CHECK(t.device().type() == device, op, ": expected ", device, " tensors, got ",
+                  t.device());
+      TORCH_CHECK(t.device() == first.device(), op, ": tensor ", i, " spans devices");
+      TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": float32 tensors only, got ",
+                  t.scalar_type(), " at ", i);
+      TORCH_CHECK(t.is_contiguous(), op, ": tensor ", i, " is not contiguous");
+      TORCH_CHECK(t.numel() == first.numel(), op, ": tensor ", i, " has ", t.numel(),
+                  " elements in one list and ", first.numel(), " in another");
+    }
+  }
+}
+
 // Segments of a flat buffer of n elements (int64 CPU offsets[S+1], ks[S]): validates them and
 // returns the output offsets, the prefix sums of ks (S+1 entries).
 inline std::vector<int64_t> check_segments(const at::Tensor& offsets, const at::Tensor& ks,

@@ -134,6 +134,17 @@ namespace ssf {
 //   hash_owner(indices, nparts, seed): h_0 of every index (int32): its partition.
 //     {idx : h_0(idx) = p} is the index set I_p that ZEN's hash bitmap (§3.3, Algorithm 2)
 //     is laid over.
+// Shared moments (ssfusion_hvd/moments.py, moments="shared" without senders' waits): the
+// step of the sparsified tensors, one pass per tensor over parameter, synchronized
+// gradient, optimizer state and ages, in place; float32 contiguous tensors, lists of one
+// length whose entries at each position have one element count. Per element (moments.h):
+//   shared_momentum_step(params, grads, bufs, ages, lr, momentum, dampening, nesterov): SGD
+//     with momentum's buffer moved by a gradient that waited `age + 1` steps.
+//   shared_adam_step(params, grads, exp_avgs, exp_avg_sqs, ages, lr, beta1, beta2, eps,
+//     bias1, bias2_sqrt): Adam's moments alike; bias1[i] = 1 - beta1^t and bias2_sqrt[i] =
+//     (1 - beta2^t)^(1/2) at tensor i's step count t.
+// Every age is then advanced by one step, or reset to 0 where the gradient is non-zero.
+
 #define SSF_DEVICE_OPS(dev)                                                                 \
   std::tuple<at::Tensor, at::Tensor> topk_##dev(const at::Tensor& x, int64_t k);            \
   std::tuple<at::Tensor, at::Tensor> segmented_topk_##dev(                                  \
@@ -165,7 +176,20 @@ namespace ssf {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_partition_##dev(                      \
       const at::Tensor& indices, int64_t nparts, int64_t seed, int64_t table_size,          \
       int64_t rounds);                                                                      \
-  at::Tensor hash_owner_##dev(const at::Tensor& indices, int64_t nparts, int64_t seed);
+  at::Tensor hash_owner_##dev(const at::Tensor& indices, int64_t nparts, int64_t seed);      \
+                                                                                            \
+  void shared_momentum_step_##dev(std::vector<at::Tensor> params,                           \
+                                  const std::vector<at::Tensor>& grads,                     \
+                                  std::vector<at::Tensor> bufs, std::vector<at::Tensor> ages, \
+                                  double lr, double momentum, double dampening,             \
+                                  bool nesterov);                                           \
+  void shared_adam_step_##dev(std::vector<at::Tensor> params,                               \
+                              const std::vector<at::Tensor>& grads,                         \
+                              std::vector<at::Tensor> exp_avgs,                             \
+                              std::vector<at::Tensor> exp_avg_sqs,                          \
+                              std::vector<at::Tensor> ages, double lr, double beta1,        \
+                              double beta2, double eps, const std::vector<double>& bias1,   \
+                              const std::vector<double>& bias2_sqrt);
 
 SSF_DEVICE_OPS(cpu)
 std::tuple<at::Tensor, at::Tensor> ef_topk_tensors_cpu(

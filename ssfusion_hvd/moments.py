@@ -45,6 +45,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .ops import native_op
+
 __all__ = ["SharedMoments", "fresh_share", "share_table", "SHARE_ROWS"]
 
 #: per rule family, the shares of a decode with each sender's wait (:func:`share_table`)
@@ -105,6 +107,18 @@ class SharedMoments:
         moment's gain is the union's)."""
         grads = [p.grad.float() for p in params]
         shares = shares or {}
+        if self.kind == "adam":
+            state = self._adam_state(optimizer, group, params)
+        else:
+            state = self._momentum_buffers(optimizer, params)
+        # the tensors without shares in one native pass each where the extension has it;
+        # the rest (and everything, where it has not) by the foreach path below
+        own = [i for i, p in enumerate(params) if p not in shares]
+        if own and self._native_step(group, *_pick(own, params, grads, state)):
+            rest = [i for i, p in enumerate(params) if p in shares]
+            if not rest:
+                return
+            params, grads, state = _pick(rest, params, grads, state)
         if self.kind == "adam" or not shares:
             aged, by_age = params, grads
         else:
@@ -114,11 +128,10 @@ class SharedMoments:
         if ages:
             torch._foreach_add_(ages, 1.0)
         if self.kind == "adam":
-            update = self._adam(optimizer, group, params, grads, ages,
-                                [shares.get(p) for p in params])
+            update = self._adam(state, grads, ages, [shares.get(p) for p in params])
         else:
             share = iter(self.fresh_shares(ages) if ages else [])
-            update = self._momentum(optimizer, params, grads,
+            update = self._momentum(state, grads,
                                     [shares[p][0] if p in shares else next(share) for p in params])
         _foreach_add_cast(params, update, -float(group["lr"]))
         # the arrived elements start waiting again: age·(1 - |sign S|)
@@ -136,11 +149,35 @@ class SharedMoments:
         torch._foreach_div_(out, 1.0 - mu)
         return out
 
-    def _adam(self, optimizer, group, params, grads, ages, given):
-        b1, b2 = self.hparams["betas"]
-        eps = self.hparams["eps"]
+    def _native_step(self, group, params, grads, state) -> bool:
+        """The step in one native pass per tensor (``csrc/moments.h``, the same arithmetic
+        as the foreach path below): no model-sized temporaries, one read and write of each
+        parameter, gradient, state and age. Where the extension has the op for these
+        tensors' device and they are all float32 and contiguous; False: the caller takes
+        the foreach path."""
+        op = "shared_adam_step" if self.kind == "adam" else "shared_momentum_step"
+        fn = native_op(op, params[0]) if params else None
+        tensors = state[:2] if self.kind == "adam" else [state]
+        if fn is None or not all(_plain(ts, params[0].device) for ts in (params, grads, *tensors)):
+            return False
+        ages = [self._age(p) for p in params]
+        lr = float(group["lr"])
+        if self.kind == "adam":
+            m, v, steps = state
+            b1, b2 = self.hparams["betas"]
+            fn(params, grads, m, v, ages, lr, b1, b2, self.hparams["eps"],
+               [1.0 - b1 ** t for t in steps], [(1.0 - b2 ** t) ** 0.5 for t in steps])
+        else:
+            fn(params, grads, state, ages, lr, self.hparams["momentum"],
+               self.hparams.get("dampening", 0.0), bool(self.hparams.get("nesterov", False)))
+        return True
+
+    @staticmethod
+    def _adam_state(optimizer, group, params):
+        """``(exp_avg, exp_avg_sq, step counts)`` of ``params``, each step advanced by one,
+        the entries created as torch's Adam creates them on its first step."""
         m, v, steps = [], [], []
-        for p in params:  # the entries torch's Adam would create on its first step
+        for p in params:
             st = optimizer.state[p]
             if st.get("exp_avg") is None:
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -150,6 +187,22 @@ class SharedMoments:
             m.append(st["exp_avg"])
             v.append(st["exp_avg_sq"])
             steps.append(float(st["step"]))
+        return m, v, steps  # (a tuple: _pick tells Adam's state from SGD's buffers by it)
+
+    @staticmethod
+    def _momentum_buffers(optimizer, params):
+        bufs = []
+        for p in params:
+            st = optimizer.state[p]
+            if st.get("momentum_buffer") is None:
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            bufs.append(st["momentum_buffer"])
+        return bufs
+
+    def _adam(self, state, grads, ages, given):
+        b1, b2 = self.hparams["betas"]
+        eps = self.hparams["eps"]
+        m, v, steps = state
         m32, v32 = _as_float(m), _as_float(v)
         # What arrived, S, is a steps of S/a (per sender, its own a). Of those steps' first
         # moment increments, the share s1 = ψ_β1(a) is still in m, the rest already moved
@@ -180,16 +233,10 @@ class SharedMoments:
         torch._foreach_div_(num, [1.0 - b1 ** t for t in steps])
         return num
 
-    def _momentum(self, optimizer, params, grads, shares):
+    def _momentum(self, bufs, grads, shares):
         mu = self.hparams["momentum"]
         damp = self.hparams.get("dampening", 0.0)
         nesterov = self.hparams.get("nesterov", False)
-        bufs = []
-        for p in params:
-            st = optimizer.state[p]
-            if st.get("momentum_buffer") is None:
-                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            bufs.append(st["momentum_buffer"])
         u = _as_float(bufs)
         # Every element takes this step's decay (SGD with a zero gradient). What arrived,
         # c = (1 − dampening)·S, is a steps of c/a (per sender, its own a): in those steps
@@ -246,6 +293,19 @@ def _step_like(group: dict, p: torch.Tensor) -> torch.Tensor:
     if group.get("capturable", False) or group.get("fused", False):
         return torch.zeros((), dtype=torch.float32, device=p.device)
     return torch.tensor(0.0, dtype=torch.float32)
+
+
+def _pick(idx: List[int], params, grads, state):
+    """Entries ``idx`` of a step's parameters, gradients and state (Adam's three lists, or
+    SGD's buffers)."""
+    sub = lambda xs: [xs[i] for i in idx]  # noqa: E731
+    state = tuple(sub(x) for x in state) if isinstance(state, tuple) else sub(state)
+    return sub(params), sub(grads), state
+
+
+def _plain(ts: List[torch.Tensor], device: torch.device) -> bool:
+    """float32, contiguous, on ``device``: what the native step reads and writes."""
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.device == device for t in ts)
 
 
 def _as_float(ts: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -22,7 +22,8 @@ Shared semantics (also documented in ``csrc/ops.h``):
 from __future__ import annotations
 
 from .kernels.dispatch import (  # noqa: F401
-    build_info, has_native, have_extension, index_dtype, magnitude_key, VALUE_DTYPES, _C)
+    build_info, has_native, have_extension, index_dtype, magnitude_key, native_op,
+    VALUE_DTYPES, _C)
 from .kernels.select import (  # noqa: F401
     sample_positions, sampled_threshold, segmented_topk, threshold_count,
     threshold_select, topk)
@@ -34,7 +35,7 @@ from .kernels.hash import (  # noqa: F401
     default_table_size, hash_owner, hash_partition, hash_seed, _hash_to)
 
 __all__ = [
-    "build_info", "has_native", "have_extension", "index_dtype", "magnitude_key",
+    "build_info", "has_native", "have_extension", "index_dtype", "magnitude_key", "native_op",
     "VALUE_DTYPES", "sample_positions", "sampled_threshold", "segmented_topk",
     "threshold_count", "threshold_select", "topk", "ef_topk", "group_ef_topk",
     "segmented_ef_topk", "deliver_chunks", "pack", "record_numel", "record_spans",

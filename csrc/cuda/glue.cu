@@ -406,6 +406,59 @@ at::Tensor hash_owner_cuda(const at::Tensor& indices_in, int64_t nparts, int64_t
   return out;
 }
 
+namespace {
+// Fills `batch` with tensors [lo, lo + count) of the lists (s2 and the biases where given).
+void fill_batch(cuda::MomentBatch& batch, size_t lo, size_t count, std::vector<at::Tensor>& p,
+                const std::vector<at::Tensor>& g, std::vector<at::Tensor>& s1,
+                std::vector<at::Tensor>* s2, std::vector<at::Tensor>& age,
+                const std::vector<double>* bias1, const std::vector<double>* bias2_sqrt) {
+  batch.count = int(count);
+  for (size_t i = 0; i < count; ++i) {
+    const size_t t = lo + i;
+    batch.p[i] = p[t].data_ptr<float>();
+    batch.g[i] = g[t].const_data_ptr<float>();
+    batch.s1[i] = s1[t].data_ptr<float>();
+    batch.s2[i] = s2 ? (*s2)[t].data_ptr<float>() : nullptr;
+    batch.age[i] = age[t].data_ptr<float>();
+    batch.n[i] = p[t].numel();
+    batch.bias1[i] = bias1 ? float((*bias1)[t]) : 1.0f;
+    batch.bias2_sqrt[i] = bias2_sqrt ? float((*bias2_sqrt)[t]) : 1.0f;
+  }
+}
+}  // namespace
+
+void shared_momentum_step_cuda(std::vector<at::Tensor> params, const std::vector<at::Tensor>& grads,
+                               std::vector<at::Tensor> bufs, std::vector<at::Tensor> ages,
+                               double lr, double momentum, double dampening, bool nesterov) {
+  check_moment_lists({params, grads, bufs, ages}, "shared_momentum_step", at::kCUDA);
+  if (params.empty()) return;
+  const OnDevice on(params[0]);
+  for (size_t lo = 0; lo < params.size(); lo += cuda::kMomentBatch) {
+    cuda::MomentBatch batch;
+    fill_batch(batch, lo, std::min<size_t>(cuda::kMomentBatch, params.size() - lo), params, grads,
+               bufs, nullptr, ages, nullptr, nullptr);
+    cuda::shared_momentum(batch, float(lr), float(momentum), float(dampening), nesterov, on.stream);
+  }
+}
+
+void shared_adam_step_cuda(std::vector<at::Tensor> params, const std::vector<at::Tensor>& grads,
+                           std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+                           std::vector<at::Tensor> ages, double lr, double beta1, double beta2,
+                           double eps, const std::vector<double>& bias1,
+                           const std::vector<double>& bias2_sqrt) {
+  check_moment_lists({params, grads, exp_avgs, exp_avg_sqs, ages}, "shared_adam_step", at::kCUDA);
+  TORCH_CHECK(bias1.size() == params.size() && bias2_sqrt.size() == params.size(),
+              "shared_adam_step: one bias correction per tensor");
+  if (params.empty()) return;
+  const OnDevice on(params[0]);
+  for (size_t lo = 0; lo < params.size(); lo += cuda::kMomentBatch) {
+    cuda::MomentBatch batch;
+    fill_batch(batch, lo, std::min<size_t>(cuda::kMomentBatch, params.size() - lo), params, grads,
+               exp_avgs, &exp_avg_sqs, ages, &bias1, &bias2_sqrt);
+    cuda::shared_adam(batch, float(lr), float(beta1), float(beta2), float(eps), on.stream);
+  }
+}
+
 // Every CUDA op that ops.h declares is defined above with the declared signature: a
 // definition whose parameters drifted would be a second overload beside the undefined
 // declaration (a link error on GPU machines only), and taking the address of an overloaded
@@ -414,7 +467,8 @@ namespace {
 [[maybe_unused]] const auto kDefinedAsDeclared = std::make_tuple(
     &topk_cuda, &segmented_topk_cuda, &sampled_threshold_cuda, &threshold_select_cuda,
     &ef_topk_cuda, &segmented_ef_topk_cuda, &threshold_count_cuda, &pack_cuda, &scatter_add_cuda,
-    &scatter_add_chunks_cuda, &deliver_chunks_cuda, &hash_partition_cuda, &hash_owner_cuda);
+    &scatter_add_chunks_cuda, &deliver_chunks_cuda, &hash_partition_cuda, &hash_owner_cuda,
+    &shared_momentum_step_cuda, &shared_adam_step_cuda);
 }  // namespace
 
 }  // namespace ssf

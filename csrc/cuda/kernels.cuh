@@ -199,5 +199,23 @@ template <typename I>
 void hash_owner(const I* idx, int64_t m, int64_t nparts, uint64_t seed, int32_t* out,
                 cudaStream_t stream);
 
+// Shared moments (csrc/moments.h, ops.h): one launch per batch of up to kMomentBatch tensors,
+// a row of blocks per tensor; float32 throughout, every pointer to n[i] elements.
+constexpr int kMomentBatch = 32;
+struct MomentBatch {
+  int count;
+  float* p[kMomentBatch];
+  const float* g[kMomentBatch];
+  float* s1[kMomentBatch];  // SGD: the momentum buffer; Adam: exp_avg
+  float* s2[kMomentBatch];  // Adam: exp_avg_sq (unused by SGD)
+  float* age[kMomentBatch];
+  int64_t n[kMomentBatch];
+  float bias1[kMomentBatch], bias2_sqrt[kMomentBatch];  // Adam's, per tensor
+};
+void shared_momentum(const MomentBatch& batch, float lr, float momentum, float dampening,
+                     bool nesterov, cudaStream_t stream);
+void shared_adam(const MomentBatch& batch, float lr, float beta1, float beta2, float eps,
+                 cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace ssf

@@ -66,6 +66,12 @@ def _native(x: torch.Tensor, op: str, backend: Optional[str]):
     return fn
 
 
+def native_op(op: str, x: torch.Tensor):
+    """The extension's ``op`` for ``x``'s device, or None: for callers outside this package
+    whose torch fallback is their own (``moments.SharedMoments``' foreach step)."""
+    return _native(x, op, None)
+
+
 def has_native(op: str, x: torch.Tensor) -> bool:
     """Whether the extension has a native ``op`` for ``x``'s device."""
     return _native(x, op, None) is not None

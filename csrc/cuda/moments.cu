@@ -1,0 +1,80 @@
+// Shared moments on CUDA (see kernels.cuh): the element's arithmetic is csrc/moments.h's,
+// the same code as the CPU's. A batch of tensors is one launch: blockIdx.y picks the
+// tensor, a grid-stride loop over x covers its elements, so a model's many small tensors
+// cost a launch per kMomentBatch of them rather than one each.
+#include "../moments.h"
+#include "kernels.cuh"
+
+#include <algorithm>
+
+namespace ssf {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxBlocksX = 1024;
+
+__global__ void momentum_kernel(const MomentBatch batch, const moments::MomentumArgs args) {
+  const int t = blockIdx.y;
+  const int64_t n = batch.n[t];
+  float* p = batch.p[t];
+  const float* g = batch.g[t];
+  float* u = batch.s1[t];
+  float* age = batch.age[t];
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += int64_t(gridDim.x) * blockDim.x) {
+    float pj = p[j], uj = u[j], aj = age[j];
+    moments::momentum_element(pj, g[j], uj, aj, args);
+    p[j] = pj;
+    u[j] = uj;
+    age[j] = aj;
+  }
+}
+
+__global__ void adam_kernel(const MomentBatch batch, const float lr, const float beta1,
+                            const float beta2, const float eps) {
+  const int t = blockIdx.y;
+  const int64_t n = batch.n[t];
+  const moments::AdamArgs args{lr, beta1, beta2, eps, batch.bias1[t], batch.bias2_sqrt[t]};
+  float* p = batch.p[t];
+  const float* g = batch.g[t];
+  float* m = batch.s1[t];
+  float* v = batch.s2[t];
+  float* age = batch.age[t];
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += int64_t(gridDim.x) * blockDim.x) {
+    float pj = p[j], mj = m[j], vj = v[j], aj = age[j];
+    moments::adam_element(pj, g[j], mj, vj, aj, args);
+    p[j] = pj;
+    m[j] = mj;
+    v[j] = vj;
+    age[j] = aj;
+  }
+}
+
+dim3 grid_of(const MomentBatch& batch) {
+  int64_t most = 1;
+  for (int i = 0; i < batch.count; ++i) most = std::max(most, batch.n[i]);
+  const int64_t blocks = std::min<int64_t>(kMaxBlocksX, (most + kThreads - 1) / kThreads);
+  return dim3(unsigned(blocks), unsigned(batch.count));
+}
+
+}  // namespace
+
+void shared_momentum(const MomentBatch& batch, float lr, float momentum, float dampening,
+                     bool nesterov, cudaStream_t stream) {
+  if (batch.count == 0) return;
+  momentum_kernel<<<grid_of(batch), kThreads, 0, stream>>>(
+      batch, moments::MomentumArgs{lr, momentum, dampening, nesterov});
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
+void shared_adam(const MomentBatch& batch, float lr, float beta1, float beta2, float eps,
+                 cudaStream_t stream) {
+  if (batch.count == 0) return;
+  adam_kernel<<<grid_of(batch), kThreads, 0, stream>>>(batch, lr, beta1, beta2, eps);
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace cuda
+}  // namespace ssf
