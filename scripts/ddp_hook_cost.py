@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -90,6 +91,11 @@ def one_round(args, config: str, device: torch.device) -> dict:
     if device.type == "cuda":
         out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     del module, model, opt
+    # the hook, the optimizer's wrapped step and the DDP module refer to each other: free
+    # the cycle now, so the next configuration's peak is its own
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 

@@ -165,7 +165,7 @@ class SparseHook:
             self._sent_sparse.update(params)
         # 0 * (a sum that is finite exactly when every term is) is 0, or NaN
         b.send[-1:].copy_(torch.sum(buffer, dtype=torch.float32).mul_(0.0).reshape(1))
-        result = part.select_grads(self.memory, grads)
+        result = part.select_flat(self.memory, buffer, grads)
         part.pack(result, b.send, 1.0)
         self._count(bucket, b.send)
         work = _ALLGATHER(b.gathered, b.send, group=self.group, async_op=True)

@@ -159,9 +159,9 @@ class SparsePart:
             self.share_views = [self.share[:, lo:hi].view(self.waits, *shape) for lo, hi, shape
                                 in zip(self.bounds, self.bounds[1:], shapes)]
         self._sent_indices: Optional[torch.Tensor] = None
-        stage_device = device if stage_device is None else stage_device
-        pin = stage_device.type == "cpu" and device.type == "cuda" and torch.cuda.is_available()
-        self.stage = torch.empty(self.numel, dtype=self.acc_dtype, device=stage_device, pin_memory=pin)
+        #: where the part's gradients are staged and selected (the host for an offloaded part)
+        self.stage_device = device if stage_device is None else stage_device
+        self._stage: Optional[torch.Tensor] = None  # allocated at its first use (:attr:`stage`)
         # decode target: the part's tensors plus the sink that padding entries point into;
         # zero wherever the last decode did not write (decode_into keeps it so)
         self.out = torch.zeros(self.numel + self.capacity, dtype=self.acc_dtype, device=device)
@@ -170,7 +170,20 @@ class SparsePart:
         self._offsets = torch.tensor(self.bounds, dtype=torch.int64)
         self._ks = torch.tensor(self.ks if floors is None else self.floors, dtype=torch.int64)
         self._sink = torch.arange(self.numel, self.numel + self.capacity,
-                                  dtype=self.idx_dtype, device=stage_device)
+                                  dtype=self.idx_dtype, device=self.stage_device)
+
+    @property
+    def stage(self) -> torch.Tensor:
+        """The part's gradients back to back (pinned host memory for a GPU job's offloaded
+        part), allocated once, at first use: a part whose gradients the fused kernels read
+        where they lie (:meth:`select_grads` on the CPU, :meth:`select_flat`) never needs
+        it, and on GPT-2 it is a model-sized buffer."""
+        if self._stage is None:
+            pin = (self.stage_device.type == "cpu" and self.out.device.type == "cuda"
+                   and torch.cuda.is_available())
+            self._stage = torch.empty(self.numel, dtype=self.acc_dtype, device=self.stage_device,
+                                      pin_memory=pin)
+        return self._stage
 
     # -- encode ------------------------------------------------------------------------
     def stage_grads(self, grads: Sequence[torch.Tensor]) -> None:
@@ -196,6 +209,16 @@ class SparsePart:
         self.stage_grads(grads)
         return self.select(memory)
 
+    def select_flat(self, memory: ResidualMemory, flat: torch.Tensor,
+                    grads: Sequence[torch.Tensor]) -> SelectionResult:
+        """:meth:`select_grads` for gradients that already lie back to back in ``flat`` (a
+        DDP bucket's buffer): selected from it where it is what the stage would hold (the
+        staged dtype, contiguous, on the stage's device), without a staged copy."""
+        if (flat.dtype == self.acc_dtype and flat.device == self.stage_device
+                and flat.is_contiguous() and flat.numel() == self.numel):
+            return self._sent(memory, self._select(memory, flat))
+        return self.select_grads(memory, grads)
+
     def _sent(self, memory: ResidualMemory, result: SelectionResult) -> SelectionResult:
         """``result``, with this rank's wait per entry where the wire carries it."""
         if self.waits:
@@ -218,17 +241,18 @@ class SparsePart:
         (segmented, or over the buffer) runs fused with the error feedback, one kernel."""
         return self._sent(memory, self._select(memory))
 
-    def _select(self, memory: ResidualMemory) -> SelectionResult:
+    def _select(self, memory: ResidualMemory, staged: Optional[torch.Tensor] = None) -> SelectionResult:
+        staged = self.stage if staged is None else staged
         if self.mode in ("segmented", "group"):
-            values, indices = memory.select_topk(self.key, self.stage, self._group_k(),
+            values, indices = memory.select_topk(self.key, staged, self._group_k(),
                                                  offsets=self._offsets, ks=self._ks,
                                                  wire_dtype=self.dtype)
             return SelectionResult(values, indices, self._counts())
         if self.mode == "buffer" and self.sparsifiers[0].exact_topk:
-            values, indices = memory.select_topk(self.key, self.stage, self.ks[0],
+            values, indices = memory.select_topk(self.key, staged, self.ks[0],
                                                  wire_dtype=self.dtype)
             return SelectionResult(values, indices)
-        acc = memory.compensate(self.key, self.stage)
+        acc = memory.compensate(self.key, staged)
         if self.mode == "buffer":
             values, indices = self.sparsifiers[0].select(acc, self.ks[0])
             result = SelectionResult(values, indices)

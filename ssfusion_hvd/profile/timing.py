@@ -134,7 +134,7 @@ def time_sparsifier(sparsifier: str, device="cpu", density=0.01, sizes_bytes=SPA
         grad = torch.randn(n, generator=gen).to(dtype=dtype, device=dev)
 
         def run(part=part, send=send, memory=memory, grad=grad):
-            if part.stage.device != grad.device:  # the offload path's host staging copy
+            if part.stage_device != grad.device:  # the offload path's host staging copy
                 part.stage.copy_(grad)
                 result = part.select(memory)
             else:

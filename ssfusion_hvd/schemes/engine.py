@@ -117,7 +117,7 @@ class PlannedPhase:
                               for i, view in zip(part.tensors, part.share_views)}
         for part in self._sparse:
             self.memory.register(part.key, [active.names[i] for i in part.tensors],
-                                 [shapes[i] for i in part.tensors], part.stage.device)
+                                 [shapes[i] for i in part.tensors], part.stage_device)
         self._offload_part = {part.tensors[0]: part for gb in self.groups for part in gb.offloaded}
         if offload and self._worker is None:
             self._worker = OffloadWorker(self.device)
@@ -147,8 +147,9 @@ class PlannedPhase:
             if not self.primed:
                 # the local rules take over the wrapped optimizer's state here, on this
                 # thread, after its last dense step (not on the offload worker)
-                for part in self._sparse:
-                    self.memory.prime(part.key, part.stage)
+                for part in self._sparse:  # (the rule reads the device and dtype only)
+                    self.memory.prime(part.key, torch.empty(0, dtype=part.acc_dtype,
+                                                            device=part.stage_device))
                 self.primed = True
         i = self._pos[p]
         if i in self._offload_part:
