@@ -14,7 +14,9 @@ Times, as the median of ``--reps`` rounds on the slowest rank, one Horovod allga
   collective (the backward of a rank sharing the GPU with another), so that the staging
   copy waits for them;
 
-and the device-to-host copy alone. Prints one line per case; ``--json`` writes them.
+and the device-to-host copy alone; then torch.distributed's gloo allgather and allreduce of
+the same tensors (what the DDP hook and PowerSGD use). Prints one line per case;
+``--json`` writes them. Runs on a machine without a GPU too (host tensors only).
 """
 from __future__ import annotations
 
@@ -80,6 +82,19 @@ def main() -> None:
         "allreduce cuda": timed(lambda nm: hvd.allreduce(cuda, name=nm), "arc"),
         "device-to-host copy": timed(lambda nm: cuda.cpu(), "d2h"),
     }
+    # the same through torch.distributed's gloo (what the DDP hook and PowerSGD use), on
+    # the same ranks and links
+    import torch.distributed as dist
+
+    from ssfusion_hvd.examples.peers import _init_gloo
+
+    _init_gloo()
+    world = dist.get_world_size()
+    for label, x in (("host", host), ("cuda", cuda)):
+        out = torch.empty(world * n, device=x.device)
+        cases[f"torch gloo all_gather_into_tensor {label}"] = timed(
+            lambda nm, x=x, out=out: dist.all_gather_into_tensor(out, x), f"tag{label}")
+        cases[f"torch gloo all_reduce {label}"] = timed(lambda nm, x=x: dist.all_reduce(x), f"tar{label}")
     if hvd.rank() == 0:
         link = args.mb * 8 / 1e3  # seconds at 1 Gbit/s for one rank's share
         print(f"[probe] {hvd.size()} ranks on {torch.cuda.get_device_name(dev) if gpu else 'no GPU'}, {args.mb} MB per "
