@@ -34,6 +34,9 @@ def main() -> None:
     p.add_argument("--mb", type=float, default=10.0)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--busy-ms", type=float, default=50.0, help="GPU work queued before the busy case")
+    p.add_argument("--pieces", type=int, default=16,
+                   help="the allgathers again as this many smaller ones (Horovod fuses them "
+                        "back into one unless HOROVOD_FUSION_THRESHOLD is below a piece)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     hvd.init()
@@ -90,8 +93,37 @@ def main() -> None:
 
     _init_gloo()
     world = dist.get_world_size()
+    me = dist.get_rank()
+
+    def exchange(x, out):
+        """An allgather as every rank's direct send to every other (isend / irecv)."""
+        chunks = out.view(world, -1)
+        chunks[me].copy_(x)
+        ops = [op for r in range(world) if r != me
+               for op in (dist.P2POp(dist.isend, x, r), dist.P2POp(dist.irecv, chunks[r], r))]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    pieces = host.chunk(args.pieces)
+
+    def hvd_pieces(nm):
+        for h in [hvd.allgather_async(c, name=f"{nm}.{j}") for j, c in enumerate(pieces)]:
+            hvd.synchronize(h)
+    cases[f"horovod allgather in {args.pieces} pieces, host"] = timed(hvd_pieces, "agp")
+    outs = [torch.empty(world * c.numel()) for c in pieces]
+
+    def torch_pieces(nm):
+        for w in [dist.all_gather_into_tensor(o, c, async_op=True) for o, c in zip(outs, pieces)]:
+            w.wait()
+    cases[f"torch gloo all_gather_into_tensor in {args.pieces} pieces, host"] = timed(torch_pieces, "tagp")
+    cases["horovod alltoall as an allgather, host"] = timed(
+        lambda nm: hvd.alltoall(host.repeat(world), splits=torch.full((world,), n, dtype=torch.int32),
+                                name=nm), "a2a")
     for label, x in (("host", host), ("cuda", cuda)):
         out = torch.empty(world * n, device=x.device)
+        if label == "host":
+            cases["torch gloo isend/irecv to every rank, host"] = timed(
+                lambda nm, x=x, out=out: exchange(x, out), "p2p")
         cases[f"torch gloo all_gather_into_tensor {label}"] = timed(
             lambda nm, x=x, out=out: dist.all_gather_into_tensor(out, x), f"tag{label}")
         cases[f"torch gloo all_reduce {label}"] = timed(lambda nm, x=x: dist.all_reduce(x), f"tar{label}")
