@@ -213,6 +213,18 @@ inline void check_moment_lists(const std::vector<std::vector<at::Tensor>>& lists
   }
 }
 
+// shared_adam_step's arguments: check_moment_lists', and one bias correction per tensor.
+inline void check_adam_step(const std::vector<at::Tensor>& params,
+                            const std::vector<at::Tensor>& grads,
+                            const std::vector<at::Tensor>& exp_avgs,
+                            const std::vector<at::Tensor>& exp_avg_sqs,
+                            const std::vector<at::Tensor>& ages, size_t bias1,
+                            size_t bias2_sqrt, c10::DeviceType device) {
+  check_moment_lists({params, grads, exp_avgs, exp_avg_sqs, ages}, "shared_adam_step", device);
+  TORCH_CHECK(bias1 == params.size() && bias2_sqrt == params.size(),
+              "shared_adam_step: one bias correction per tensor");
+}
+
 // Segments of a flat buffer of n elements (int64 CPU offsets[S+1], ks[S]): validates them and
 // returns the output offsets, the prefix sums of ks (S+1 entries).
 inline std::vector<int64_t> check_segments(const at::Tensor& offsets, const at::Tensor& ks,

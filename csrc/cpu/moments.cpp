@@ -37,9 +37,7 @@ void shared_adam_step_cpu(std::vector<at::Tensor> params, const std::vector<at::
                           std::vector<at::Tensor> ages, double lr, double beta1, double beta2,
                           double eps, const std::vector<double>& bias1,
                           const std::vector<double>& bias2_sqrt) {
-  check_moment_lists({params, grads, exp_avgs, exp_avg_sqs, ages}, "shared_adam_step", at::kCPU);
-  TORCH_CHECK(bias1.size() == params.size() && bias2_sqrt.size() == params.size(),
-              "shared_adam_step: one bias correction per tensor");
+  check_adam_step(params, grads, exp_avgs, exp_avg_sqs, ages, bias1.size(), bias2_sqrt.size(), at::kCPU);
   for (size_t i = 0; i < params.size(); ++i) {
     const moments::AdamArgs args{float(lr), float(beta1), float(beta2), float(eps),
                                  float(bias1[i]), float(bias2_sqrt[i])};

@@ -446,9 +446,7 @@ void shared_adam_step_cuda(std::vector<at::Tensor> params, const std::vector<at:
                            std::vector<at::Tensor> ages, double lr, double beta1, double beta2,
                            double eps, const std::vector<double>& bias1,
                            const std::vector<double>& bias2_sqrt) {
-  check_moment_lists({params, grads, exp_avgs, exp_avg_sqs, ages}, "shared_adam_step", at::kCUDA);
-  TORCH_CHECK(bias1.size() == params.size() && bias2_sqrt.size() == params.size(),
-              "shared_adam_step: one bias correction per tensor");
+  check_adam_step(params, grads, exp_avgs, exp_avg_sqs, ages, bias1.size(), bias2_sqrt.size(), at::kCUDA);
   if (params.empty()) return;
   const OnDevice on(params[0]);
   for (size_t lo = 0; lo < params.size(); lo += cuda::kMomentBatch) {
