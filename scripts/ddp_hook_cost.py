@@ -45,7 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     p.add_argument("--amp", default="none", choices=("none", "float16", "bfloat16"))
     p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="DDP peers (ddp, ddp_powersgd4, ...) and hook schemes, a scheme as "
+                        "SCHEME:MB for DDP buckets of MB (default DDP's 25)")
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--rounds", type=int, default=2)
@@ -65,9 +67,10 @@ def one_round(args, config: str, device: torch.device) -> dict:
 
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        module = DDP(model)
+        scheme, _, cap = config.partition(":")  # "ssfusion:4096": DDP's buckets of 4096 MB
+        module = DDP(model, bucket_cap_mb=float(cap)) if cap else DDP(model)
         module.ssfusion_hook = ssfusion_hvd.ddp.register(
-            module, scheme=config, density=args.density, density_warmup_steps=0, optimizer=opt)
+            module, scheme=scheme, density=args.density, density_warmup_steps=0, optimizer=opt)
     autocast = (torch.autocast(device.type, dtype=getattr(torch, args.amp)) if args.amp != "none"
                 else contextlib.nullcontext())
     settle = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
