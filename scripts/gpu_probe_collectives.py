@@ -29,6 +29,29 @@ import horovod.torch as hvd
 import torch
 
 
+def sweep(args) -> None:
+    """Median (of ``--reps``, slowest rank) Horovod allgather time of host tensors from 0.25
+    to 16 MiB per rank, beside the time a 1 Gbit/s link needs for them."""
+    rows = {}
+    for mib in (0.25, 1, 2, 4, 8, 16):
+        x = torch.ones(int(mib * (1 << 20) / 4))
+        times = []
+        for i in range(args.reps + 1):
+            hvd.allreduce(torch.zeros(1), name="probe.sweep.barrier")
+            t0 = time.perf_counter()
+            hvd.allgather(x, name=f"probe.sweep.{mib}")
+            times.append(time.perf_counter() - t0)
+        slowest = hvd.allgather(torch.tensor([times[1:]]), name=f"probe.sweep.t.{mib}").max(dim=0).values
+        rows[mib] = statistics.median(slowest.tolist())
+    if hvd.rank() == 0:
+        for mib, v in rows.items():
+            print(f"[probe] allgather {mib} MiB per rank: {1e3 * v:.1f} ms "
+                  f"(1 Gbit/s: {mib * (1 << 20) * 8 / 1e6:.1f} ms)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": hvd.size(), "allgather_seconds_by_mib": rows}, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=float, default=10.0)
@@ -37,6 +60,9 @@ def main() -> None:
     p.add_argument("--pieces", type=int, default=16,
                    help="the allgathers again as this many smaller ones (Horovod fuses them "
                         "back into one unless HOROVOD_FUSION_THRESHOLD is below a piece)")
+    p.add_argument("--sweep", action="store_true",
+                   help="instead: one Horovod allgather per size from 0.25 to 16 MiB per rank "
+                        "(where Gloo's allgather leaves the link's rate)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     hvd.init()
@@ -45,6 +71,9 @@ def main() -> None:
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     if gpu:
         torch.cuda.set_device(dev)
+    if args.sweep:
+        sweep(args)
+        return
     n = int(args.mb * 1e6 / 4)
     host = torch.randn(n)
     cuda = host.to(dev)
