@@ -190,8 +190,9 @@ inline void check_feedback_segments(const std::vector<at::Tensor>& grads,
 }
 
 // The tensors of a shared-moments step (shared_momentum_step, shared_adam_step): lists of
-// one length, each entry float32, contiguous, on `device`, with one element count across
-// the lists at each position (a parameter, its gradient, its state and its ages).
+// one length, each entry float32, contiguous, all on one device of type `device` (the op
+// runs on the first's), with one element count across the lists at each position (a
+// parameter, its gradient, its state and its ages).
 inline void check_moment_lists(const std::vector<std::vector<at::Tensor>>& lists,
                                const char* op, c10::DeviceType device) {
   const size_t n = lists[0].size();
@@ -203,7 +204,8 @@ inline void check_moment_lists(const std::vector<std::vector<at::Tensor>>& lists
       const at::Tensor& t = l[i];
       TORCH_CHECK(t.device().type() == device, op, ": expected ", device, " tensors, got ",
                   t.device());
-      TORCH_CHECK(t.device() == first.device(), op, ": tensor ", i, " spans devices");
+      TORCH_CHECK(t.device() == lists[0][0].device(), op, ": every tensor on one device, got ",
+                  t.device(), " and ", lists[0][0].device());
       TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": float32 tensors only, got ",
                   t.scalar_type(), " at ", i);
       TORCH_CHECK(t.is_contiguous(), op, ": tensor ", i, " is not contiguous");

@@ -317,3 +317,22 @@ def test_gpu_native_step_equals_the_cpu_s(kind, nesterov):
     for (p, a), (q, b) in zip(*out):
         torch.testing.assert_close(q, p, rtol=2e-6, atol=1e-7)
         assert torch.equal(a, b)
+
+
+def test_the_native_step_checks_its_tensors():
+    """What the foreach path would take but the native pass cannot (another dtype, another
+    size, a strided view, lists of different lengths) raises instead of writing memory it
+    does not own; SharedMoments never hands it such tensors (it takes the foreach path)."""
+    from ssfusion_hvd.ops import native_op
+
+    fn = native_op("shared_momentum_step", torch.zeros(1))
+    if fn is None:
+        pytest.skip("built without the extension")
+    ok = [torch.zeros(3)]
+    for bad in ([torch.zeros(3, dtype=torch.float64)], [torch.zeros(4)], [torch.zeros(6)[::2]],
+                [torch.zeros(3), torch.zeros(3)]):
+        with pytest.raises(RuntimeError, match="shared_momentum_step"):
+            fn(bad, ok, [torch.zeros(3)], [torch.zeros(3)], 0.1, 0.9, 0.0, False)
+    p = torch.zeros(3)
+    fn([p], [torch.ones(3)], [torch.zeros(3)], [torch.zeros(3)], 0.1, 0.9, 0.0, False)
+    assert torch.equal(p, torch.full((3,), -0.1))  # SGD's first step: buffer = g
