@@ -68,17 +68,52 @@ _ALLGATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+#: a gloo allgather of CPU tensors larger than this per rank goes as pieces of at most this
+#: size, all in flight at once: over gloo one large allgather message moves at about half a
+#: slow link's rate, pieces of 1 MiB or less at its rate (a 10 MB allgather at 1 Gbit/s:
+#: 126 ms as one message, 85 ms as 16; docs/results/collectives_probe.md)
+ALLGATHER_PIECE_BYTES = 1 << 20
+
+
 class _Bucket:
     """One bucket's sparse part at one density, its send buffer and the gathered one. A
     record is the part's, then one element: 0, or NaN when this rank's gradients in the
-    bucket are not all finite, so every rank learns it from the allgather it makes anyway."""
+    bucket are not all finite, so every rank learns it from the allgather it makes anyway.
+    ``pieces`` > 1: the record is allgathered as that many equal pieces (the last padded),
+    which land piece by piece and are put back in rank order once all have arrived."""
 
-    def __init__(self, part: SparsePart, nranks: int):
+    def __init__(self, part: SparsePart, nranks: int, pieces: int = 1):
         self.part = part
+        self.nranks = nranks
         self.record_len = part.length + 1
-        self.send = torch.empty(self.record_len, dtype=part.dtype, device=part.out.device)
-        self.gathered = torch.empty(nranks * self.record_len, dtype=part.dtype,
-                                    device=part.out.device)
+        self.pieces = max(1, int(pieces))
+        self.piece_len = -(-self.record_len // self.pieces)
+        dev = part.out.device
+        #: what this rank puts on the wire: the record, padded to whole pieces
+        self.wire = torch.zeros(self.pieces * self.piece_len, dtype=part.dtype, device=dev)
+        self.send = self.wire[:self.record_len]
+        self.gathered = torch.empty(nranks * self.record_len, dtype=part.dtype, device=dev)
+        self._landing = (torch.empty(self.pieces * nranks * self.piece_len, dtype=part.dtype,
+                                     device=dev) if self.pieces > 1 else None)
+
+    def allgather(self, group) -> torch.futures.Future:
+        """Launches the allgather of this rank's record; the future is done when
+        :attr:`gathered` holds every rank's, in rank order."""
+        if self.pieces == 1:
+            return _ALLGATHER(self.gathered, self.send, group=group, async_op=True).get_future()
+        n, size = self.nranks, self.piece_len
+        futures = [_ALLGATHER(self._landing[i * n * size:(i + 1) * n * size],
+                              self.wire[i * size:(i + 1) * size], group=group,
+                              async_op=True).get_future() for i in range(self.pieces)]
+
+        def in_rank_order(fut):
+            for f in fut.value():
+                f.wait()  # (raises a piece's error)
+            landed = self._landing.view(self.pieces, n, size).transpose(0, 1).reshape(n, -1)
+            self.gathered.view(n, self.record_len).copy_(landed[:, :self.record_len])
+            return None
+
+        return torch.futures.collect_all(futures).then(in_rank_order)
 
 
 class SparseHook:
@@ -167,8 +202,8 @@ class SparseHook:
         b.send[-1:].copy_(torch.sum(buffer, dtype=torch.float32).mul_(0.0).reshape(1))
         result = part.select_flat(self.memory, buffer, grads)
         part.pack(result, b.send, 1.0)
-        self._count(bucket, b.send)
-        work = _ALLGATHER(b.gathered, b.send, group=self.group, async_op=True)
+        self._count(bucket, b.wire)
+        gathered = b.allgather(self.group)
 
         def decode(fut):
             fut.wait()
@@ -181,7 +216,7 @@ class SparseHook:
                 out.mul_(scale)
             return out.to(buffer.dtype).view_as(buffer)
 
-        return work.get_future().then(decode)
+        return gathered.then(decode)
 
     def _count(self, bucket, sent: torch.Tensor) -> None:
         """Bytes this rank sends in the step, and the step's end: DDP calls the hook bucket
@@ -203,9 +238,19 @@ class SparseHook:
         if found is None or found[0] != density:
             # a new warm-up stage: this bucket's buffers at the new density replace the old
             # (allocated once per stage; the residual, under the same key, carries over)
-            found = self._buckets[key] = (density, _Bucket(
-                self._part(key, [p.shape for p in params], density, bucket.buffer()), nranks))
+            part = self._part(key, [p.shape for p in params], density, bucket.buffer())
+            found = self._buckets[key] = (density, _Bucket(part, nranks, self._pieces(part)))
         return found[1]
+
+    def _pieces(self, part: SparsePart) -> int:
+        """How many pieces a bucket's record is allgathered in: gloo on the CPU splits one
+        larger than :data:`ALLGATHER_PIECE_BYTES` (NCCL and gloo's CUDA path, which stages
+        through the host, take it whole). The same on every rank: it follows the record's
+        size, which follows the bucket and the density."""
+        nbytes = (part.length + 1) * torch.empty(0, dtype=part.dtype).element_size()
+        if part.out.device.type != "cpu" or dist.get_backend(self.group) != "gloo":
+            return 1
+        return min(64, -(-nbytes // ALLGATHER_PIECE_BYTES))
 
     def _register(self, names, shapes, buffer: torch.Tensor) -> str:
         if any(n in self._owner for n in names):

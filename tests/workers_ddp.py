@@ -47,8 +47,11 @@ def _steps(ddp, ref, hook, rank, steps, out, no_sync=False, device="cpu"):
 
 
 def record(rank, world, scheme, density, steps=4, bucket_cap_mb=0.004, no_sync=False,
-           as_view=False, warmup=0, device="cpu"):
-    """``device="cuda"``: every rank on GPU 0 (gloo: ranks sharing one GPU; NCCL: one rank)."""
+           as_view=False, warmup=0, device="cpu", piece_bytes=None):
+    """``device="cuda"``: every rank on GPU 0 (gloo: ranks sharing one GPU; NCCL: one rank).
+    ``piece_bytes``: allgather records larger than this in pieces (the hook's threshold)."""
+    if piece_bytes is not None:
+        ssfusion_hvd.ddp.ALLGATHER_PIECE_BYTES = piece_bytes
     model = _model().to(device)
     ref = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=as_view)
@@ -56,6 +59,7 @@ def record(rank, world, scheme, density, steps=4, bucket_cap_mb=0.004, no_sync=F
                                      density_warmup_steps=warmup)
     out = {"local": [], "synced": [], "buckets": []}
     _steps(ddp, ref, hook, rank, range(steps), out, no_sync, device)
+    out["pieces"] = max((b.pieces for _, b in hook._buckets.values()), default=1)
     return out
 
 
