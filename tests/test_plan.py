@@ -711,3 +711,48 @@ def test_group_budget_takes_one_group_for_a_small_model():
     within = build_plan("ssfusion_oi", sizes, c, 0.01, names, "topk", group_floor=0.0,
                         accuracy_slack=ratio - 1 + 1e-9)
     assert within.to_json() == one.to_json()
+
+
+def test_the_allgather_curve_prices_what_the_fit_misses():
+    """A measured allgather curve above the affine fit (Gloo's large messages) raises the
+    allgather's cost there, and only there: below the smallest probe and where the curve is
+    under the fit, the fit; between points, linear; beyond the last, its last segment's
+    slope. The optimal fusion reads the same curve, so it can split a record the curve
+    prices above its parts."""
+    import dataclasses
+
+    import numpy as np
+
+    mib = float(1 << 20)
+    fit = CostModel(world_size=2, allreduce=(1e-4, 1e-9), allgather=(1e-4, 1e-8),
+                    sparsify={}, backward_s=(0.0,))
+    curved = dataclasses.replace(fit, allgather_curve=((mib, 0.005), (4 * mib, 0.08),
+                                                       (16 * mib, 0.34)))
+    for x in (1000.0, mib):  # below the smallest probe; where the curve is under the fit
+        assert curved.allgather_s(x) == fit.allgather_s(x)
+    assert curved.allgather_s(2 * mib) == pytest.approx(0.005 + (0.08 - 0.005) / 3)
+    assert curved.allgather_s(32 * mib) == pytest.approx(0.34 + (0.34 - 0.08) / 12 * 16)
+    xs = np.array([1000.0, 2 * mib, 32 * mib])
+    assert list(curved.allgather_many(xs)) == [curved.allgather_s(x) for x in xs]
+    assert CostModel.from_json(curved.to_json()).allgather_curve == curved.allgather_curve
+
+
+def test_the_optimal_fusion_splits_records_a_convex_allgather_prices_higher():
+    """Four tensors whose records are 2 MiB each, no backward time: under the affine fit
+    one group (one α) is optimal; under a curve whose slope doubles past 1 MiB (Gloo's
+    large messages) the fusion splits them."""
+    import dataclasses
+
+    mib = float(1 << 20)
+    a, b = 1e-4, 1e-8
+    affine = CostModel(world_size=2, allreduce=(a, b), allgather=(a, b),
+                       sparsify={"topk": {"gpu": (0.0, 0.0), "cpu": (0.0, 0.0)}},
+                       backward_s=(0.0,) * 4)
+    curve = tuple((x, a + b * min(x, mib) + 2 * b * max(0.0, x - mib))
+                  for x in (4096.0, mib, 4 * mib, 16 * mib))
+    convex = dataclasses.replace(affine, allgather_curve=curve)
+    n = int(2 * mib / 8 / 0.01)  # k = 0.01 n entries of 8 bytes: 2 MiB a tensor
+    one = optimal_fusion([n] * 4, affine, "multi_tensor", density=0.01, sparsifier="topk")
+    split = optimal_fusion([n] * 4, convex, "multi_tensor", density=0.01, sparsifier="topk")
+    assert len(one.groups) == 1 and len(split.groups) > 1
+    assert simulate(split, convex).iteration_s < simulate(one, convex).iteration_s

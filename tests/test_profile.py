@@ -181,9 +181,13 @@ def test_measured_model_identical_on_every_rank():
     assert m.backward_s == pytest.approx([1e-4, 2e-4, 3e-4, 4e-4])
     assert m.notes["source"] == "measured"
     assert m.notes["probe_sizes"] == "4096,1048576,16777216"
+    # the allgather's measured curve: every probe size, the curve's own included, by size
+    assert [x for x, _ in m.allgather_curve] == [4096.0, 1048576.0, 2097152.0, 16777216.0]
+    assert all(t > 0.0 for _, t in m.allgather_curve)
     # the broadcast model is rank 0's own measurement
     for r in results:
-        assert all(v >= 0.0 for fit in r["local"].values() for v in fit)
+        assert all(v >= 0.0 for c in ("allreduce", "allgather") for v in r["local"][c])
+        assert [x for x, _ in r["local"]["allgather_curve"]] == [4096.0, 65536.0]
 
 
 @pytest.mark.multiworker
@@ -243,6 +247,7 @@ from ssfusion_hvd.schemes.base import SyncConfig
 from ssfusion_hvd.schemes.warmup import WarmupPhase
 from ssfusion_hvd import profile
 profile.COLLECTIVE_SIZES, profile.SPARSIFY_SIZES, profile.DECODE_SIZES = (4096, 65536), (8000, 80000), (8000, 80000)
+profile.ALLGATHER_CURVE_SIZES = ()
 a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (2, 3, 4))
 cfg = SyncConfig(names={a: "a", b: "b", c: "c"}, order=[a, b, c], declared=[a, b, c],
                  compression=hvd.Compression.none, op=hvd.Average, gradient_predivide_factor=1.0,

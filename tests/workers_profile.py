@@ -15,6 +15,7 @@ def measure(sparsifier="topk", subset=None):
     ``subset``: global ranks of a process set to measure on (the others only check in).
     """
     profile.COLLECTIVE_SIZES = SMALL_COLLECTIVES
+    profile.ALLGATHER_CURVE_SIZES = (2 << 20,)
     profile.SPARSIFY_SIZES = SMALL_SPARSIFY
     profile.DECODE_SIZES = SMALL_DECODE
     ps = None

@@ -148,6 +148,12 @@ class CostModel(JsonFile):
         forward_s: forward time ``A`` (a constant of Cupcake Eq. 1; never changes a plan).
         decode: ``(α_d, β_d)`` of one group's decode, seconds and seconds per byte touched.
         shared_cores: the offload worker runs on the cores backward uses (a CPU-only job).
+        allgather_curve: the probe's allgather medians, ``((x, seconds), ...)`` by ``x``
+            (empty: none measured). Where they, linearly interpolated and extrapolated
+            by their last segment, lie above the affine fit, :meth:`allgather_s` takes
+            them: over Gloo one large allgather message takes about twice a slow link's
+            time, which an affine fit weighted to the small sizes misses
+            (``docs/results/collectives_probe.md``).
         entry_extra: bytes a planned scheme's sparse entry carries beside its value and
             index (1 with ``scheme_options["waits"]``, the sender's wait; 0 otherwise).
             Not measured: what the scheme puts on the wire, set for the plan it builds.
@@ -164,8 +170,10 @@ class CostModel(JsonFile):
     decode: tuple[float, float] = (0.0, 0.0)
     shared_cores: bool = False
     entry_extra: int = 0
+    allgather_curve: tuple = ()
 
     def __post_init__(self) -> None:
+        self.allgather_curve = tuple(sorted((float(x), float(t)) for x, t in self.allgather_curve))
         self.decode = tuple(map(float, self.decode))
         self.shared_cores = bool(self.shared_cores)
         self.allreduce = tuple(map(float, self.allreduce))
@@ -188,7 +196,23 @@ class CostModel(JsonFile):
         return self.allreduce[0] + self.allreduce[1] * nbytes
 
     def allgather_s(self, nbytes: float) -> float:
-        return self.allgather[0] + self.allgather[1] * nbytes
+        return float(self.allgather_many(np.asarray([nbytes], dtype=np.float64))[0])
+
+    def allgather_many(self, nbytes: np.ndarray) -> np.ndarray:
+        """:meth:`allgather_s` of every entry of ``nbytes``: the affine fit, or the measured
+        curve where it is above the fit (:attr:`allgather_curve`)."""
+        x = np.asarray(nbytes, dtype=np.float64)
+        fit = self.allgather[0] + self.allgather[1] * x
+        if len(self.allgather_curve) < 2:
+            return fit
+        xs = np.array([c[0] for c in self.allgather_curve])
+        ts = np.array([c[1] for c in self.allgather_curve])
+        curve = np.interp(x, xs, ts)
+        slope = (ts[-1] - ts[-2]) / (xs[-1] - xs[-2])
+        beyond = x > xs[-1]
+        curve[beyond] = ts[-1] + slope * (x[beyond] - xs[-1])
+        curve[x < xs[0]] = -np.inf  # below the smallest probe: the fit alone
+        return np.maximum(fit, curve)
 
     def sparsify_s(self, sparsifier: str, device: str, nbytes: float) -> float:
         alpha, beta = self.sparsify_fit(sparsifier, device)

@@ -80,7 +80,7 @@ def fused_plan(
 
 def _interval_bytes(sizes: np.ndarray, cost: CostModel, sparsification: str, density: float):
     """(a function of ``e`` giving the bytes one worker sends for ``[e, e')``, every
-    ``e' > e``; the ``(α, β)`` of the collective that sends them)."""
+    ``e' > e``; the time of the collective that sends them, of an array of byte counts)."""
     es = cost.element_size
     if sparsification == "multi_tensor":
         cum_elems = np.concatenate(([0], np.cumsum(sizes)))
@@ -89,15 +89,16 @@ def _interval_bytes(sizes: np.ndarray, cost: CostModel, sparsification: str, den
             elems = cum_elems[e + 1:] - cum_elems[e]
             idx = np.where(elems < 2**31, 4, 8)  # index width follows the buffer length
             return nominal_k(elems, density) * (es + idx + cost.entry_extra)
-        return sent, cost.allgather
+        return sent, cost.allgather_many
     if sparsification == "per_tensor":
         k = nominal_k(sizes, density)
         entry = np.array([cost.entry_size(n) for n in sizes], dtype=np.int64)
-        per_tensor, fit = k * entry, cost.allgather
+        per_tensor, time_of = k * entry, cost.allgather_many
     else:
-        per_tensor, fit = sizes * es, cost.allreduce
+        alpha, beta = cost.allreduce
+        per_tensor, time_of = sizes * es, (lambda nbytes: alpha + beta * nbytes)
     cum_bytes = np.concatenate(([0], np.cumsum(per_tensor)))
-    return (lambda e: cum_bytes[e + 1:] - cum_bytes[e]), fit
+    return (lambda e: cum_bytes[e + 1:] - cum_bytes[e]), time_of
 
 
 def optimal_fusion(
@@ -139,7 +140,7 @@ def optimal_fusion(
             per_group = alpha_h
     compute = compute + cost.copy_s(sizes_arr * es)  # every tensor is packed once
     cursor = cost.forward_s + np.concatenate(([0.0], np.cumsum(compute)))
-    sent, (alpha, beta) = _interval_bytes(sizes_arr, cost, sparsification, density)
+    sent, time_of = _interval_bytes(sizes_arr, cost, sparsification, density)
     cum_out = np.concatenate(([0], np.cumsum(sizes_arr * es)))
     world = cost.world_size if sparsification != "none" else 0
 
@@ -148,7 +149,7 @@ def optimal_fusion(
         that last group or the agreement after it (either ends the iteration;
         decode_bytes in plan/timeline.py)."""
         nbytes = sent(e)
-        g = alpha + beta * nbytes
+        g = time_of(nbytes)
         g[-1] += max(cost.decode_s(cum_out[n] - cum_out[e] + world * nbytes[-1]), check_s)
         return g
 

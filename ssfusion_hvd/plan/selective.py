@@ -315,7 +315,7 @@ def split_objective(plan: Plan, cost: CostModel, group: int, ks=None, candidates
     t1 = bwd_end[np.maximum(last_dense, 0)] + cost.copy_s(ar_bytes)
     ag_bytes = np.where(dense, 0, sparse_bytes).sum(axis=1)
     t_ar = cost.allreduce[0] + cost.allreduce[1] * ar_bytes
-    t_ag = cost.allgather[0] + cost.allgather[1] * ag_bytes
+    t_ag = cost.allgather_many(ag_bytes)
     both = np.maximum(t1 + t_ar, compute) + t_ag
     has_ar, has_ag = dense.any(axis=1), sparse.any(axis=1)
     comm_end = np.where(~has_ar, compute + t_ag, np.where(~has_ag, t1 + t_ar, both))

@@ -27,7 +27,8 @@ import torch
 
 from ..plan.cost import CostModel
 from .backward import BackwardTimer, ready_from_note, ready_note, slowest_rank_times
-from .timing import (COLLECTIVE_SIZES, DECODE_SIZES, SPARSIFY_SIZES, _numel, _sync,
+from .timing import (ALLGATHER_CURVE_SIZES, COLLECTIVE_SIZES, DECODE_SIZES, SPARSIFY_SIZES,
+                     _numel, _sync,
                      _torch_device, fit_affine, time_decode, time_sparsifier)
 
 __all__ = [
@@ -53,7 +54,8 @@ def _process_set(process_set):
 
 # -- collectives --------------------------------------------------------------------------
 def probe_collectives(process_set=None, device="cpu", dtype=torch.float32,
-                      sizes_bytes=COLLECTIVE_SIZES, repeats=5, name="ssf.probe") -> dict:
+                      sizes_bytes=COLLECTIVE_SIZES, repeats=5, name="ssf.probe",
+                      curve_sizes=()) -> dict:
     """``g(x)`` of allreduce and allgather, measured on this rank (Cupcake §4.1).
 
     Collective: every rank of ``process_set`` must call it with the same arguments. For
@@ -65,7 +67,9 @@ def probe_collectives(process_set=None, device="cpu", dtype=torch.float32,
     collective is reused across repeats, as a training loop reuses its names (so Horovod's
     response cache is warm, as in steady state).
 
-    Returns ``{"allreduce": (α, β), "allgather": (α, β)}`` in seconds and seconds per byte.
+    Returns ``{"allreduce": (α, β), "allgather": (α, β)}`` in seconds and seconds per byte,
+    and ``"allgather_curve"``: the allgather's ``(x, median)`` at every size, those of
+    ``curve_sizes`` included (they are timed for the curve, not fitted).
     """
     from ..core import transport
 
@@ -80,9 +84,11 @@ def probe_collectives(process_set=None, device="cpu", dtype=torch.float32,
     }
     tags = {"allreduce": "ar", "allgather": "ag"}
     fits = {}
+    curve = []
     for coll, call in calls.items():
         xs, ts = [], []
-        for i, nbytes in enumerate(sizes):
+        extra = [int(c) for c in curve_sizes] if coll == "allgather" else []
+        for i, nbytes in enumerate(sizes + extra):
             n = _numel(nbytes, dtype)
             tensor = torch.ones(n, dtype=dtype, device=dev)
             tname = f"{name}.{tags[coll]}.{i}"
@@ -97,7 +103,10 @@ def probe_collectives(process_set=None, device="cpu", dtype=torch.float32,
                 samples.append(time.perf_counter() - start)
             xs.append(n * elem)
             ts.append(statistics.median(samples))
-        fits[coll] = fit_affine(xs, ts, relative=True)
+        fits[coll] = fit_affine(xs[:len(sizes)], ts[:len(sizes)], relative=True)
+        if coll == "allgather":
+            curve = list(zip(xs, ts))
+    fits["allgather_curve"] = tuple(curve)
     return fits
 
 
@@ -153,7 +162,8 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
 
     ps = _process_set(process_set)
     dev = _torch_device(device)
-    comm = probe_collectives(process_set=ps, device=dev, sizes_bytes=COLLECTIVE_SIZES)
+    comm = probe_collectives(process_set=ps, device=dev, sizes_bytes=COLLECTIVE_SIZES,
+                             curve_sizes=ALLGATHER_CURVE_SIZES)
     sparsify = {}
     if sparsifier is not None:
         fit = time_sparsifier(sparsifier, device=dev, density=density,
@@ -169,6 +179,7 @@ def measure_cost_model(backward_s, sparsifier, process_set=None, device="cpu",
         world_size=int(world),
         allreduce=comm["allreduce"],
         allgather=comm["allgather"],
+        allgather_curve=comm["allgather_curve"],
         sparsify=sparsify,
         backward_s=backward_s,
         element_size=int(element_size),

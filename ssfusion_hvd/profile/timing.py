@@ -13,6 +13,10 @@ from ..plan.cost import nominal_k
 
 #: Probe sizes of :func:`probe_collectives` (bytes one worker contributes).
 COLLECTIVE_SIZES = (4096, 65536, 1 << 20, 4 << 20)
+#: Further allgather sizes, for the measured curve only (``CostModel.allgather_curve``): a
+#: large record's allgather, which over Gloo leaves the affine fit (twice a slow link's time
+#: from about 4 MiB per rank; docs/results/collectives_probe.md)
+ALLGATHER_CURVE_SIZES = (16 << 20,)
 #: Dense input sizes (bytes) of :func:`time_sparsifier`: from a small tensor to one far
 #: larger than a CPU's caches, where every pass over it runs at memory speed.
 SPARSIFY_SIZES = (40_000, 400_000, 4_000_000, 40_000_000)
