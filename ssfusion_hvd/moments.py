@@ -49,6 +49,12 @@ from .ops import native_op
 
 __all__ = ["SharedMoments", "fresh_share", "share_table", "SHARE_ROWS"]
 
+#: The native step on CUDA tensors too (else they take the foreach path). Off until its
+#: GPU test (``tests/test_moments.py -k gpu``, which turns it on) has passed on a GPU: the
+#: kernel shares its arithmetic with the tested CPU one (``csrc/moments.h``) but has only
+#: been compiled so far, and a wrong step on the GPU would train silently wrong.
+NATIVE_ON_CUDA = False
+
 #: per rule family, the shares of a decode with each sender's wait (:func:`share_table`)
 SHARE_ROWS = {"sgd": 1, "adam": 2}
 
@@ -157,6 +163,8 @@ class SharedMoments:
         the foreach path."""
         op = "shared_adam_step" if self.kind == "adam" else "shared_momentum_step"
         fn = native_op(op, params[0]) if params else None
+        if fn is not None and params[0].is_cuda and not NATIVE_ON_CUDA:
+            fn = None
         tensors = state[:2] if self.kind == "adam" else [state]
         if fn is None or not all(_plain(ts, params[0].device) for ts in (params, grads, *tensors)):
             return False
