@@ -36,7 +36,7 @@ if ! "$PY_SYS" setup.py build_ext --inplace > "$OUT/ext.log" 2>&1; then
     tail -n 30 "$OUT/ext.log"; wait; exit 1
 fi
 say "extension built; the DDP hook's GPU tests"
-PYTHONPATH="$PWD" timeout 200 "$PY_SYS" -m pytest tests/test_ddp.py tests/test_moments.py -k gpu -q \
+PYTHONPATH="$PWD" timeout 200 "$PY_SYS" -m pytest tests/test_ddp.py tests/test_moments_native.py -k gpu -q \
     -p no:cacheprovider --tb=short > "$OUT/tests_ddp_gpu.log" 2>&1
 tail -n 4 "$OUT/tests_ddp_gpu.log"
 wait "$setup"

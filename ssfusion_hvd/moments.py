@@ -50,7 +50,7 @@ from .ops import native_op
 __all__ = ["SharedMoments", "fresh_share", "share_table", "SHARE_ROWS"]
 
 #: The native step on CUDA tensors too (else they take the foreach path). Off until its
-#: GPU test (``tests/test_moments.py -k gpu``, which turns it on) has passed on a GPU: the
+#: GPU test (``tests/test_moments_native.py -k gpu``, which turns it on) has passed on a GPU: the
 #: kernel shares its arithmetic with the tested CPU one (``csrc/moments.h``) but has only
 #: been compiled so far, and a wrong step on the GPU would train silently wrong.
 NATIVE_ON_CUDA = False
