@@ -30,10 +30,11 @@ def main() -> None:
         mask = torch.rand(q.shape, generator=g, device=q.device) < 0.02
         q.grad = torch.randn(q.shape, generator=g, device=q.device) * mask
     settle = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    on_cuda = moments.NATIVE_ON_CUDA
     for kind, hp in (("momentum", {"momentum": 0.9}), ("adam", {"betas": (0.9, 0.999), "eps": 1e-8})):
         for path in ("native", "foreach"):
             moments.native_op = native_op if path == "native" else (lambda op, x: None)
-            moments.NATIVE_ON_CUDA = path == "native"  # (the kernel under test on a GPU)
+            moments.NATIVE_ON_CUDA = path == "native"
             opt = (torch.optim.SGD(params, lr=0.01, momentum=0.9) if kind == "momentum"
                    else torch.optim.Adam(params, lr=1e-3))
             rule = moments.SharedMoments(kind, hp)
@@ -47,7 +48,7 @@ def main() -> None:
             print(f"[bench_moments] {args.model} {args.device} {kind:8s} {path:7s} "
                   + " ".join(f"{t:.0f}" for t in ms) + " ms")
     moments.native_op = native_op
-    moments.NATIVE_ON_CUDA = False
+    moments.NATIVE_ON_CUDA = on_cuda
 
 
 if __name__ == "__main__":

@@ -51,9 +51,6 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--native-cuda-moments", action="store_true",
-                   help="the shared-moments step by its CUDA kernel (moments.NATIVE_ON_CUDA, "
-                        "off by default until its GPU test has passed)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -107,10 +104,6 @@ def one_round(args, config: str, device: torch.device) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.native_cuda_moments:
-        import ssfusion_hvd.moments
-
-        ssfusion_hvd.moments.NATIVE_ON_CUDA = True
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
