@@ -39,12 +39,19 @@ moving only what the hook sent dense. Without ``optimizer=`` it is plain error f
 **Mixed precision** (``grad_scaler=``): residuals in unscaled units, and a step the scaler
 skips (any rank's overflow: each record carries a finite-or-NaN flag) undone.
 
-Not yet here (docs/ddp.md): ``moments="local"``, the planner's choice of ``bucket_cap_mb``
-and of dense tensors within a bucket, the offload worker, and NCCL (the code path is the
-same; no GPU run yet).
+**The planner** (``plan=``): :func:`make_plan` runs the Horovod engine's planner on the
+model's gradient tensors and a cost model: Cupcake's optimal fusion gives DDP its buckets
+(:func:`ddp_kwargs`: one size cap per bucket, ``bucket_cap_mb_list``), and for
+``"ssfusion"`` SSFusion's selective sparsification (Eq. 2) and allreduce/allgather split
+decide which tensors of a bucket go dense, by allreduce, while the rest are selected and
+allgathered, with the densities compensated for the bytes the dense ones add.
+
+Not yet here (docs/ddp.md): ``moments="local"``, the offload worker.
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
 import math
 import warnings
 from typing import Dict, List, Optional, Tuple
@@ -52,12 +59,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .core.layout import views
 from .core.sparse_part import SparsePart
+from .plan import CostModel, Plan, build_plan, default_backward_times, optimal_fusion
 from .plan.cost import nominal_k
+from .plan.selective import DEFAULT_ACCURACY_SLACK
 from .recipe import DEFAULT_WARMUP_STEPS, Recipe, resolve_recipe
 from .sparsify import SPARSIFIERS, ResidualMemory, make_sparsifier
 
-__all__ = ["SCHEMES", "SparseHook", "register"]
+__all__ = ["SCHEMES", "SparseHook", "ddp_kwargs", "make_plan", "register"]
 
 #: scheme -> the sparse part's selection mode (``core/sparse_part.py``); None: dense
 SCHEMES = {"dense": None, "per_tensor": "segmented", "multi_tensor": "buffer", "ssfusion": "group"}
@@ -76,27 +86,55 @@ ALLGATHER_PIECE_BYTES = 1 << 20
 
 
 class _Bucket:
-    """One bucket's sparse part at one density, its send buffer and the gathered one. A
-    record is the part's, then one element: 0, or NaN when this rank's gradients in the
-    bucket are not all finite, so every rank learns it from the allgather it makes anyway.
-    ``pieces`` > 1: the record is allgathered as that many equal pieces (the last padded),
-    which land piece by piece and are put back in rank order once all have arrived."""
+    """One bucket at one density: its sparse part and, under a plan that sends some of its
+    tensors dense, their allreduce buffer. A record is the part's, then one element: 0, or
+    NaN when this rank's gradients in the bucket are not all finite, so every rank learns
+    it from the allgather it makes anyway (:class:`_Gather`, in ``pieces``). ``part`` None:
+    every tensor of the bucket is dense (the bucket is allreduced as DDP would)."""
 
-    def __init__(self, part: SparsePart, nranks: int, pieces: int = 1):
+    def __init__(self, part: Optional[SparsePart], nranks: int, pieces: int = 1,
+                 dense: Tuple[int, ...] = (), shapes=(), buffer: Optional[torch.Tensor] = None):
         self.part = part
         self.nranks = nranks
+        self.pieces = 1
+        #: positions (in the bucket) of the tensors the plan sends dense, and of the others
+        self.dense = tuple(dense)
+        self.sparse = tuple(i for i in range(len(shapes)) if i not in set(self.dense))
+        if self.dense and part is not None:
+            # allocated once per bucket and stage: the dense tensors back to back (the
+            # allreduce's buffer), and the bucket's average assembled from both parts
+            self.dense_buf = torch.zeros(sum(math.prod(shapes[i]) for i in self.dense),
+                                         dtype=buffer.dtype, device=buffer.device)
+            self.dense_views = views(self.dense_buf, [shapes[i] for i in self.dense])
+            self.result = torch.empty_like(buffer)
+            out = views(self.result, shapes)
+            self.result_dense = [out[i] for i in self.dense]
+            self.result_sparse = [out[i] for i in self.sparse]
+        if part is None:
+            return
         self.record_len = part.length + 1
-        self.pieces = max(1, int(pieces))
-        self.piece_len = -(-self.record_len // self.pieces)
-        dev = part.out.device
-        #: what this rank puts on the wire: the record, padded to whole pieces
-        self.wire = torch.zeros(self.pieces * self.piece_len, dtype=part.dtype, device=dev)
-        self.send = self.wire[:self.record_len]
-        self.gathered = torch.empty(nranks * self.record_len, dtype=part.dtype, device=dev)
-        self._landing = (torch.empty(self.pieces * nranks * self.piece_len, dtype=part.dtype,
-                                     device=dev) if self.pieces > 1 else None)
+        self.gather = _Gather(self.record_len, nranks, pieces, part.dtype, part.out.device)
+        self.wire, self.send, self.gathered = self.gather.wire, self.gather.send, self.gather.gathered
+        self.pieces = self.gather.pieces
 
-    def allgather(self, group) -> torch.futures.Future:
+
+class _Gather:
+    """Every rank's record of ``record_len`` elements, allgathered into :attr:`gathered` in
+    rank order. ``pieces`` > 1: as that many equal pieces (the last padded), all in flight,
+    which land piece by piece and are put back in rank order once all have arrived."""
+
+    def __init__(self, record_len: int, nranks: int, pieces: int, dtype, device):
+        self.nranks, self.record_len = nranks, record_len
+        self.pieces = max(1, int(pieces))
+        self.piece_len = -(-record_len // self.pieces)
+        #: what this rank puts on the wire: the record (:attr:`send`), padded to whole pieces
+        self.wire = torch.zeros(self.pieces * self.piece_len, dtype=dtype, device=device)
+        self.send = self.wire[:record_len]
+        self.gathered = torch.empty(nranks * record_len, dtype=dtype, device=device)
+        self._landing = (torch.empty(self.pieces * nranks * self.piece_len, dtype=dtype,
+                                     device=device) if self.pieces > 1 else None)
+
+    def start(self, group) -> torch.futures.Future:
         """Launches the allgather of this rank's record; the future is done when
         :attr:`gathered` holds every rank's, in rank order."""
         if self.pieces == 1:
@@ -116,6 +154,15 @@ class _Bucket:
         return torch.futures.collect_all(futures).then(in_rank_order)
 
 
+def _pieces(nbytes: int, device: torch.device, group) -> int:
+    """How many pieces a record of ``nbytes`` is allgathered in: gloo on the CPU splits one
+    larger than :data:`ALLGATHER_PIECE_BYTES` (NCCL and gloo's CUDA path, which stages
+    through the host, take it whole). The same on every rank: it follows the record's size."""
+    if device.type != "cpu" or dist.get_backend(group) != "gloo":
+        return 1
+    return min(64, -(-int(nbytes) // ALLGATHER_PIECE_BYTES))
+
+
 class SparseHook:
     """The hook's state (``register`` makes one): the residuals of every bucket, the
     synchronized step count, and each bucket's buffers at the density in force.
@@ -123,8 +170,13 @@ class SparseHook:
     the step, so a resumed job continues exactly; each rank saves and loads its own."""
 
     def __init__(self, names: Dict[torch.Tensor, str], process_group, scheme: str,
-                 sparsifier: str, recipe: Recipe, optimizer=None, grad_scaler=None):
+                 sparsifier: str, recipe: Recipe, optimizer=None, grad_scaler=None,
+                 plan: Optional[Plan] = None):
         self.names = names
+        #: the planner's decisions (``make_plan``): which tensors go dense, each one's k
+        self.plan = plan
+        self._plan_sparse = dict(zip(plan.names, plan.sparse)) if plan is not None else {}
+        self._plan_k: Dict[float, Dict[str, int]] = {}  # density -> tensor name -> k
         self.group = process_group
         self.scheme, self.sparsifier = scheme, sparsifier
         #: the density schedule and, with an optimizer, its momentum correction
@@ -173,7 +225,7 @@ class SparseHook:
             self._undo_last = False
         b = self._bucket(bucket, self.recipe.density_at(step), nranks)
         part = b.part
-        if first and self.scaler is not None:
+        if first and self.scaler is not None and self.memory is not None:
             self.memory.checkpoint()
             self._undo_last = True  # unless the wrapped optimizer.step runs
         scale = None
@@ -183,11 +235,25 @@ class SparseHook:
             # GradScaler.unscale_ expects to find it scaled
             scale = self.scaler._scale.detach().clone()
             buffer.mul_(scale.reciprocal().to(buffer.dtype))
+        if part is None:  # the plan sends every tensor of this bucket dense
+            self._count(bucket, buffer)
+            buffer.div_(nranks)
+
+            def averaged(fut):
+                out = fut.value()[0]
+                return out.mul_(scale.to(out.dtype)) if scale is not None else out
+
+            return (dist.all_reduce(buffer, group=self.group, async_op=True)
+                    .get_future().then(averaged))
         grads = bucket.gradients()
+        params = bucket.parameters()
+        if b.dense:
+            grads, dense_grads = [grads[i] for i in b.sparse], [grads[i] for i in b.dense]
+            params = [params[i] for i in b.sparse]
         if self.recipe.corrects():
             # the shared rule error-compensates g + wd·w, where SGD/Adam would add the decay:
-            # one foreach call per decay in force (a bucket's tensors mostly share one)
-            params = bucket.parameters()
+            # one foreach call per decay in force (a bucket's tensors mostly share one); the
+            # tensors sent dense take the optimizer's own step, decay included
             by_decay: Dict[float, Tuple[list, list]] = {}
             for p, g in zip(params, grads):
                 wd = self.recipe.coupled_decay(self.optimizer.param_groups[self._group_index[p]])
@@ -200,28 +266,47 @@ class SparseHook:
             self._sent_sparse.update(params)
         # 0 * (a sum that is finite exactly when every term is) is 0, or NaN
         b.send[-1:].copy_(torch.sum(buffer, dtype=torch.float32).mul_(0.0).reshape(1))
-        result = part.select_flat(self.memory, buffer, grads)
+        dense = None
+        if b.dense:  # launched first: the allreduce runs while the sparse part selects
+            torch._foreach_copy_(b.dense_views, dense_grads)
+            b.dense_buf.div_(nranks)
+            dense = dist.all_reduce(b.dense_buf, group=self.group, async_op=True).get_future()
+            result = part.select_grads(self.memory, grads)
+        else:
+            result = part.select_flat(self.memory, buffer, grads)
         part.pack(result, b.send, 1.0)
-        self._count(bucket, b.wire)
-        gathered = b.allgather(self.group)
+        self._count(bucket, b.wire, b.dense_buf if b.dense else None)
+        gathered = b.gather.start(self.group)
 
         def decode(fut):
-            fut.wait()
+            if dense is not None:
+                for f in fut.value():
+                    f.wait()  # (raises either collective's error)
+            else:
+                fut.wait()
             out = part.decode(b.gathered, nranks, b.record_len)[:part.numel]
             # any rank's non-finite gradients make the whole bucket NaN on every rank, so
             # every rank skips the step alike (GradScaler) and no partial sum is applied
             out.add_(b.gathered.view(nranks, b.record_len)[:, -1].sum(dtype=torch.float32))
             out.mul_(1.0 / nranks)
+            if dense is None:
+                if scale is not None:
+                    out.mul_(scale)
+                return out.to(buffer.dtype).view_as(buffer)
+            torch._foreach_copy_(b.result_sparse, part.out_views)
+            torch._foreach_copy_(b.result_dense, b.dense_views)
             if scale is not None:
-                out.mul_(scale)
-            return out.to(buffer.dtype).view_as(buffer)
+                b.result.mul_(scale.to(b.result.dtype))
+            return b.result
 
-        return gathered.then(decode)
+        if dense is None:
+            return gathered.then(decode)
+        return torch.futures.collect_all([dense, gathered]).then(decode)
 
-    def _count(self, bucket, sent: torch.Tensor) -> None:
+    def _count(self, bucket, *sent: Optional[torch.Tensor]) -> None:
         """Bytes this rank sends in the step, and the step's end: DDP calls the hook bucket
         by bucket, in index order, the last bucket last."""
-        self._bytes += sent.numel() * sent.element_size()
+        self._bytes += sum(t.numel() * t.element_size() for t in sent if t is not None)
         if bucket.is_last():
             self.step += 1
             self._in_step = False
@@ -238,19 +323,32 @@ class SparseHook:
         if found is None or found[0] != density:
             # a new warm-up stage: this bucket's buffers at the new density replace the old
             # (allocated once per stage; the residual, under the same key, carries over)
-            part = self._part(key, [p.shape for p in params], density, bucket.buffer())
-            found = self._buckets[key] = (density, _Bucket(part, nranks, self._pieces(part)))
+            shapes = [p.shape for p in params]
+            dense = tuple(i for i, n in enumerate(names) if not self._sparsified(n))
+            sparse = [i for i in range(len(names)) if i not in dense]
+            part = self._part(key, [names[i] for i in sparse], [shapes[i] for i in sparse],
+                              density, bucket.buffer()) if sparse else None
+            found = self._buckets[key] = (density, _Bucket(
+                part, nranks, self._pieces(part) if part is not None else 1, dense, shapes,
+                bucket.buffer()))
         return found[1]
 
+    def _sparsified(self, name: str) -> bool:
+        """Whether the plan (if any) sparsifies tensor ``name``."""
+        return self.plan is None or self._plan_sparse[name]
+
+    def _plan_ks(self, density: float) -> Optional[Dict[str, int]]:
+        """The plan's k of every tensor at ``density`` (None without a plan)."""
+        if self.plan is None:
+            return None
+        if density not in self._plan_k:
+            at = self.plan.at_density(density)
+            self._plan_k[density] = dict(zip(at.names, at.k))
+        return self._plan_k[density]
+
     def _pieces(self, part: SparsePart) -> int:
-        """How many pieces a bucket's record is allgathered in: gloo on the CPU splits one
-        larger than :data:`ALLGATHER_PIECE_BYTES` (NCCL and gloo's CUDA path, which stages
-        through the host, take it whole). The same on every rank: it follows the record's
-        size, which follows the bucket and the density."""
-        nbytes = (part.length + 1) * torch.empty(0, dtype=part.dtype).element_size()
-        if part.out.device.type != "cpu" or dist.get_backend(self.group) != "gloo":
-            return 1
-        return min(64, -(-nbytes // ALLGATHER_PIECE_BYTES))
+        return _pieces((part.length + 1) * torch.empty(0, dtype=part.dtype).element_size(),
+                       part.out.device, self.group)
 
     def _register(self, names, shapes, buffer: torch.Tensor) -> str:
         if any(n in self._owner for n in names):
@@ -273,7 +371,12 @@ class SparseHook:
         key = f"b{len(self._keys)}"
         self._keys[names] = key
         self._owner.update({n: key for n in names})
-        self.memory.register(key, list(names), shapes, buffer.device)
+        # residuals for the tensors the bucket sparsifies (all of them without a plan)
+        shapes = [s for n, s in zip(names, shapes) if self._sparsified(n)]
+        names = [n for n in names if self._sparsified(n)]
+        if not names:
+            return key
+        self.memory.register(key, names, shapes, buffer.device)
         if self._loaded is not None:
             have = self._loaded["residuals"]
             if any(n in have for n in names):
@@ -282,14 +385,19 @@ class SparseHook:
                      for n, s in zip(names, shapes)]).to(buffer.device, self.memory.acc_dtype(buffer.dtype))
         return key
 
-    def _part(self, key: str, shapes, density: float, buffer: torch.Tensor) -> SparsePart:
+    def _part(self, key: str, names, shapes, density: float, buffer: torch.Tensor) -> SparsePart:
+        """The sparse part of tensors ``names`` of a bucket at ``density``: each tensor's k
+        the plan's (compensated for what the bucket sends dense, scaled to the warm-up's
+        stage as the Horovod engine scales it: ``Plan.at_density``), else its nominal."""
         mode = SCHEMES[self.scheme]
         numels = [math.prod(s) for s in shapes]
         if mode == "buffer":
             ks = [int(nominal_k(sum(numels), density))]
             sps = [make_sparsifier(self.sparsifier)]
         else:
-            ks = [int(nominal_k(n, density)) if n else 0 for n in numels]
+            planned = self._plan_ks(density)
+            ks = [planned[n] if planned is not None else int(nominal_k(m, density)) if m else 0
+                  for n, m in zip(names, numels)]
             sps = [make_sparsifier(self.sparsifier) for _ in numels]
         floors = None
         if mode == "group" and len(shapes) > 1:
@@ -323,7 +431,8 @@ class SparseHook:
         if self._loaded is not None:  # keys not seen since the load keep the loaded values
             named["residuals"] = {**self._loaded.get("residuals", {}), **named["residuals"]}
         out = {"scheme": self.scheme, "density": self.recipe.density, "step": self.step,
-               "residuals": named["residuals"], "buckets": [list(b) for b in self._keys]}
+               "residuals": named["residuals"], "buckets": [list(b) for b in self._keys],
+               "plan": None if self.plan is None else self.plan.to_json()}
         if self.recipe.shared is not None:
             out["ages"] = self.recipe.shared.state_dict(self.names)
         return out
@@ -332,6 +441,11 @@ class SparseHook:
         if state.get("scheme") != self.scheme:
             raise ValueError(f"ssfusion_hvd.ddp: the checkpoint's hook ran scheme "
                              f"{state.get('scheme')!r}, this one runs {self.scheme!r}")
+        mine = None if self.plan is None else self.plan.to_json()
+        if state.get("plan") != mine and self.group.rank() == 0:
+            warnings.warn("ssfusion_hvd.ddp: the checkpoint's hook ran another plan: the residuals "
+                          "of tensors this plan sends dense are kept in the state, not applied",
+                          stacklevel=2)
         self.step = int(state["step"])
         self.memory, self._keys, self._owner, self._buckets = None, {}, {}, {}
         self._in_step = self._undo_last = False
@@ -341,10 +455,114 @@ class SparseHook:
             self.recipe.shared.load_state_dict(state.get("ages"), self.names)
 
 
+def make_plan(model, cost, scheme: str = "ssfusion", density: float = 0.01,
+              sparsifier: str = "topk") -> Plan:
+    """The planner's plan for a DDP job: give it to DDP as :func:`ddp_kwargs` and to
+    :func:`register` as ``plan=``.
+
+    ``model``: the module (or its ``DistributedDataParallel``); its parameters that need
+    gradients, in reverse registration order (DDP's own guess of the backward order, which
+    its buckets follow), are the plan's tensors. ``cost``: a
+    :class:`~ssfusion_hvd.plan.CostModel` (or the path of one saved as JSON) of the job's
+    link at its world size; ``python -m ssfusion_hvd.plan --help`` makes one from a
+    bandwidth and latency. Where its backward times are for another tensor list, the
+    default per-tensor times are used (``plan.notes["backward"]`` says so).
+
+    ``"ssfusion"``: the Horovod engine's SSFusion planner with the allreduce/allgather
+    split (``ssfusion_i``) and the group budget: Cupcake's optimal fusion into buckets,
+    selective sparsification (Eq. 2), the tensors that go dense by allreduce and the
+    densities compensated for their bytes; a plan whose every bucket the simulator
+    predicts faster dense is all dense. ``"per_tensor"``, ``"multi_tensor"``, ``"dense"``:
+    Cupcake's optimal fusion for that selection, every tensor sparsified (or none). The
+    plan is a function of its arguments: every rank that makes it from the same cost
+    model makes the same plan (``register`` checks that they agree)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(cost, (str, bytes)) or hasattr(cost, "__fspath__"):
+        cost = CostModel.load(cost)
+    if not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a CostModel or the path of one, got {type(cost).__name__}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {tuple(SCHEMES)}")
+    _check_density(density)
+    if "gpu" not in cost.sparsify.get(sparsifier, {}):
+        raise ValueError(f"the cost model has no selection time for {sparsifier!r} "
+                         f"(cost.sparsify[{sparsifier!r}]['gpu']: the device the gradients "
+                         f"are selected on); it has {sorted(cost.sparsify)}")
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad][::-1]
+    if not named:
+        raise ValueError("the model has no parameters that need gradients")
+    names, sizes = [n for n, _ in named], [p.numel() for _, p in named]
+    element_sizes = {p.element_size() for _, p in named}
+    if len(element_sizes) != 1:
+        raise ValueError("make_plan plans one gradient dtype; the model's parameters have "
+                         f"element sizes {sorted(element_sizes)}")
+    notes = {"ddp_scheme": scheme, "world_size": str(cost.world_size),
+             "element_size": str(element_sizes.pop())}
+    if len(cost.backward_s) != len(sizes):
+        cost = cost.with_backward(default_backward_times(sizes))
+        notes["backward"] = (f"the cost model's backward times are for {len(cost.backward_s)} "
+                             f"tensors: default times for this model's {len(sizes)}")
+    if scheme == "ssfusion":
+        plan = build_plan("ssfusion_i", sizes, cost, float(density), names, sparsifier,
+                          group_floor=0.0, accuracy_slack=DEFAULT_ACCURACY_SLACK)
+    else:
+        mode = {"per_tensor": "per_tensor", "multi_tensor": "multi_tensor", "dense": "none"}[scheme]
+        plan = optimal_fusion(sizes, cost, mode, float(density), scheme, names, sparsifier)
+    plan.notes = {**plan.notes, **notes}
+    return plan
+
+
+def ddp_kwargs(plan: Plan) -> dict:
+    """The ``DistributedDataParallel`` arguments that make its buckets the plan's groups:
+    ``bucket_cap_mb_list``, one cap per bucket in backward order, each the group's bytes
+    (DDP closes a bucket when it reaches its cap). DDP forms its first iteration's buckets
+    in forward order and rebuilds them after it in the order the gradients became ready,
+    with these caps: from the second step on they are the plan's groups (where the
+    backward order is the reverse of the registration order, which the plan assumes). A
+    torch without per-bucket caps gets ``bucket_cap_mb``, the largest group's size."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(plan, Plan):
+        raise ValueError(f"plan must be a Plan (ssfusion_hvd.ddp.make_plan), got {type(plan).__name__}")
+    es = int(plan.notes.get("element_size", 4))
+    caps = [sum(plan.sizes[g.start:g.end]) * es / 2 ** 20 for g in plan.groups]
+    if "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"bucket_cap_mb_list": caps}
+    return {"bucket_cap_mb": max(caps)}
+
+
+def _check_density(density) -> None:
+    if isinstance(density, bool) or not isinstance(density, (int, float)) \
+            or not 0.0 < float(density) <= 1.0 or math.isnan(float(density)):
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+
+
+def _agree(group, **arguments) -> None:
+    """Every rank's ``register`` arguments, compared on every rank before anything is
+    checked or built: ranks given different schemes, densities or plans would send records
+    of different sizes, so each raises, all alike, instead of a collective that never
+    matches. One small allgather, made by every rank whatever its arguments."""
+    def fingerprint(v):
+        if isinstance(v, Plan):
+            return hashlib.sha1(v.to_json().encode()).hexdigest()
+        return repr(v) if isinstance(v, (str, int, float, bool, type(None))) else type(v).__name__
+
+    mine = {k: fingerprint(v) for k, v in sorted(arguments.items())}
+    every = [None] * group.size()
+    dist.all_gather_object(every, mine, group=group)
+    differ = sorted(k for k in mine if len({repr(e[k]) for e in every}) > 1)
+    if differ:
+        raise ValueError(f"ssfusion_hvd.ddp.register: the ranks were given different {differ} "
+                         f"(every rank must register the same hook)")
+
+
 def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsifier: str = "topk",
              optimizer=None, momentum_correction="auto",
              density_warmup_steps: int = DEFAULT_WARMUP_STEPS,
-             fp32_accumulation: bool = True, grad_scaler=None) -> SparseHook:
+             fp32_accumulation: bool = True, grad_scaler=None,
+             plan: Optional[Plan] = None) -> SparseHook:
     """Installs the hook on ``ddp_model`` (a ``DistributedDataParallel``) and returns its
     state. ``scheme``: one of :data:`SCHEMES`; ``density``: the share of each bucket's
     elements sent, in (0, 1]; ``sparsifier``: one of ``ssfusion_hvd.SPARSIFIERS``;
@@ -353,7 +571,10 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
     ``False``; without an optimizer, plain error feedback); ``density_warmup_steps``:
     DGC's exponential warm-up (0: off); ``grad_scaler``: the job's ``torch.amp.GradScaler``
     (needs ``optimizer``): the residuals are kept in unscaled units and a step the scaler
-    skips is undone. Call ``optimizer.step()`` (or ``scaler.step(optimizer)``) as usual: the
+    skips is undone; ``plan``: the planner's plan (:func:`make_plan`): which tensors of a
+    bucket go dense by allreduce and each sparsified tensor's k (build the DDP model
+    with :func:`ddp_kwargs` of the same plan, so its buckets are the plan's groups). Call
+    ``optimizer.step()`` (or ``scaler.step(optimizer)``) as usual: the
     hook wraps it. Bad arguments raise ``ValueError`` on every rank before any collective (nothing
     in the checks depends on the rank)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -361,17 +582,21 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(f"register takes a DistributedDataParallel model, got "
                          f"{type(ddp_model).__name__}")
+    _agree(ddp_model.process_group, scheme=scheme, density=density, sparsifier=sparsifier,
+           optimizer=optimizer, momentum_correction=momentum_correction,
+           density_warmup_steps=density_warmup_steps, fp32_accumulation=fp32_accumulation,
+           grad_scaler=grad_scaler, plan=plan)
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {tuple(SCHEMES)}")
     if sparsifier not in SPARSIFIERS:
         raise ValueError(f"unknown sparsifier {sparsifier!r}; choose one of {tuple(SPARSIFIERS)}")
-    if isinstance(density, bool) or not isinstance(density, (int, float)) \
-            or not 0.0 < float(density) <= 1.0 or math.isnan(float(density)):
-        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    _check_density(density)
     if scheme == "ssfusion" and not make_sparsifier(sparsifier).exact_topk:
         raise ValueError(f"scheme 'ssfusion' shares a bucket's budget by magnitude, which "
                          f"needs an exact top-k sparsifier, got {sparsifier!r}")
     names = {p: n for n, p in ddp_model.module.named_parameters()}
+    if plan is not None:
+        _check_plan(plan, scheme, float(density), sparsifier, ddp_model)
     if grad_scaler is not None:
         if not isinstance(grad_scaler, torch.amp.GradScaler):
             raise ValueError(f"grad_scaler must be a torch.amp.GradScaler, got "
@@ -398,11 +623,30 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
         recipe = Recipe("none", float(density), density_warmup_steps if scheme != "dense" else 0,
                         bool(fp32_accumulation))
     hook = SparseHook(names, ddp_model.process_group, scheme, sparsifier, recipe, optimizer,
-                      grad_scaler)
+                      grad_scaler, plan)
     ddp_model.register_comm_hook(hook, _call)
     if optimizer is not None:
         _wrap_step(optimizer, hook)
     return hook
+
+
+def _check_plan(plan, scheme: str, density: float, sparsifier: str, ddp_model) -> None:
+    """``register(plan=)``: a plan made by :func:`make_plan` for this model, scheme,
+    density, sparsifier and world size."""
+    if not isinstance(plan, Plan):
+        raise ValueError(f"plan must be a Plan (ssfusion_hvd.ddp.make_plan), got {type(plan).__name__}")
+    made = {"scheme": plan.notes.get("ddp_scheme"), "density": plan.density,
+            "sparsifier": plan.sparsifier, "world size": plan.notes.get("world_size")}
+    given = {"scheme": scheme, "density": density, "sparsifier": sparsifier,
+             "world size": str(ddp_model.process_group.size())}
+    for what in made:
+        if made[what] != given[what]:
+            raise ValueError(f"the plan was made for {what} {made[what]!r}, the hook runs "
+                             f"{given[what]!r} (ssfusion_hvd.ddp.make_plan)")
+    want = sorted(n for n, p in ddp_model.module.named_parameters() if p.requires_grad)
+    if sorted(plan.names) != want:
+        raise ValueError(f"the plan's tensors are not the model's: {len(plan.names)} against "
+                         f"{len(want)} parameters that need gradients")
 
 
 def _wrap_step(optimizer, hook: SparseHook) -> None:

@@ -24,8 +24,9 @@ def _k(n: int, density: float) -> int:
     return min(n, max(1, math.ceil(n * density - 1e-9)))
 
 
-def _mask(acc, sizes, scheme, density):
-    """Which elements of one bucket's ``acc`` (its tensors back to back) are sent."""
+def _mask(acc, sizes, scheme, density, ks=None):
+    """Which elements of one bucket's ``acc`` (its tensors back to back) are sent; ``ks``:
+    each tensor's k (a plan's), else its nominal k at ``density``."""
     mask = torch.zeros(acc.numel(), dtype=torch.bool)
     bounds = [0]
     for n in sizes:
@@ -34,7 +35,7 @@ def _mask(acc, sizes, scheme, density):
     if scheme == "multi_tensor":
         mask[mag.topk(_k(acc.numel(), density)).indices] = True
         return mask
-    ks = [_k(n, density) for n in sizes]
+    ks = ks or [_k(n, density) for n in sizes]
     if scheme == "per_tensor" or len(sizes) == 1:
         for lo, hi, k in zip(bounds, bounds[1:], ks):
             mask[lo + mag[lo:hi].topk(k).indices] = True
@@ -48,8 +49,16 @@ def _mask(acc, sizes, scheme, density):
     return mask
 
 
+def _planned_k(k: int, n: int, density: float, planned: float) -> int:
+    """A plan's k at another density (the warm-up's stages): ``Plan.at_density``."""
+    return k if density == planned else min(n, max(k, math.ceil(k * density / planned - 1e-9)))
+
+
 def _reference(ranks, scheme, density, warmup=0):
+    """With a plan (``ranks[0]["plan"]``: name -> (sparsified, k)), the tensors it sends
+    dense are plain averages and the others are selected over their bucket with its ks."""
     schedule = Recipe("none", density, warmup, True)  # the density in force at each step
+    plan = ranks[0].get("plan")
     shapes = {n: g.shape for n, g in ranks[0]["local"][0].items()}
     residual = [{n: torch.zeros(s).reshape(-1) for n, s in shapes.items()} for _ in ranks]
     out = []
@@ -60,10 +69,19 @@ def _reference(ranks, scheme, density, warmup=0):
         for r, rec in enumerate(ranks):
             assert rec["buckets"][step] == buckets  # every rank met the same buckets
             for names in buckets:
+                d = schedule.density_at(step)
+                ks = None
+                if plan is not None:
+                    for n in names:
+                        if not plan[n][0]:
+                            total[n] += rec["local"][step][n].reshape(-1)
+                    names = [n for n in names if plan[n][0]]
+                    ks = [_planned_k(plan[n][1], shapes[n].numel(), d, density) for n in names]
+                    if not names:
+                        continue
                 acc = torch.cat([residual[r][n] + rec["local"][step][n].reshape(-1) for n in names])
                 sizes = [shapes[n].numel() for n in names]
-                sent = torch.where(_mask(acc, sizes, scheme, schedule.density_at(step)), acc,
-                                   torch.zeros(()))
+                sent = torch.where(_mask(acc, sizes, scheme, d, ks), acc, torch.zeros(()))
                 for n, lo, hi in zip(names, [0] + list(torch.tensor(sizes).cumsum(0)[:-1]),
                                      torch.tensor(sizes).cumsum(0)):
                     residual[r][n] = (acc - sent)[lo:hi]
@@ -105,6 +123,61 @@ def test_records_allgathered_in_pieces_equal_the_reference(scheme):
                 torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("scheme", ["per_tensor", "ssfusion"])
+def test_a_plan_s_buckets_and_dense_tensors(scheme, np_):
+    """With a plan (``make_plan``): DDP built with ``ddp_kwargs(plan)`` meets the plan's
+    groups as its buckets from the second step on (DDP rebuilds them once); within a
+    bucket the tensors the plan sends dense are averaged exactly (one allreduce beside the
+    sparse part's allgather) and the others are selected with the plan's ks; ranks
+    identical; the bytes sent are the records plus the dense tensors."""
+    dense = ("0.bias", "4.bias", "2.weight")
+    ranks = run_ddp(workers_ddp.planned, np=np_, scheme=scheme, density=DENSITY, dense=dense)
+    rec0 = ranks[0]
+    assert rec0["buckets"][-1] == rec0["groups"], (rec0["buckets"][-1], rec0["groups"])
+    assert any(set(b) & set(dense) and set(b) - set(dense) for b in rec0["groups"])  # mixed
+    expect = _reference(ranks, scheme, DENSITY)
+    for step, want in enumerate(expect):
+        for r, rec in enumerate(ranks):
+            for n, g in rec["synced"][step].items():
+                assert torch.equal(g, rec0["synced"][step][n]), (step, r, n)
+                torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"step {step}, rank {r}, {n}: {m}")
+        for n in dense:  # dense: every element of the average, nothing held back
+            local = sum(rec["local"][step][n] for rec in ranks) / np_
+            torch.testing.assert_close(rec0["synced"][step][n], local, rtol=1e-6, atol=1e-7)
+    dense_bytes = 4 * sum(rec0["local"][0][n].numel() for n in dense)
+    assert rec0["bytes"][-1] > dense_bytes
+    assert rec0["bytes"][-1] < dense_bytes + 4 * sum(g.numel() for g in rec0["local"][0].values()) / 2
+
+
+def test_a_plan_through_the_density_warm_up():
+    """The plan's ks scaled to each warm-up stage, as the Horovod engine scales them."""
+    ranks = run_ddp(workers_ddp.planned, np=2, scheme="ssfusion", density=DENSITY, steps=6,
+                    warmup=4, dense=("2.bias",))
+    for step, want in enumerate(_reference(ranks, "ssfusion", DENSITY, warmup=4)):
+        for rec in ranks:
+            for n, g in rec["synced"][step].items():
+                torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-7)
+
+
+def test_ranks_that_disagree_raise_on_every_rank():
+    """Different densities, a plan on one rank only, and plans that do not fit the job
+    (another scheme, density, world size or model): ValueError on every rank, alike, and
+    a collective after them completes."""
+    ranks = run_ddp(workers_ddp.disagree, np=2)
+    for rec in ranks:
+        assert rec["sum"] == 2.0
+        assert rec["errors"] == ranks[0]["errors"] and rec["bad"] == ranks[0]["bad"]
+    assert all("different ['density']" in e for e in [ranks[0]["errors"][0]])
+    assert "different ['plan']" in ranks[0]["errors"][1]
+    bad = ranks[0]["bad"]
+    assert all(e is not None for e in bad.values()), bad
+    assert "scheme 'ssfusion'" in bad["scheme"] and "density 0.01" in bad["density"]
+    assert "must be a Plan" in bad["not a plan"] and "world size" in bad["world"]
+    assert "not the model's" in bad["model"]
+
+
 def test_dense_is_ddp_s_average():
     ranks = run_ddp(workers_ddp.record, np=2, scheme="dense", density=DENSITY, steps=2)
     for step in range(2):
@@ -143,12 +216,16 @@ def test_no_sync_accumulation_is_synchronized_once():
             torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("scheme,cap", [("per_tensor", 0.004), ("ssfusion", 25), ("multi_tensor", 25)])
-def test_resume_is_bit_identical(scheme, cap):
+@pytest.mark.parametrize("scheme,cap,dense", [("per_tensor", 0.004, None), ("ssfusion", 25, None),
+                                              ("multi_tensor", 25, None),
+                                              ("per_tensor", None, ("2.bias", "4.weight"))])
+def test_resume_is_bit_identical(scheme, cap, dense):
     """per_tensor selects tensor by tensor, whatever DDP's buckets; the schemes that select
     over a bucket continue exactly where DDP's first buckets hold the tensors of the
-    checkpoint's (here one bucket; ssfusion_hvd/ddp.py warns where they do not)."""
-    ranks = run_ddp(workers_ddp.resume, np=2, scheme=scheme, density=DENSITY, bucket_cap_mb=cap)
+    checkpoint's (here one bucket; ssfusion_hvd/ddp.py warns where they do not). Under a
+    plan (its buckets, its dense tensors) too."""
+    ranks = run_ddp(workers_ddp.resume, np=2, scheme=scheme, density=DENSITY, bucket_cap_mb=cap,
+                    dense=dense)
     for rec in ranks:
         assert len(rec["through"]) == len(rec["resumed"]) == 5
         for a, b in zip(rec["through"], rec["resumed"]):
@@ -166,12 +243,14 @@ def test_bad_input_raises_on_every_rank_before_any_collective():
     assert "DistributedDataParallel" in ranks[0]["errors"]["not ddp"]
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
-def test_the_recipe_at_density_1_is_the_optimizer_on_the_average(kind):
+@pytest.mark.parametrize("kind,dense", [("sgd", None), ("adam", None), ("adamw", None),
+                                        ("sgd", ("0.bias", "2.weight")), ("adam", ("4.bias",))])
+def test_the_recipe_at_density_1_is_the_optimizer_on_the_average(kind, dense):
     """With the optimizer given, the hook's recipe (shared moments, coupled weight decay
     folded before the error feedback, the wrapped step) is exactly SGD (Nesterov, weight
-    decay) / Adam / AdamW on the averaged gradient when every element is sent."""
-    ranks = run_ddp(workers_ddp.dense_limit, np=2, kind=kind)
+    decay) / Adam / AdamW on the averaged gradient when every element is sent; with a plan
+    too, whose dense tensors the optimizer's own step moves."""
+    ranks = run_ddp(workers_ddp.dense_limit, np=2, kind=kind, dense=dense)
     for rec in ranks:
         for n, want in rec["ddp"].items():
             torch.testing.assert_close(rec["hook"][n], want, rtol=1e-5, atol=1e-6)

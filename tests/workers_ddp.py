@@ -63,23 +63,102 @@ def record(rank, world, scheme, density, steps=4, bucket_cap_mb=0.004, no_sync=F
     return out
 
 
-def resume(rank, world, scheme, density, steps=5, split=3, bucket_cap_mb=0.004):
+def plan_for(model, scheme, density, world, dense=()):
+    """``make_plan`` on a slow link (two or more buckets), with the tensors ``dense`` then
+    sent dense by allreduce, as Eq. 2 leaves small tensors dense on a real model's plan (on
+    this small model it leaves none), and each bucket's first tensor's k doubled, as
+    compensation raises the others' (so the reference must read the plan's ks)."""
+    import dataclasses
+
+    from ssfusion_hvd.plan import ALLREDUCE, CostModel, Group, default_backward_times
+
+    sizes = [p.numel() for p in model.parameters()][::-1]
+    fit = {"topk": {"cpu": (2e-5, 3e-10), "gpu": (2e-5, 3e-10)}}
+    cost = CostModel.from_network(1e7, 50e-6, world, default_backward_times(sizes), sparsify=fit)
+    plan = ssfusion_hvd.ddp.make_plan(model, cost, scheme, density)
+    if len(plan.groups) < 2 and len(plan.sizes) > 2:  # (ssfusion's accuracy rule: one group)
+        plan = dataclasses.replace(plan, groups=[Group(0, 2), Group(2, len(plan.sizes))])
+    sparse, k, coll = list(plan.sparse), list(plan.k), list(plan.collective)
+    for i, n in enumerate(plan.names):
+        if n in dense:
+            sparse[i], k[i], coll[i] = False, plan.sizes[i], ALLREDUCE
+    for g in plan.groups:
+        first = next((i for i in g.indices() if sparse[i]), None)
+        if first is not None:
+            k[first] = min(plan.sizes[first], 2 * k[first])
+    return dataclasses.replace(plan, sparse=sparse, k=k, collective=coll)
+
+
+def planned(rank, world, scheme, density, steps=4, dense=(), warmup=0):
+    """``record`` with a plan: DDP built with ``ddp_kwargs(plan)``, the hook given it."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    plan = plan_for(model, scheme, density, world, dense)
+    ddp = DDP(model, **ssfusion_hvd.ddp.ddp_kwargs(plan))
+    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density,
+                                     density_warmup_steps=warmup, plan=plan)
+    out = {"local": [], "synced": [], "buckets": [], "bytes": []}
+    for step in range(steps):
+        _steps(ddp, ref, hook, rank, [step], out)
+        out["bytes"].append(hook.bytes_sent)
+    out["plan"] = {n: (s, k) for n, s, k in zip(plan.names, plan.sparse, plan.k)}
+    out["groups"] = [tuple(plan.names[g.start:g.end]) for g in plan.groups]
+    return out
+
+
+def disagree(rank, world):
+    """Rank 1 registers another density than rank 0, then a plan only rank 0 has: each
+    raises on every rank; then one collective that completes only if no rank hangs."""
+    ddp = DDP(_model())
+    errors = []
+    for kw in ({"density": 0.1 if rank == 0 else 0.2},
+               {"plan": plan_for(_model(), "ssfusion", 0.01, world) if rank == 0 else None}):
+        try:
+            ssfusion_hvd.ddp.register(ddp, **kw)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    bad = {}
+    plan = plan_for(_model(), "ssfusion", 0.01, world)
+    for label, kw in {"scheme": {"scheme": "per_tensor", "density": 0.01},
+                      "density": {"density": 0.02}, "not a plan": {"plan": "plan.json"},
+                      "world": {"plan": plan_for(_model(), "ssfusion", 0.01, world + 1)},
+                      "model": {"plan": plan_for(torch.nn.Linear(3, 3), "ssfusion", 0.01, world)}
+                      }.items():
+        kw = {"density": 0.01, "plan": plan, **kw}
+        try:
+            ssfusion_hvd.ddp.register(ddp, **kw)
+            bad[label] = None
+        except ValueError as e:
+            bad[label] = str(e)
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    return {"errors": errors, "bad": bad, "sum": float(t)}
+
+
+def resume(rank, world, scheme, density, steps=5, split=3, bucket_cap_mb=0.004, dense=None):
     """The synchronized gradients of ``steps`` steps, run through, and run as ``split``
-    steps, a checkpoint of the hook, and the rest on a new DDP model and hook that load it."""
+    steps, a checkpoint of the hook, and the rest on a new DDP model and hook that load it.
+    ``dense``: under a plan that sends these tensors dense (DDP built with its buckets)."""
+    plan = None if dense is None else plan_for(_model(), scheme, density, world, dense)
+    kw = ssfusion_hvd.ddp.ddp_kwargs(plan) if plan else {"bucket_cap_mb": bucket_cap_mb}
     through = {"local": [], "synced": [], "buckets": []}
     model = _model()
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0)
+    ddp = DDP(model, **kw)
+    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0,
+                                     plan=plan)
     _steps(ddp, copy.deepcopy(model), hook, rank, range(steps), through)
     resumed = {"local": [], "synced": [], "buckets": []}
     model = _model()
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0)
+    ddp = DDP(model, **kw)
+    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0,
+                                     plan=plan)
     _steps(ddp, copy.deepcopy(model), hook, rank, range(split), resumed)
     saved = copy.deepcopy(hook.state_dict())
     model = _model()
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0)
+    ddp = DDP(model, **kw)
+    hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density, density_warmup_steps=0,
+                                     plan=plan)
     hook.load_state_dict(saved)
     _steps(ddp, copy.deepcopy(model), hook, rank, range(split, steps), resumed)
     return {"through": through["synced"], "resumed": resumed["synced"]}
@@ -120,18 +199,20 @@ def _optimizer(kind: str, params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2)
 
 
-def dense_limit(rank, world, kind, scheme="per_tensor", steps=6):
+def dense_limit(rank, world, kind, scheme="per_tensor", steps=6, dense=None):
     """Parameters after ``steps`` optimizer steps: DDP's own average with the optimizer,
     and the hook at density 1 with the optimizer's side of the recipe (shared moments),
-    which there is exactly the optimizer on the averaged gradient."""
+    which there is exactly the optimizer on the averaged gradient. ``dense``: with a plan
+    that sends these tensors dense (the optimizer's own step moves them, decay included)."""
     out = {}
     for label in ("ddp", "hook"):
         model = _model()
-        ddp = DDP(model, bucket_cap_mb=0.004)
+        plan = None if dense is None else plan_for(model, scheme, 1.0, world, dense)
+        ddp = DDP(model, **(ssfusion_hvd.ddp.ddp_kwargs(plan) if plan else {"bucket_cap_mb": 0.004}))
         opt = _optimizer(kind, model.parameters())
         if label == "hook":
             hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=1.0, optimizer=opt,
-                                             density_warmup_steps=0)
+                                             density_warmup_steps=0, plan=plan)
             assert hook.recipe.shared is not None and hook.recipe.corrects()
         for step in range(steps):
             x, y = _batch(rank, step)

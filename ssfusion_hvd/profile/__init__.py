@@ -38,6 +38,7 @@ __all__ = [
     "measure_cost_model",
     "probe_collectives",
     "slowest_rank_times",
+    "time_collectives",
     "ready_note",
     "ready_from_note",
     "time_decode",
@@ -74,18 +75,31 @@ def probe_collectives(process_set=None, device="cpu", dtype=torch.float32,
     from ..core import transport
 
     ps = _process_set(process_set)
-    dev = _torch_device(device)
-    repeats = max(1, int(repeats))
-    sizes = [int(s) for s in sizes_bytes]
-    elem = torch.empty((), dtype=dtype).element_size()
     calls = {
         "allreduce": lambda t, n: transport.allreduce(t, n, op=transport.Sum, process_set=ps),
         "allgather": lambda t, n: transport.allgather(t, n, process_set=ps),
     }
+    return time_collectives(calls, lambda: transport.barrier(process_set=ps), device, dtype,
+                            sizes_bytes, repeats, name, curve_sizes)
+
+
+def time_collectives(calls, barrier, device="cpu", dtype=torch.float32,
+                     sizes_bytes=COLLECTIVE_SIZES, repeats=5, name="ssf.probe",
+                     curve_sizes=()) -> dict:
+    """:func:`probe_collectives`'s measurement on any communicator: ``calls`` maps
+    ``"allreduce"`` and ``"allgather"`` to ``call(tensor, name)``, which makes that
+    collective of ``tensor`` (one worker's share for the allgather) and returns once it is
+    done on this rank; ``barrier()`` lines the ranks up before each timed call. Collective:
+    every rank calls it with the same arguments. Same result as :func:`probe_collectives`."""
+    dev = _torch_device(device)
+    repeats = max(1, int(repeats))
+    sizes = [int(s) for s in sizes_bytes]
+    elem = torch.empty((), dtype=dtype).element_size()
     tags = {"allreduce": "ar", "allgather": "ag"}
     fits = {}
     curve = []
-    for coll, call in calls.items():
+    for coll in ("allreduce", "allgather"):
+        call = calls[coll]
         xs, ts = [], []
         extra = [int(c) for c in curve_sizes] if coll == "allgather" else []
         for i, nbytes in enumerate(sizes + extra):
@@ -96,7 +110,7 @@ def probe_collectives(process_set=None, device="cpu", dtype=torch.float32,
             _sync(dev)
             samples = []
             for _ in range(repeats):
-                transport.barrier(process_set=ps)
+                barrier()
                 start = time.perf_counter()
                 call(tensor, tname)
                 _sync(dev)
