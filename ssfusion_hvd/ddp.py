@@ -67,7 +67,7 @@ from .plan.selective import DEFAULT_ACCURACY_SLACK
 from .recipe import DEFAULT_WARMUP_STEPS, Recipe, resolve_recipe
 from .sparsify import SPARSIFIERS, ResidualMemory, make_sparsifier
 
-__all__ = ["SCHEMES", "SparseHook", "ddp_kwargs", "make_plan", "register"]
+__all__ = ["SCHEMES", "SparseHook", "ddp_kwargs", "make_plan", "measure_cost", "register"]
 
 #: scheme -> the sparse part's selection mode (``core/sparse_part.py``); None: dense
 SCHEMES = {"dense": None, "per_tensor": "segmented", "multi_tensor": "buffer", "ssfusion": "group"}
@@ -512,6 +512,86 @@ def make_plan(model, cost, scheme: str = "ssfusion", density: float = 0.01,
         plan = optimal_fusion(sizes, cost, mode, float(density), scheme, names, sparsifier)
     plan.notes = {**plan.notes, **notes}
     return plan
+
+
+def measure_cost(model, backward=None, density: float = 0.01, sparsifier: str = "topk",
+                 scheme: str = "ssfusion", group=None, iterations: int = 3) -> CostModel:
+    """The cost model of this job for :func:`make_plan`, measured as the Horovod optimizer
+    measures its own in its warm-up (``docs/design.md``, "How a plan is made"), with
+    ``torch.distributed``'s collectives on ``group`` (default: the world): allreduce and
+    allgather times at the probe's sizes (the allgather as the hook makes it, in pieces
+    where it would), the selection's encode under the scheme's budget, the decode, and,
+    given ``backward`` (a callable that runs one forward and backward of ``model``, e.g.
+    ``lambda: loss_fn(model(x), y).backward()``), each tensor's backward time over
+    ``iterations`` runs (else the default per-tensor times). Call it before wrapping
+    ``model`` in DDP (its backward must not reach DDP's reducer); it leaves no gradients. Collective: every rank calls it; rank 0's numbers are broadcast, so every
+    rank plans alike."""
+    from . import profile
+
+    group = group if group is not None else dist.group.WORLD
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of {tuple(SCHEMES)}")
+    _check_density(density)
+    if sparsifier not in SPARSIFIERS:
+        raise ValueError(f"unknown sparsifier {sparsifier!r}; choose one of {tuple(SPARSIFIERS)}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no parameters that need gradients")
+    dev = params[0].device
+    nranks = group.size()
+    keys = list(range(len(params)))[::-1]  # backward order, as make_plan lists the tensors
+    backward_s = default_backward_times([params[i].numel() for i in keys])
+    forward_s = 0.0
+    if backward is not None:
+        backward()  # untimed: allocations, first-call costs
+        timer = profile.BackwardTimer(dev)
+        handles = [p.register_post_accumulate_grad_hook(lambda _, i=i: timer.mark(i))
+                   for i, p in enumerate(params)]
+        try:
+            for _ in range(max(1, int(iterations))):
+                for p in params:
+                    p.grad = None
+                timer.start_iteration()
+                backward()
+                timer.end_iteration()
+        finally:
+            for h in handles:
+                h.remove()
+        # the first gradient's time from the start holds the forward: split as the Horovod
+        # path splits it (the first tensor charged the median of the others)
+        timed = profile.slowest_rank_times(timer.ready_times(keys, int(iterations))[None])
+        if timed is not None:
+            forward_s, backward_s = timed
+    for p in params:
+        p.grad = None
+    gathers: Dict[int, _Gather] = {}
+
+    def allgather(t, _name):
+        nbytes = t.numel() * t.element_size()
+        g = gathers.get(t.numel())
+        if g is None:
+            g = gathers[t.numel()] = _Gather(t.numel(), nranks, _pieces(nbytes, dev, group),
+                                             t.dtype, dev)
+        g.send.copy_(t)
+        g.start(group).wait()
+
+    comm = profile.time_collectives(
+        {"allreduce": lambda t, _name: dist.all_reduce(t, group=group),
+         "allgather": allgather},
+        lambda: dist.barrier(group=group), dev, curve_sizes=profile.ALLGATHER_CURVE_SIZES)
+    fit = (profile.time_sparsifier(sparsifier, device=dev, density=float(density),
+                                   grouped=scheme == "ssfusion")
+           if scheme != "dense" else (0.0, 0.0))
+    cost = CostModel(
+        world_size=nranks, allreduce=comm["allreduce"], allgather=comm["allgather"],
+        allgather_curve=comm["allgather_curve"], sparsify={sparsifier: {"gpu": fit, "cpu": fit}},
+        backward_s=tuple(backward_s), element_size=params[0].element_size(), forward_s=forward_s,
+        decode=profile.time_decode(dev, world_size=nranks, density=float(density)),
+        notes={"source": "measured (ssfusion_hvd.ddp.measure_cost)", "device": str(dev),
+               "backward": "measured" if backward is not None else "default per-tensor times"})
+    text = [cost.to_json()]
+    dist.broadcast_object_list(text, src=dist.get_global_rank(group, 0), group=group)
+    return CostModel.from_json(text[0])
 
 
 def ddp_kwargs(plan: Plan) -> dict:

@@ -178,6 +178,26 @@ def test_ranks_that_disagree_raise_on_every_rank():
     assert "not the model's" in bad["model"]
 
 
+def test_measure_cost_gives_every_rank_one_plan():
+    """``measure_cost`` (torch.distributed's collectives, the encode, the decode, each
+    tensor's backward) on 2 ranks with their own batches: rank 0's numbers on both, so
+    one plan; a backward time for each of the model's tensors; no gradients left behind;
+    the planned hook then runs, ranks identical."""
+    import json
+
+    ranks = run_ddp(workers_ddp.measured, np=2)
+    assert ranks[1]["cost"] == ranks[0]["cost"] and ranks[1]["plan"] == ranks[0]["plan"]
+    cost = json.loads(ranks[0]["cost"])
+    assert cost["world_size"] == 2 and len(cost["backward_s"]) == 6
+    assert all(b > 0 for b in cost["backward_s"]) and cost["allgather"][1] > 0
+    assert cost["sparsify"]["topk"]["gpu"][1] > 0 and len(cost["allgather_curve"]) >= 4
+    assert ranks[0]["grads_left"] == 0
+    for step in range(2):
+        for n, g in ranks[0]["synced"][step].items():
+            assert torch.equal(g, ranks[1]["synced"][step][n])
+            assert torch.isfinite(g).all()
+
+
 def test_dense_is_ddp_s_average():
     ranks = run_ddp(workers_ddp.record, np=2, scheme="dense", density=DENSITY, steps=2)
     for step in range(2):

@@ -265,3 +265,20 @@ if __name__ == "__main__":
     torch.save(result, os.path.join(sys.argv[1], f"rank{rank}.pt"))
     dist.barrier()  # (see tests/ddprun.py)
     dist.destroy_process_group()
+
+
+def measured(rank, world, density=0.1):
+    """``measure_cost`` on this job (each rank its own batch), the plan made from it, and
+    one step of DDP with the plan's buckets and the hook: what every rank got."""
+    model = _model()
+    x, y = _batch(rank, 0)
+    cost = ssfusion_hvd.ddp.measure_cost(model, lambda: F.cross_entropy(model(x), y).backward(),
+                                         density=density)
+    grads_left = [p.grad for p in model.parameters() if p.grad is not None]
+    plan = ssfusion_hvd.ddp.make_plan(model, cost, "ssfusion", density)
+    ddp = DDP(model, **ssfusion_hvd.ddp.ddp_kwargs(plan))
+    hook = ssfusion_hvd.ddp.register(ddp, density=density, plan=plan, density_warmup_steps=0)
+    out = {"local": [], "synced": [], "buckets": []}
+    _steps(ddp, copy.deepcopy(model), hook, rank, range(2), out)
+    return {"cost": cost.to_json(), "plan": plan.to_json(), "grads_left": len(grads_left),
+            "synced": out["synced"]}

@@ -95,9 +95,19 @@ def _peer_stats(peer: str, module, params, step: int, start: int) -> dict:
     nothing waited on apart."""
     sent = peer_bytes(peer, module, params, step, start)
     n = sum(p.numel() for p in params)
-    kind = "allgather_bytes" if peer == "ddp_ssfusion" else "allreduce_bytes"
+    kind = "allgather_bytes" if peer.startswith("ddp_ssfusion") else "allreduce_bytes"
     return {"phase": "peer", kind: sent, "elements_sent": sent / 4, "elements": n,
             "tensors_missing": 0, "nonfinite": 0, "density_target": 1.0}
+
+
+def _backward(loss_fn, model, amp: str, device) -> None:
+    """One forward and backward of ``model`` as the loop runs them (``ddp_ssfusion_plan``
+    times it for its plan)."""
+    autocast = (torch.autocast(device.type, dtype=getattr(torch, amp)) if amp != "none"
+                else contextlib.nullcontext())
+    with autocast:
+        loss = loss_fn(0, model)
+    loss.backward()
 
 
 def _barrier() -> None:
@@ -120,7 +130,8 @@ def main(argv=None) -> dict:
     if peer:
         forward, opt, _ = make_peer(args.scheme, model, opt, list(model.named_parameters()),
                                     powersgd_start=args.powersgd_start, density=args.density,
-                                    density_warmup_steps=args.density_warmup_steps)
+                                    density_warmup_steps=args.density_warmup_steps,
+                                    backward=lambda: _backward(loss_fn, model, args.amp, device))
     else:
         opt = ssfusion_hvd.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), scheme=args.scheme,

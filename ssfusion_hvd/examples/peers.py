@@ -12,7 +12,9 @@ same data, seeds and launcher (``examples/train.py --scheme PEER``):
 * ``hvd_fp16``: Horovod's own ``hvd.DistributedOptimizer`` with ``Compression.fp16``;
 * ``ddp_ssfusion``: DDP with our own hook (``ssfusion_hvd.ddp``, scheme ``ssfusion`` at the
   job's density, the recipe's shared moments through the optimizer): the engine's second
-  face, beside the peers.
+  face, beside the peers; ``ddp_ssfusion_plan``: the same with the planner
+  (``ssfusion_hvd.ddp.measure_cost`` on the job's own link and model, ``make_plan``, DDP's
+  buckets from ``ddp_kwargs``).
 
 The DDP peers run inside the job ``horovodrun`` started (Horovod initialized first): rank
 0 picks a free TCP port and every rank learns it by ``hvd.broadcast_object``, then
@@ -30,7 +32,8 @@ import torch
 
 __all__ = ["PEERS", "POWERSGD_START", "bytes_per_step", "make_peer", "peer_bytes"]
 
-PEERS = ("ddp", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4", "hvd_fp16", "ddp_ssfusion")
+PEERS = ("ddp", "ddp_fp16", "ddp_powersgd1", "ddp_powersgd4", "hvd_fp16", "ddp_ssfusion",
+         "ddp_ssfusion_plan")
 #: PowerSGD's plain-allreduce steps before it compresses (``start_powerSGD_iter``)
 POWERSGD_START = 10
 #: DDP's bucket size under the PowerSGD peers: one bucket for any model here (see make_peer)
@@ -97,11 +100,12 @@ def _init_gloo() -> None:
 
 def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
               powersgd_start: int = POWERSGD_START, density: float = 0.01,
-              density_warmup_steps: int = 50) -> Tuple[torch.nn.Module, object, str]:
+              density_warmup_steps: int = 50, backward=None) -> Tuple[torch.nn.Module, object, str]:
     """``(module to run forward through, optimizer to step, description)`` for ``peer``.
     Every rank starts from rank 0's parameters (DDP broadcasts them; the Horovod peer is
     broadcast by the caller, as for ours). ``ddp_ssfusion``'s module carries its hook as
-    ``ssfusion_hook`` (its ``bytes_sent``)."""
+    ``ssfusion_hook`` (its ``bytes_sent``). ``backward``: one forward and backward of
+    ``model`` (``ddp_ssfusion_plan`` times each tensor's backward with it for the plan)."""
     if peer not in PEERS:
         raise ValueError(f"unknown peer {peer!r}; choose one of {PEERS}")
     if peer == "hvd_fp16":
@@ -118,7 +122,16 @@ def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
     # stops at its first compressed step with gloo's "Received data size doesn't match
     # expected size" (2 ranks on one loopback, 2026-11-26); in one bucket it runs. The
     # bucket only decides when communication starts, not what PowerSGD sends.
-    ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB) if r else DDP(model)
+    plan = None
+    if peer == "ddp_ssfusion_plan":
+        import ssfusion_hvd.ddp
+
+        cost = ssfusion_hvd.ddp.measure_cost(model, backward, density=density)
+        plan = ssfusion_hvd.ddp.make_plan(model, cost, "ssfusion", density)
+    if plan is not None:
+        ddp = DDP(model, **ssfusion_hvd.ddp.ddp_kwargs(plan))
+    else:
+        ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB) if r else DDP(model)
     if r:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -128,14 +141,17 @@ def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         what = (f"DDP (gloo) + PowerSGD rank {r} (error feedback, warm start, plain allreduce "
                 f"for the first {state.start_powerSGD_iter} steps)")
-    elif peer == "ddp_ssfusion":
+    elif peer in ("ddp_ssfusion", "ddp_ssfusion_plan"):
         import ssfusion_hvd.ddp
 
         ddp.ssfusion_hook = hook = ssfusion_hvd.ddp.register(
             ddp, scheme="ssfusion", density=density, density_warmup_steps=density_warmup_steps,
-            optimizer=optimizer)
+            optimizer=optimizer, plan=plan)
         what = (f"DDP (gloo) + ssfusion_hvd.ddp hook, scheme ssfusion, density {density}, "
                 f"{hook.recipe.describe()}")
+        if plan is not None:
+            what += (f", planned: {len(plan.groups)} buckets, "
+                     f"{sum(not s for s in plan.sparse)} of {len(plan.sparse)} tensors dense")
     elif peer == "ddp_fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
