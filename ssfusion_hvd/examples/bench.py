@@ -209,6 +209,10 @@ def main(argv=None) -> dict:
     slowest = everyone.max(dim=0).values.tolist()
     it = statistics.median(slowest)
     med = lambda key: statistics.median(float(r[key]) for r in per_iter)  # noqa: E731
+    # ours, or the DDP hook's under its planner (ddp_ssfusion_plan)
+    hook = getattr(forward, "ssfusion_hook", None) if peer else None
+    cost_model = getattr(opt, "cost_model", None) or getattr(forward, "ssfusion_cost", None)
+    plan = getattr(opt, "plan", None) or getattr(hook, "plan", None)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "amp": args.amp, "agreement": args.agreement,
@@ -248,10 +252,9 @@ def main(argv=None) -> dict:
         "final_loss": float(loss.detach()),
         "args": vars(args),
         # what a planned scheme measured at start-up (input of scripts/whatif.py)
-        "cost_model": (None if getattr(opt, "cost_model", None) is None
-                       else json.loads(opt.cost_model.to_json())),
+        "cost_model": None if cost_model is None else json.loads(cost_model.to_json()),
         # the plan that ran (scripts/validate_planner.py simulates it on that cost model)
-        "plan": None if getattr(opt, "plan", None) is None else json.loads(opt.plan.to_json()),
+        "plan": None if plan is None else json.loads(plan.to_json()),
     }
     if rank == 0:
         print(f"[bench] {args.model} {args.scheme} x{size}: {result['samples_per_s']:.2f} samples/s "

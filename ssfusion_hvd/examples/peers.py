@@ -130,6 +130,7 @@ def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
         plan = ssfusion_hvd.ddp.make_plan(model, cost, "ssfusion", density)
     if plan is not None:
         ddp = DDP(model, **ssfusion_hvd.ddp.ddp_kwargs(plan))
+        ddp.ssfusion_cost = cost  # (what the plan was made on, for the benchmarks' reports)
     else:
         ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_MB) if r else DDP(model)
     if r:
