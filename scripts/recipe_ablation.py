@@ -99,8 +99,13 @@ class AgedAdam:
     element moves only when it arrives, by ``a`` steps of the new update; otherwise
     every element moves every step by its current ``m / sqrt(v)``."""
 
-    def __init__(self, p, state, lr, betas=(0.9, 0.999), eps=1e-8, lazy=False, tail=False):
+    def __init__(self, p, state, lr, betas=(0.9, 0.999), eps=1e-8, lazy=False, tail=False,
+                 catch="full"):
         self.lr, (self.b1, self.b2), self.eps, self.lazy, self.tail = lr, betas, eps, lazy, tail
+        # the tail rule's catch-up of the steps an arrival skipped (``--catch``): "full",
+        # "sqrt" (its square root), "cap:N" (at most N steps), "none-until:T" (none before
+        # step T): shapes of a bounded catch-up, measured and rejected (docs/results/accuracy_lm.md)
+        self.catch = catch
         self.m = state["exp_avg"].clone()
         self.v = state["exp_avg_sq"].clone()
         self.t = int(float(state["step"]))
@@ -120,7 +125,14 @@ class AgedAdam:
             self.m.mul_(b1).add_((1 - d1) * g)
             # burst: how spiky the arrived sums were (1: a steady gradient, a: one step's)
             self.v.mul_(b2).add_((1 - d2) * g * g * (1 if burst is None else burst))
-            num = self.m + g * (self.age - (1 - d1) / (1 - b1))
+            catch = self.age - (1 - d1) / (1 - b1)
+            if self.catch == "sqrt":
+                catch = catch.clamp(min=0).sqrt()
+            elif self.catch.startswith("cap:"):
+                catch = catch.clamp(max=float(self.catch[4:]))
+            elif self.catch.startswith("none-until:") and self.t < int(self.catch[11:]):
+                catch = torch.zeros_like(catch)
+            num = self.m + g * catch
             update = (num / (1 - b1 ** self.t)) / (
                 (self.v / (1 - b2 ** self.t)).sqrt() + self.eps)
             self.age[arrived] = 0
@@ -300,6 +312,8 @@ def parse_args(argv=None):
     p.add_argument("--refresh-dense", type=int, default=0,
                    help="shared_v: updated every step until this step, then at intervals "
                         "doubling up to --refresh")
+    p.add_argument("--catch", default="full",
+                   help="ef_age_tail's Adam catch-up: full, sqrt, cap:N, none-until:T")
     p.add_argument("--json", default=None)
     p.add_argument("--adam-limit", type=int, default=0, metavar="P",
                    help="measure the Adam rule's dense limit on P ranks instead (see above)")
@@ -511,7 +525,8 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                 for i, (p, a) in enumerate(zip(params, avg)):
                     if i not in aged:
                         aged[i] = (AgedMomentum(p, opt.state[p], lr, tail=tail) if kind == "sgd" else
-                                   AgedAdam(p, opt.state[p], lr, lazy=variant == "ef_age_lazy", tail=tail))
+                                   AgedAdam(p, opt.state[p], lr, lazy=variant == "ef_age_lazy", tail=tail,
+                                            catch=args.catch))
                     if variant in ("ef_age_rank", "ef_age_rank_m"):
                         if not dense_t[i]:
                             rank_catch_up(aged[i], p, picks[i], ranks, variant == "ef_age_rank_m")

@@ -551,6 +551,9 @@ def measure_cost(model, backward=None, density: float = 0.01, sparsifier: str = 
             for _ in range(max(1, int(iterations))):
                 for p in params:
                     p.grad = None
+                # every rank's backward at once, as in training, where ranks sharing cores
+                # (or a host's memory bandwidth) slow each other down
+                dist.barrier(group=group)
                 timer.start_iteration()
                 backward()
                 timer.end_iteration()

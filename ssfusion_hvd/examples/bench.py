@@ -96,8 +96,10 @@ def _peer_stats(peer: str, module, params, step: int, start: int) -> dict:
     sent = peer_bytes(peer, module, params, step, start)
     n = sum(p.numel() for p in params)
     kind = "allgather_bytes" if peer.startswith("ddp_ssfusion") else "allreduce_bytes"
+    hook = getattr(module, "ssfusion_hook", None)  # our hook: the density of the step it synchronized
+    target = hook.recipe.density_at(max(hook.step - 1, 0)) if hook is not None else 1.0
     return {"phase": "peer", kind: sent, "elements_sent": sent / 4, "elements": n,
-            "tensors_missing": 0, "nonfinite": 0, "density_target": 1.0}
+            "tensors_missing": 0, "nonfinite": 0, "density_target": target}
 
 
 def _backward(loss_fn, model, amp: str, device) -> None:
