@@ -291,13 +291,15 @@ def test_torchrun_launches_it():
                 torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-7)
 
 
-def test_a_step_gradscaler_skips_is_undone_on_every_rank():
+@pytest.mark.parametrize("dense", [None, ("0.bias", "2.weight")])
+def test_a_step_gradscaler_skips_is_undone_on_every_rank(dense):
     """Rank 1's loss is infinite at step 2: every rank's bucket comes back NaN (the flag
     each record carries), GradScaler skips the step on both, and the hook undoes what the
     step did to the residuals. The job then equals one that never had step 2, bit for bit,
-    although the two scalers' scales differ from then on (the state is kept unscaled)."""
-    skipped = run_ddp(workers_ddp.scaler_steps, np=2, steps=[0, 1, 2, 3, 4], poison=2)
-    never = run_ddp(workers_ddp.scaler_steps, np=2, steps=[0, 1, 3, 4])
+    although the two scalers' scales differ from then on (the state is kept unscaled).
+    Under a plan with dense tensors in the buckets too."""
+    skipped = run_ddp(workers_ddp.scaler_steps, np=2, steps=[0, 1, 2, 3, 4], poison=2, dense=dense)
+    never = run_ddp(workers_ddp.scaler_steps, np=2, steps=[0, 1, 3, 4], dense=dense)
     assert skipped[0]["scales"][2] == skipped[0]["scales"][1] / 2  # it backed off: skipped
     assert skipped[0]["scales"][-1] != never[0]["scales"][-1]
     for a, b in zip(skipped, never):

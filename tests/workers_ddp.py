@@ -224,16 +224,18 @@ def dense_limit(rank, world, kind, scheme="per_tensor", steps=6, dense=None):
 
 
 
-def scaler_steps(rank, world, steps, poison=None, scheme="ssfusion"):
+def scaler_steps(rank, world, steps, poison=None, scheme="ssfusion", dense=None):
     """SGD with momentum under a GradScaler whose scale grows every other step: the
     parameters and this rank's residuals after ``steps``. ``poison``: the step whose loss
-    is infinite on rank 1 (GradScaler skips it on every rank)."""
+    is infinite on rank 1 (GradScaler skips it on every rank). ``dense``: under a plan
+    that sends these tensors dense."""
     model = _model()
-    ddp = DDP(model, bucket_cap_mb=0.004)
+    plan = None if dense is None else plan_for(model, scheme, 0.1, world, dense)
+    ddp = DDP(model, **(ssfusion_hvd.ddp.ddp_kwargs(plan) if plan else {"bucket_cap_mb": 0.004}))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
     hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=0.1, optimizer=opt,
-                                     grad_scaler=scaler, density_warmup_steps=0)
+                                     grad_scaler=scaler, density_warmup_steps=0, plan=plan)
     scales = []
     for step in steps:
         x, y = _batch(rank, step)
