@@ -84,8 +84,8 @@ if [[ -f build/pace/libssfpace.so ]]; then
 fi
 # 1b. the DDP hook against PowerSGD on the same paced links (issue 36), at density 0.01 and
 #     at PowerSGD rank 4's bytes (0.0037: records are 8 bytes an element)
-sweep gpt2 ddp_ssfusion,ddp_powersgd4 "${gpt[@]}" --name e2e_gpu_ddp
-sweep gpt2 ddp_ssfusion,ssfusion_oi "${gpt[@]}" --density 0.0037 --name e2e_gpu_d0037
+sweep gpt2 ddp_ssfusion,ddp_ssfusion_plan,ddp_powersgd4 "${gpt[@]}" --name e2e_gpu_ddp
+sweep gpt2 ddp_ssfusion_plan,ddp_ssfusion,ssfusion_oi "${gpt[@]}" --density 0.0037 --name e2e_gpu_d0037
 # 2. the LM on the GPU converges as on the CPU (4 epochs, 2 ranks on the GPU, unshaped)
 for scheme in ssfusion_oi dense; do
     say "LM on the GPU, $scheme"
