@@ -151,6 +151,20 @@ def test_a_plan_s_buckets_and_dense_tensors(scheme, np_):
     assert rec0["bytes"][-1] < dense_bytes + 4 * sum(g.numel() for g in rec0["local"][0].values()) / 2
 
 
+def test_a_plan_that_sends_every_tensor_dense():
+    """SSFusion's planner falls back to all dense where sparsifying does not pay: the hook
+    then allreduces every bucket (DDP's average, nothing selected, no residuals)."""
+    dense = ("0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias")
+    ranks = run_ddp(workers_ddp.planned, np=2, scheme="ssfusion", density=DENSITY, steps=2,
+                    dense=dense)
+    for step in range(2):
+        for n in dense:
+            want = (ranks[0]["local"][step][n] + ranks[1]["local"][step][n]) / 2
+            for rec in ranks:
+                torch.testing.assert_close(rec["synced"][step][n], want, rtol=1e-6, atol=1e-7)
+    assert ranks[0]["bytes"][-1] == 4 * sum(g.numel() for g in ranks[0]["local"][0].values())
+
+
 def test_a_plan_through_the_density_warm_up():
     """The plan's ks scaled to each warm-up stage, as the Horovod engine scales them."""
     ranks = run_ddp(workers_ddp.planned, np=2, scheme="ssfusion", density=DENSITY, steps=6,
