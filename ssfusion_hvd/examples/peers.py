@@ -100,12 +100,15 @@ def _init_gloo() -> None:
 
 def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
               powersgd_start: int = POWERSGD_START, density: float = 0.01,
-              density_warmup_steps: int = 50, backward=None) -> Tuple[torch.nn.Module, object, str]:
+              density_warmup_steps: int = 50, backward=None,
+              profile=None) -> Tuple[torch.nn.Module, object, str]:
     """``(module to run forward through, optimizer to step, description)`` for ``peer``.
     Every rank starts from rank 0's parameters (DDP broadcasts them; the Horovod peer is
     broadcast by the caller, as for ours). ``ddp_ssfusion``'s module carries its hook as
     ``ssfusion_hook`` (its ``bytes_sent``). ``backward``: one forward and backward of
-    ``model`` (``ddp_ssfusion_plan`` times each tensor's backward with it for the plan)."""
+    ``model`` (``ddp_ssfusion_plan`` times each tensor's backward with it for the plan).
+    ``profile``: a saved cost model (path) ``ddp_ssfusion_plan`` plans on instead of
+    measuring the job (as ``--profile`` makes our planned schemes do)."""
     if peer not in PEERS:
         raise ValueError(f"unknown peer {peer!r}; choose one of {PEERS}")
     if peer == "hvd_fp16":
@@ -126,7 +129,10 @@ def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
     if peer == "ddp_ssfusion_plan":
         import ssfusion_hvd.ddp
 
-        cost = ssfusion_hvd.ddp.measure_cost(model, backward, density=density)
+        from ssfusion_hvd.plan import CostModel
+
+        cost = (CostModel.load(profile) if profile else
+                ssfusion_hvd.ddp.measure_cost(model, backward, density=density))
         plan = ssfusion_hvd.ddp.make_plan(model, cost, "ssfusion", density)
     if plan is not None:
         ddp = DDP(model, **ssfusion_hvd.ddp.ddp_kwargs(plan))

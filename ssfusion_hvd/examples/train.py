@@ -94,8 +94,9 @@ def parse_args(argv=None):
                    help="a Plan JSON (opt.plan.save) the sparse scheme runs from the first step "
                         "instead of profiling and planning")
     p.add_argument("--profile", default=None,
-                   help="a CostModel JSON for the sparse schemes' planner instead of start-up "
-                        "probes (e.g. one measured on the slow network you deploy on)")
+                   help="a CostModel JSON for the sparse schemes' planner (and "
+                        "ddp_ssfusion_plan's) instead of start-up probes (e.g. one measured "
+                        "on the slow network you deploy on)")
     p.add_argument("--amp", default="none", choices=("none", "float16", "bfloat16"),
                    help="autocast the forward pass to this dtype (the model stays float32); "
                         "float16 with torch.amp.GradScaler in Horovod's pattern (synchronize, "
@@ -221,7 +222,7 @@ def main(argv=None):
     if peer:  # what a user would run instead (DDP broadcasts rank 0's parameters itself)
         task.forward[0], opt, peer_what = make_peer(args.scheme, model, task.optimizer,
                                                     model.named_parameters(),
-                                                    density=args.density,
+                                                    density=args.density, profile=args.profile,
                                                     **({} if args.density_warmup_steps is None else
                                                        {"density_warmup_steps":
                                                         args.density_warmup_steps}))
