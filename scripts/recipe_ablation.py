@@ -312,6 +312,8 @@ def parse_args(argv=None):
     p.add_argument("--refresh-dense", type=int, default=0,
                    help="shared_v: updated every step until this step, then at intervals "
                         "doubling up to --refresh")
+    p.add_argument("--lr-warmup", type=int, default=0,
+                   help="steps of a linear learning-rate warm-up (0: none)")
     p.add_argument("--catch", default="full",
                    help="ef_age_tail's Adam catch-up: full, sqrt, cap:N, none-until:T")
     p.add_argument("--json", default=None)
@@ -454,6 +456,11 @@ def run(task: str, variant: str, seed: int, args) -> dict:
             # frozen_v: the density warm-up starts after its dense Adam steps
             density = schedule.density_at(t - (args.freeze if variant == "frozen_v" else 0))
             t += 1
+            if args.lr_warmup:  # a linear learning-rate warm-up, as GPT recipes have
+                for g in opt.param_groups:
+                    g["lr"] = lr * min(1.0, t / args.lr_warmup)
+                for rule in aged.values():
+                    rule.lr = lr * min(1.0, t / args.lr_warmup)
             dense_until = args.freeze if variant == "frozen_v" else args.profiling
             if variant == "dense" or t <= dense_until:
                 for i, p in enumerate(params):
@@ -524,8 +531,10 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                 tail = variant in ("ef_age_tail", "ef_age_tail_q", "ef_age_rank", "ef_age_rank_m")
                 for i, (p, a) in enumerate(zip(params, avg)):
                     if i not in aged:
-                        aged[i] = (AgedMomentum(p, opt.state[p], lr, tail=tail) if kind == "sgd" else
-                                   AgedAdam(p, opt.state[p], lr, lazy=variant == "ef_age_lazy", tail=tail,
+                        aged[i] = (AgedMomentum(p, opt.state[p], opt.param_groups[0]["lr"], tail=tail)
+                                   if kind == "sgd" else
+                                   AgedAdam(p, opt.state[p], opt.param_groups[0]["lr"],
+                                            lazy=variant == "ef_age_lazy", tail=tail,
                                             catch=args.catch))
                     if variant in ("ef_age_rank", "ef_age_rank_m"):
                         if not dense_t[i]:

@@ -464,8 +464,9 @@ def make_plan(model, cost, scheme: str = "ssfusion", density: float = 0.01,
     gradients, in reverse registration order (DDP's own guess of the backward order, which
     its buckets follow), are the plan's tensors. ``cost``: a
     :class:`~ssfusion_hvd.plan.CostModel` (or the path of one saved as JSON) of the job's
-    link at its world size; ``python -m ssfusion_hvd.plan --help`` makes one from a
-    bandwidth and latency. Where its backward times are for another tensor list, the
+    link at its world size: :func:`measure_cost` measures one, ``CostModel.from_network``
+    makes one from a link's bandwidth and latency. Where its backward times are for another
+    tensor list, the
     default per-tensor times are used (``plan.notes["backward"]`` says so).
 
     ``"ssfusion"``: the Horovod engine's SSFusion planner with the allreduce/allgather
@@ -501,9 +502,9 @@ def make_plan(model, cost, scheme: str = "ssfusion", density: float = 0.01,
     notes = {"ddp_scheme": scheme, "world_size": str(cost.world_size),
              "element_size": str(element_sizes.pop())}
     if len(cost.backward_s) != len(sizes):
-        cost = cost.with_backward(default_backward_times(sizes))
         notes["backward"] = (f"the cost model's backward times are for {len(cost.backward_s)} "
                              f"tensors: default times for this model's {len(sizes)}")
+        cost = cost.with_backward(default_backward_times(sizes))
     if scheme == "ssfusion":
         plan = build_plan("ssfusion_i", sizes, cost, float(density), names, sparsifier,
                           group_floor=0.0, accuracy_slack=DEFAULT_ACCURACY_SLACK)
