@@ -345,3 +345,28 @@ def test_gpu_synchronized_gradients_equal_the_reference(scheme, backend, np_):
             for n, g in rec["synced"][step].items():
                 assert torch.equal(g, ranks[0]["synced"][step][n]), (step, r, n)
                 torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-7)
+
+
+def test_make_plan_checks_its_input_and_ddp_kwargs_cover_the_model():
+    """No process group needed: make_plan is a function of the model and the cost model."""
+    import ssfusion_hvd.ddp as sd
+    from ssfusion_hvd.plan import CostModel, default_backward_times
+
+    model = workers_ddp._model()
+    sizes = [p.numel() for p in model.parameters()][::-1]
+    fit = {"topk": {"cpu": (2e-5, 3e-10), "gpu": (2e-5, 3e-10)}}
+    cost = CostModel.from_network(1e7, 50e-6, 2, default_backward_times(sizes), sparsify=fit)
+    for bad, what in (({"cost": "nope.json"}, "No such file"), ({"cost": 3}, "CostModel"),
+                      ({"scheme": "x"}, "unknown scheme"), ({"density": 0}, "density"),
+                      ({"sparsifier": "dgc"}, "no selection time for 'dgc'")):
+        kw = {"cost": cost, **bad}
+        with pytest.raises((ValueError, FileNotFoundError), match=what):
+            sd.make_plan(model, **kw)
+    plan = sd.make_plan(model, cost, "per_tensor", 0.1)
+    assert plan.names == [n for n, _ in model.named_parameters()][::-1] and "backward" not in plan.notes
+    caps = sd.ddp_kwargs(plan)["bucket_cap_mb_list"]
+    assert len(caps) == len(plan.groups) and sum(caps) * 2 ** 20 == 4 * sum(sizes)
+    other = CostModel.from_network(1e7, 50e-6, 2, default_backward_times([10, 10]), sparsify=fit)
+    assert "for 2 tensors" in sd.make_plan(model, other, "per_tensor", 0.1).notes["backward"]
+    with pytest.raises(ValueError, match="must be a Plan"):
+        sd.ddp_kwargs("plan.json")
