@@ -190,11 +190,11 @@ def test_bench_worker_reports_a_planned_run(tmp_path):
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("peer", ["ddp_powersgd4", "hvd_fp16", "ddp_ssfusion"])
+@pytest.mark.parametrize("peer", ["ddp_powersgd4", "hvd_fp16", "ddp_ssfusion", "ddp_ssfusion_plan"])
 def test_bench_worker_times_a_peer(peer, tmp_path):
     """The peers run through the same timed loop; their bytes per step are what their
     collectives carry once compressing (PowerSGD after its plain steps: the timed window
-    starts at step 11 here)."""
+    starts at step 11 here). The planned hook reports the plan it measured and made."""
     from ssfusion_hvd.examples.models import build
     from ssfusion_hvd.examples.peers import bytes_per_step
 
@@ -204,9 +204,16 @@ def test_bench_worker_times_a_peer(peer, tmp_path):
                      np=2, timeout=180)
     assert rc == 0, log[-4000:]
     r = json.loads(out.read_text())
-    assert (r["scheme"], r["peer"], r["phase"], r["plan"]) == (peer, True, "peer", None)
+    planned = peer == "ddp_ssfusion_plan"
+    assert (r["scheme"], r["peer"], r["phase"]) == (peer, True, "peer")
+    assert (r["plan"] is not None) == planned and (r["cost_model"] is not None) == planned
     model, _ = build("demo")
-    if peer == "ddp_ssfusion":  # our DDP hook counts its own records (density 0.01, no warm-up)
+    if planned:  # measured on this job: 2 ranks, a backward time for every tensor
+        assert r["cost_model"]["world_size"] == 2
+        assert len(r["cost_model"]["backward_s"]) == len(r["plan"]["sizes"]) == len(list(model.parameters()))
+    if planned and not any(r["plan"]["sparse"]):  # (a link where sparsifying does not pay)
+        assert r["payload_bytes"] == 4 * r["parameters"]
+    elif peer.startswith("ddp_ssfusion"):  # our DDP hook counts its own records (density 0.01)
         assert 0 < r["payload_bytes"] < 0.1 * 4 * r["parameters"]
     else:
         assert r["payload_bytes"] == bytes_per_step(peer, list(model.parameters()), 11)
