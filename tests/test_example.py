@@ -65,6 +65,37 @@ def test_compare_line(tmp_path):
     assert compare.line(dict(ours, held_out=300), dict(base, held_out=360)) == compare.line(ours, base)
 
 
+def test_compare_line_over_seeds(tmp_path, capsys):
+    """The demo's line over several seeds a side: the median throughput, the mean accuracy,
+    each seed's listed; a side whose planner kept everything dense in some runs says so."""
+    from ssfusion_hvd.examples import compare
+
+    def write(name, scheme, speed, acc, sparse):
+        hist = [{"epoch": 1, "loss": 1.0, "test_acc": 0.5, "samples_per_s": 1.0},
+                {"epoch": 2, "loss": 0.5, "test_acc": acc, "samples_per_s": speed}]
+        path = tmp_path / name
+        path.write_text(json.dumps({"args": {"scheme": scheme}, "history": hist, "held_out": 360,
+                                    "stats": {"tensors_sparse": sparse}}))
+        return str(path)
+
+    ours = [write(f"o{i}.json", "ssfusion_oi", v, a, 8)
+            for i, (v, a) in enumerate([(300.0, 0.975), (100.0, 0.99), (200.0, 0.98)])]
+    base = [write(f"b{i}.json", "dense", 100.0, a, 0) for i, a in enumerate([0.99, 0.98, 0.985])]
+    compare.main(ours + ["--"] + base)
+    assert capsys.readouterr().out.strip() == (
+        "ssfusion_oi vs dense (2 epochs each, mean of 3 seeds): samples/s 200.0 vs 100.0 "
+        "(2.00x), test accuracy 98.17% vs 98.50% (-0.33 points); per seed 97.50/99.00/98.00 "
+        "vs 99.00/98.00/98.50")
+    some_dense = [write("d.json", "ssfusion_oi", 100.0, 0.98, 0)] + ours[1:]
+    compare.main(some_dense + ["--"] + base)
+    assert capsys.readouterr().out.strip().endswith(
+        "; in 1 of the 3 runs its planner kept every tensor dense (no gain predicted on this link)")
+    compare.main([ours[0], base[0]])  # one run a side: the line as before
+    assert "(-1.50 points, -5 of 360 test images)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        compare.main(ours)
+
+
 def test_scripts_pass_an_option_only_to_the_schemes_that_take_it():
     """train.py, bench.py and bench_e2e.py pass --min-k through SchemeInfo.options_taken:
     the SSFusion schemes and auto get it, the others (the demo's dense run) do not."""
