@@ -95,7 +95,6 @@ class _Bucket:
     def __init__(self, part: Optional[SparsePart], nranks: int, pieces: int = 1,
                  dense: Tuple[int, ...] = (), shapes=(), buffer: Optional[torch.Tensor] = None):
         self.part = part
-        self.nranks = nranks
         self.pieces = 1
         #: positions (in the bucket) of the tensors the plan sends dense, and of the others
         self.dense = tuple(dense)
@@ -114,7 +113,6 @@ class _Bucket:
             return
         self.record_len = part.length + 1
         self.gather = _Gather(self.record_len, nranks, pieces, part.dtype, part.out.device)
-        self.wire, self.send, self.gathered = self.gather.wire, self.gather.send, self.gather.gathered
         self.pieces = self.gather.pieces
 
 
@@ -265,7 +263,8 @@ class SparseHook:
                 torch._foreach_add_(gs, ps, alpha=wd)
             self._sent_sparse.update(params)
         # 0 * (a sum that is finite exactly when every term is) is 0, or NaN
-        b.send[-1:].copy_(torch.sum(buffer, dtype=torch.float32).mul_(0.0).reshape(1))
+        g = b.gather
+        g.send[-1:].copy_(torch.sum(buffer, dtype=torch.float32).mul_(0.0).reshape(1))
         dense = None
         if b.dense:  # launched first: the allreduce runs while the sparse part selects
             torch._foreach_copy_(b.dense_views, dense_grads)
@@ -274,9 +273,9 @@ class SparseHook:
             result = part.select_grads(self.memory, grads)
         else:
             result = part.select_flat(self.memory, buffer, grads)
-        part.pack(result, b.send, 1.0)
-        self._count(bucket, b.wire, b.dense_buf if b.dense else None)
-        gathered = b.gather.start(self.group)
+        part.pack(result, g.send, 1.0)
+        self._count(bucket, g.wire, b.dense_buf if b.dense else None)
+        gathered = g.start(self.group)
 
         def decode(fut):
             if dense is not None:
@@ -284,10 +283,10 @@ class SparseHook:
                     f.wait()  # (raises either collective's error)
             else:
                 fut.wait()
-            out = part.decode(b.gathered, nranks, b.record_len)[:part.numel]
+            out = part.decode(g.gathered, nranks, b.record_len)[:part.numel]
             # any rank's non-finite gradients make the whole bucket NaN on every rank, so
             # every rank skips the step alike (GradScaler) and no partial sum is applied
-            out.add_(b.gathered.view(nranks, b.record_len)[:, -1].sum(dtype=torch.float32))
+            out.add_(g.gathered.view(nranks, b.record_len)[:, -1].sum(dtype=torch.float32))
             out.mul_(1.0 / nranks)
             if dense is None:
                 if scale is not None:
