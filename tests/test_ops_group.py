@@ -161,3 +161,27 @@ def test_sparse_part_group_mode():
     with pytest.raises(ValueError):
         SparsePart("x", [0], [torch.Size([5])], [2], "group", [make_sparsifier("topk")], 0,
                    torch.float32, torch.device("cpu"), floors=[3])
+
+
+@pytest.mark.parametrize("sizes", LAYOUTS)
+@pytest.mark.parametrize("share,extra", [(0.0, 0.0), (0.5, 0.01), (1.0, 0.0), (0.0, 0.2)])
+def test_keyed_topk_equals_brute_force(sizes, share, extra):
+    """ops.keyed_topk, the group budget (and one k, and per-segment ks) over any
+    non-negative key, as SparsePart selects the shared Adam rule's pending steps: the same
+    positions as the brute force on that key; a key with ties (many equal values and
+    zeros) takes the lower index."""
+    offsets, floors, k = _case(sizes, share, extra, 0)
+    n = offsets[-1]
+    g = torch.Generator().manual_seed(n + int(100 * share))
+    key = torch.rand(n, generator=g)
+    key[torch.randint(0, max(n, 1), (n // 3,), generator=g)] = 0.5  # ties
+    key[::5] = 0.0
+    got = ops.keyed_topk(key, k, offsets, floors)
+    _, want = group_select(key, sizes, k, floors)
+    assert got.tolist() == want.tolist()
+    ks = [min(s, max(1, math.ceil(0.02 * s))) if s else 0 for s in sizes]
+    seg = ops.keyed_topk(key, None, offsets, ks)
+    _, ref = ops.segmented_topk(key, offsets, ks, backend="torch")
+    assert seg.tolist() == ref.tolist()
+    whole = ops.keyed_topk(key, min(k, n))
+    assert whole.tolist() == ops.topk(key, min(k, n), backend="torch")[1].tolist()

@@ -179,13 +179,7 @@ def group_ef_topk(grad, residual: torch.Tensor, offsets, floors, k: int, wire_dt
     ``k`` candidates, without a host sync. ``grad`` may be one tensor per segment, as for
     :func:`segmented_ef_topk`."""
     op = "group_ef_topk"
-    offsets, floors = _segments(offsets, floors, op)
-    k = int(k)
-    lo, hi = (int(offsets[0]), int(offsets[-1])) if floors.numel() else (0, 0)
-    base = int(floors.sum())
-    if not base <= k <= hi - lo:
-        raise ValueError(f"{op}: k={k} outside [{base}, {hi - lo}] (the floors' sum, the "
-                         "segments' elements)")
+    offsets, floors, k, lo, hi, base = _group_budget(offsets, floors, k, op)
     wire = residual.dtype if wire_dtype is None else wire_dtype
     # the CPU kernel does all of it; elsewhere the segmented op and the top-k below run
     # natively (backend="native" requires those) and the merge is a few device ops
@@ -203,16 +197,61 @@ def group_ef_topk(grad, residual: torch.Tensor, offsets, floors, k: int, wire_dt
                   bool(mask_velocity))
     fv, fi = segmented_ef_topk(grad, residual, offsets, floors, wire, velocity=velocity,
                                momentum=momentum, mask_velocity=mask_velocity, backend=backend)
-    rest = k - base
-    if rest == 0:
+    if k == base:
         return fv, fi
-    cv, ci = topk(residual.view(-1)[lo:hi], k, backend=backend)
-    ci = ci.to(fi.dtype).add_(lo)
-    mv, mi = _largest_not_in(cv, ci, fi, rest, wide=hi > 2**32)
+    mv, mi = _rest_of_budget(residual.view(-1), lo, hi, k, fi, k - base, backend)
     _wire_error(residual.view(-1), mv, mi, wire)
     if velocity is not None and mask_velocity:
         velocity.view(-1).index_fill_(0, mi.long(), 0)
     return _merge_disjoint(fv, fi, mv, mi)
+
+
+def keyed_topk(key: torch.Tensor, k: Optional[int] = None, offsets=None, ks=None, *,
+               backend: Optional[str] = None) -> torch.Tensor:
+    """Indices, in ascending order, of the largest entries of a selection key (flat,
+    non-negative): the top ``k`` of the whole key (no ``offsets``); ``ks[s]`` per segment
+    (``k`` None), as :func:`segmented_topk`; or ``k`` over the segments with ``ks`` as
+    floors, the group budget of :func:`group_ef_topk`. Ties to the lower index.
+
+    The fused ops select by the accumulated magnitude; this selects the same shapes of
+    budget by any key a caller computes beside them (``SparsePart``: the size of the step
+    the shared Adam rule would take with each pending element). Native top-k kernels
+    inside; the group's merge is the device ops of :func:`group_ef_topk`, no host sync."""
+    op = "keyed_topk"
+    if offsets is None:
+        return topk(key, int(k), backend=backend)[1]
+    if k is None:
+        return segmented_topk(key, offsets, ks, backend=backend)[1]
+    offsets, floors, k, lo, hi, base = _group_budget(offsets, ks, k, op)
+    fv, fi = segmented_topk(key, offsets, floors, backend=backend)
+    if k == base:
+        return fi
+    mv, mi = _rest_of_budget(key.reshape(-1), lo, hi, k, fi, k - base, backend)
+    return _merge_disjoint(fv, fi, mv, mi)[1]
+
+
+def _group_budget(offsets, floors, k, op: str):
+    """A group budget's arguments checked: ``(offsets, floors, k, lo, hi, base)``, the
+    segments' span ``[lo, hi)`` and the floors' sum ``base``; ``ValueError`` where ``k``
+    is below the floors or above the segments' elements."""
+    offsets, floors = _segments(offsets, floors, op)
+    k = int(k)
+    lo, hi = (int(offsets[0]), int(offsets[-1])) if floors.numel() else (0, 0)
+    base = int(floors.sum())
+    if not base <= k <= hi - lo:
+        raise ValueError(f"{op}: k={k} outside [{base}, {hi - lo}] (the floors' sum, the "
+                         "segments' elements)")
+    return offsets, floors, k, lo, hi, base
+
+
+def _rest_of_budget(x: torch.Tensor, lo: int, hi: int, k: int, taken: torch.Tensor, rest: int,
+                    backend):
+    """The group budget's second pass: the ``rest`` largest of ``x[lo:hi]`` (flat) not
+    among ``taken`` (the floors' positions, ascending), from its top ``k``, which holds at
+    least that many others. ``(values, indices)`` in index order."""
+    cv, ci = topk(x[lo:hi], k, backend=backend)
+    ci = ci.to(taken.dtype).add_(lo)
+    return _largest_not_in(cv, ci, taken, rest, wide=hi > 2**32)
 
 
 def _largest_not_in(values: torch.Tensor, indices: torch.Tensor, taken: torch.Tensor, count: int,
