@@ -96,6 +96,8 @@ class _Bucket:
                  dense: Tuple[int, ...] = (), shapes=(), buffer: Optional[torch.Tensor] = None):
         self.part = part
         self.pieces = 1
+        #: whether the part's selection key was settled (SparseHook: by the pending step)
+        self.keyed = False
         #: positions (in the bucket) of the tensors the plan sends dense, and of the others
         self.dense = tuple(dense)
         self.sparse = tuple(i for i in range(len(shapes)) if i not in set(self.dense))
@@ -169,7 +171,7 @@ class SparseHook:
 
     def __init__(self, names: Dict[torch.Tensor, str], process_group, scheme: str,
                  sparsifier: str, recipe: Recipe, optimizer=None, grad_scaler=None,
-                 plan: Optional[Plan] = None):
+                 plan: Optional[Plan] = None, select_by: str = "auto"):
         self.names = names
         #: the planner's decisions (``make_plan``): which tensors go dense, each one's k
         self.plan = plan
@@ -180,6 +182,9 @@ class SparseHook:
         #: the density schedule and, with an optimizer, its momentum correction
         self.recipe = recipe
         self.optimizer = optimizer
+        #: the exact top-k ranks the pending steps in the optimizer's geometry (Adam under
+        #: the shared moments; docs/recipe.md, "Selecting by the step"), not the magnitudes
+        self.by_step = select_by != "magnitude"
         #: the job's GradScaler: residuals kept unscaled, a skipped step undone
         self.scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         self._in_step = False  # between a step's first bucket and its last
@@ -262,6 +267,9 @@ class SparseHook:
             for wd, (gs, ps) in by_decay.items():
                 torch._foreach_add_(gs, ps, alpha=wd)
             self._sent_sparse.update(params)
+            if self.by_step and not b.keyed:
+                part.update_denominator = self.recipe.update_denominator(params, self.optimizer)
+                b.keyed = True
         # 0 * (a sum that is finite exactly when every term is) is 0, or NaN
         g = b.gather
         g.send[-1:].copy_(torch.sum(buffer, dtype=torch.float32).mul_(0.0).reshape(1))
@@ -645,7 +653,7 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
              optimizer=None, momentum_correction="auto",
              density_warmup_steps: int = DEFAULT_WARMUP_STEPS,
              fp32_accumulation: bool = True, grad_scaler=None,
-             plan: Optional[Plan] = None) -> SparseHook:
+             plan: Optional[Plan] = None, select_by: str = "auto") -> SparseHook:
     """Installs the hook on ``ddp_model`` (a ``DistributedDataParallel``) and returns its
     state. ``scheme``: one of :data:`SCHEMES`; ``density``: the share of each bucket's
     elements sent, in (0, 1]; ``sparsifier``: one of ``ssfusion_hvd.SPARSIFIERS``;
@@ -656,7 +664,10 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
     (needs ``optimizer``): the residuals are kept in unscaled units and a step the scaler
     skips is undone; ``plan``: the planner's plan (:func:`make_plan`): which tensors of a
     bucket go dense by allreduce and each sparsified tensor's k (build the DDP model
-    with :func:`ddp_kwargs` of the same plan, so its buckets are the plan's groups). Call
+    with :func:`ddp_kwargs` of the same plan, so its buckets are the plan's groups);
+    ``select_by``: what the exact top-k ranks, as the planned schemes'
+    ``scheme_options["select_by"]``: ``"auto"`` or ``"step"`` (Adam given as ``optimizer``:
+    the pending steps; otherwise the magnitudes), ``"magnitude"``. Call
     ``optimizer.step()`` (or ``scaler.step(optimizer)``) as usual: the
     hook wraps it. Bad arguments raise ``ValueError`` on every rank before any collective (nothing
     in the checks depends on the rank)."""
@@ -668,12 +679,14 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
     _agree(ddp_model.process_group, scheme=scheme, density=density, sparsifier=sparsifier,
            optimizer=optimizer, momentum_correction=momentum_correction,
            density_warmup_steps=density_warmup_steps, fp32_accumulation=fp32_accumulation,
-           grad_scaler=grad_scaler, plan=plan)
+           grad_scaler=grad_scaler, plan=plan, select_by=select_by)
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of {tuple(SCHEMES)}")
     if sparsifier not in SPARSIFIERS:
         raise ValueError(f"unknown sparsifier {sparsifier!r}; choose one of {tuple(SPARSIFIERS)}")
     _check_density(density)
+    if select_by not in ("auto", "magnitude", "step"):
+        raise ValueError(f"select_by must be 'auto', 'magnitude' or 'step', got {select_by!r}")
     if scheme == "ssfusion" and not make_sparsifier(sparsifier).exact_topk:
         raise ValueError(f"scheme 'ssfusion' shares a bucket's budget by magnitude, which "
                          f"needs an exact top-k sparsifier, got {sparsifier!r}")
@@ -706,7 +719,7 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
         recipe = Recipe("none", float(density), density_warmup_steps if scheme != "dense" else 0,
                         bool(fp32_accumulation))
     hook = SparseHook(names, ddp_model.process_group, scheme, sparsifier, recipe, optimizer,
-                      grad_scaler, plan)
+                      grad_scaler, plan, select_by)
     ddp_model.register_comm_hook(hook, _call)
     if optimizer is not None:
         _wrap_step(optimizer, hook)

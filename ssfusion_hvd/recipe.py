@@ -205,6 +205,50 @@ class Recipe:
                     s["step"] = _zero_step(s.get("step"), p, self._group_of(p))
         return out
 
+    def update_denominator(self, params: Sequence[torch.Tensor], optimizer=None):
+        """For a sparse part holding ``params`` back to back, what selects it in the
+        optimizer's geometry (``SparsePart.update_denominator``): a function ``fn(out)``
+        that writes, per element, what the shared Adam rule divides a gradient by,
+        ``sqrt(v / (1 - beta2^step)) + eps`` from the optimizer's ``exp_avg_sq`` and
+        ``step``, into ``out`` (float32) and returns it, or returns None while a tensor has
+        no such state (``optimizer``'s, default the bound one). None (no function) unless
+        this recipe steps Adam with shared
+        moments: an SGD step is proportional to the gradient, so its largest pending steps
+        are its largest pending gradients. Every rank holds the same state, so every rank
+        keys alike; nothing that shapes a collective depends on it."""
+        if self.shared is None or self.kind != "adam":
+            return None
+        params = list(params)
+        numels = torch.tensor([p.numel() for p in params])
+        total = int(numels.sum())
+
+        def denominator(out: torch.Tensor) -> Optional[torch.Tensor]:
+            b2, eps = float(self.shared.hparams["betas"][1]), float(self.shared.hparams["eps"])
+            # (the bound optimizer is read here: a plan given up front builds its parts
+            # before the optimizer that owns this recipe is bound to it)
+            opt = optimizer if optimizer is not None else self._optimizer
+            states = [opt.state.get(p) for p in params]
+            if any(not st or st.get("exp_avg_sq") is None for st in states):
+                return None
+            vs = [st["exp_avg_sq"].reshape(-1) for st in states]
+            if vs[0].device == out.device and all(v.dtype == out.dtype for v in vs):
+                torch.cat(vs, out=out)
+            else:  # an offloaded part staged on the host, or a 16-bit state
+                out.copy_(torch.cat([v.float() for v in vs]))
+            steps = [st["step"] for st in states]
+            if all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in steps):
+                steps = [max(float(t), 1.0) for t in steps]  # host values: no sync
+                if all(t == steps[0] for t in steps):
+                    out.div_(1.0 - b2 ** steps[0])
+                    return out.sqrt_().add_(eps)
+                corr = torch.tensor([1.0 - b2 ** t for t in steps], device=out.device)
+            else:  # steps on the device (capturable or fused Adam): computed there
+                corr = 1.0 - torch.pow(b2, torch.stack([t.reshape(()).float() for t in steps])
+                                       .clamp_(min=1.0)).to(out.device)
+            out.div_(torch.repeat_interleave(corr, numels.to(out.device), output_size=total))
+            return out.sqrt_().add_(eps)
+        return denominator
+
     def undo_takes(self, entries) -> None:
         """Puts back the wrapped optimizer's state that :meth:`take_state` replaced with
         placeholders while :attr:`journal` was ``entries`` (a skipped step)."""

@@ -370,3 +370,47 @@ def test_make_plan_checks_its_input_and_ddp_kwargs_cover_the_model():
     assert "for 2 tensors" in sd.make_plan(model, other, "per_tensor", 0.1).notes["backward"]
     with pytest.raises(ValueError, match="must be a Plan"):
         sd.ddp_kwargs("plan.json")
+
+
+
+@pytest.mark.parametrize("select_by", ["auto", "magnitude"])
+def test_adam_buckets_select_the_largest_pending_steps(select_by):
+    """With Adam given as ``optimizer``, each bucket's budget (one element per tensor, the
+    rest shared) goes by default to the elements whose pending sum would move their
+    parameter most, |acc| / (sqrt(v-hat) + eps) from the optimizer's state, as the
+    Horovod planned schemes select (tests/test_moments.py); ``select_by="magnitude"`` to
+    the largest |acc|. Each rank's sent set (where its residual was zeroed) equals the
+    reference on every step after Adam's first, and the two keys differ on them."""
+    from ssfusion_hvd.plan.cost import nominal_k
+    from test_schemes import group_select
+
+    ranks = run_ddp(workers_ddp.adam_selection, np=2, select_by=select_by)
+    group = ranks[0]["group"]
+    b2, eps, wd = group["betas"][1], group["eps"], group["weight_decay"]
+    checked = differ = 0
+    for rec in ranks:
+        for st in rec["steps"]:
+            stateful = all("exp_avg_sq" in st["state"][n] for n in st["params"])
+            for bucket in st["buckets"]:
+                accs, keys = [], []
+                for n in bucket:
+                    acc = (st["residuals"].get(n, torch.zeros_like(st["local"][n]))
+                           + st["local"][n] + wd * st["params"][n]).reshape(-1)
+                    accs.append(acc)
+                    if stateful and select_by == "auto":
+                        s = st["state"][n]
+                        denom = (s["exp_avg_sq"].reshape(-1) / (1.0 - b2 ** float(s["step"]))).sqrt() + eps
+                        keys.append((acc / denom).abs())
+                    else:
+                        keys.append(acc.abs())
+                sizes = [a.numel() for a in accs]
+                k = sum(int(nominal_k(n, 0.1)) for n in sizes)
+                acc = torch.cat(accs)
+                want = set(group_select(torch.cat(keys), sizes, k, [1] * len(sizes))[1].tolist())
+                differ += want != set(group_select(acc, sizes, k, [1] * len(sizes))[1].tolist())
+                sent = torch.cat([st["after"][n].reshape(-1) for n in bucket]) == 0
+                got = set((sent & (acc != 0)).nonzero().flatten().tolist())
+                assert got == {j for j in want if acc[j] != 0}, (select_by, bucket)
+                checked += stateful
+    assert checked >= 8
+    assert (differ > 0) == (select_by == "auto"), differ

@@ -54,6 +54,11 @@ SPARSE = {
                               plan="all_sparse", steps=8, waits=True),
     "multi_tensor_sgd_waits": dict(scheme="multi_tensor", optimizer="sgd_damp", density=0.05,
                                    steps=8, waits=True, density_warmup=3),
+    # the group budget (floors, the rest shared), selected by the pending steps (the default)
+    "planned_adam_group": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
+                               plan="all_sparse", steps=8, group_floor=0.0),
+    "planned_adam_magnitude": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
+                                   plan="all_sparse", steps=8, select_by="magnitude"),
 }
 
 
@@ -252,3 +257,56 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
     assert late_arrivals > 0, f"{name}: no element arrived after waiting (the ages were not exercised)"
     assert "waits" not in name or mixed_waits > 0, f"{name}: no element two senders sent after different waits"
 
+
+
+
+@pytest.mark.parametrize("name", ["planned_adam", "planned_adam_group", "planned_adam_magnitude"])
+def test_adam_selects_the_largest_pending_steps(sparse_runs, name):
+    """Under Adam with shared moments each rank sends, by default, the elements whose
+    pending sum would move their parameter most, |acc| / (sqrt(v-hat) + eps) from the
+    optimizer's state before the step (per tensor, or under the group budget: floors,
+    then the rest by that key); ``select_by="magnitude"`` the largest |acc|. Each rank's
+    sent set (where its residual was zeroed) equals that reference, and the two keys
+    choose differently on these steps (so the check tells them apart)."""
+    from ssfusion_hvd.plan.cost import nominal_k
+    from test_schemes import group_select
+
+    by_step = name != "planned_adam_magnitude"
+    runs = [r[name] for r in sparse_runs]
+    names, group = runs[0]["names"], runs[0]["group"]
+    b2, eps = group["betas"][1], group["eps"]
+    coupled = 0.0 if group.get("decoupled_weight_decay") else group["weight_decay"]
+    checked = differ = 0
+    for run in runs:
+        steps = run["steps"]
+        for s in range(len(steps) - 1):
+            st, nxt = steps[s], steps[s + 1]
+            if not st["sparse"]:
+                continue
+            # (before Adam's first step there is no state: magnitude, for the whole part)
+            stateful = by_step and all("exp_avg_sq" in st["own"].get(n, {}) for n in names)
+            accs, keys = [], []
+            for n in names:
+                local = st["local"][n] + coupled * st["before"][n]
+                acc = (st["residuals"].get(n, torch.zeros_like(local)) + local).reshape(-1)
+                accs.append(acc)
+                if stateful:
+                    own = st["own"][n]
+                    v = own["exp_avg_sq"].reshape(-1).float()
+                    denom = (v / (1.0 - b2 ** max(float(own["step"]), 1.0))).sqrt() + eps
+                    keys.append((acc / denom).abs())
+                else:
+                    keys.append(acc.abs())
+            sizes = [a.numel() for a in accs]
+            ks = [nominal_k(n, 0.05) for n in sizes]
+            # the group budget's floors (share 0: one element each), or each tensor its k
+            floors = [1] * len(ks) if name == "planned_adam_group" else ks
+            acc = torch.cat(accs)
+            want = set(group_select(torch.cat(keys), sizes, sum(ks), floors)[1].tolist())
+            differ += want != set(group_select(acc, sizes, sum(ks), floors)[1].tolist())
+            sent = torch.cat([nxt["residuals"][n].reshape(-1) for n in names]) == 0
+            got = set((sent & (acc != 0)).nonzero().flatten().tolist())
+            assert got == {j for j in want if acc[j] != 0}, (name, s)
+            checked += 1
+    assert checked >= 8, name
+    assert (differ > 0) == by_step, (name, differ)

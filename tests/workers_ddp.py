@@ -284,3 +284,31 @@ def measured(rank, world, density=0.1):
     _steps(ddp, copy.deepcopy(model), hook, rank, range(2), out)
     return {"cost": cost.to_json(), "plan": plan.to_json(), "grads_left": len(grads_left),
             "synced": out["synced"]}
+
+
+def adam_selection(rank, world, select_by, steps=5, density=0.1):
+    """The hook with Adam (shared moments) at ``density``: per step this rank's residuals,
+    parameters, own gradient and Adam state before the step, its residuals after, and the
+    buckets (what tests/test_ddp.py rebuilds each rank's selection from)."""
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-2)
+    hook = ssfusion_hvd.ddp.register(ddp, scheme="ssfusion", density=density, optimizer=opt,
+                                     density_warmup_steps=0, select_by=select_by)
+    named = dict(model.named_parameters())
+    out = []
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        before = {"residuals": {n: r.clone() for n, r in hook.state_dict()["residuals"].items()},
+                  "params": {n: p.detach().clone() for n, p in named.items()},
+                  "state": {n: {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                for k, v in opt.state[p].items()} for n, p in named.items()}}
+        grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(named.values()))
+        before["local"] = {n: g.detach().clone() for n, g in zip(named, grads)}
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        before["after"] = {n: r.clone() for n, r in hook.state_dict()["residuals"].items()}
+        before["buckets"] = hook.bucket_names()
+        out.append(before)
+    return {"steps": out, "group": {k: v for k, v in opt.param_groups[0].items() if k != "params"}}

@@ -28,7 +28,7 @@ class TanhNet(nn.Module):
 
 
 def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=1e-3,
-           nesterov=False, waits=None):
+           nesterov=False, waits=None, select_by=None, group_floor=None):
     torch.manual_seed(7)  # identical initial weights on every rank
     model = TanhNet()
     named = sorted(model.named_parameters())
@@ -41,12 +41,13 @@ def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=
         sizes = [p.numel() for _, p in named]
         plan = Plan("ssfusion_oi", names, sizes, [Group(0, len(names))], [True] * len(names),
                     [nominal_k(s, density) for s in sizes], ["allgather"] * len(names),
-                    [False] * len(names), density)
+                    [False] * len(names), density, group_floor=group_floor)
     opt = ssfusion_hvd.DistributedOptimizer(
         inner, named_parameters=model.named_parameters(), scheme=scheme, density=density,
         warmup_steps=2, profile=profile("topk"), plan=plan, log_plan=False,
         density_warmup_steps=density_warmup, moments="shared",
-        scheme_options=None if waits is None else {"waits": waits})
+        scheme_options={k: v for k, v in (("waits", waits), ("select_by", select_by))
+                        if v is not None} or None)
     out = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * hvd.rank() + step)  # noisy: a batch per rank

@@ -162,6 +162,15 @@ class SparsePart:
         #: where the part's gradients are staged and selected (the host for an offloaded part)
         self.stage_device = device if stage_device is None else stage_device
         self._stage: Optional[torch.Tensor] = None  # allocated at its first use (:attr:`stage`)
+        #: the selection in the optimizer's geometry, where its owner sets it
+        #: (``Recipe.update_denominator``): ``fn(out)`` writes per element of the part, back
+        #: to back, what the step divides a gradient by (Adam: sqrt(v-hat) + eps) into
+        #: ``out`` (float32, the stage's device) and returns it, or returns None (no state
+        #: yet: magnitude this step). The top-k then takes the largest pending *steps*,
+        #: |acc| / denominator, instead of the largest pending gradients (docs/recipe.md,
+        #: "Selecting by the step"). Exact top-k parts only.
+        self.update_denominator = None
+        self._key: Optional[torch.Tensor] = None  # its buffer, allocated at first use
         # decode target: the part's tensors plus the sink that padding entries point into;
         # zero wherever the last decode did not write (decode_into keeps it so)
         self.out = torch.zeros(self.numel + self.capacity, dtype=self.acc_dtype, device=device)
@@ -196,7 +205,7 @@ class SparsePart:
         selected from them directly, without writing the staged copy, a pass over the part's
         bytes (on GPT-2's 124M elements, one thread: 25 ms of a 85 ms stage and select).
         Same result."""
-        if self.stage.device == grads[0].device:
+        if self.stage.device == grads[0].device and self.update_denominator is None:
             got = None
             if self.mode in ("segmented", "group"):
                 got = memory.select_topk_tensors(self.key, grads, self._group_k(),
@@ -243,6 +252,14 @@ class SparsePart:
 
     def _select(self, memory: ResidualMemory, staged: Optional[torch.Tensor] = None) -> SelectionResult:
         staged = self.stage if staged is None else staged
+        exact = self.mode in ("segmented", "group") or (
+            self.mode == "buffer" and self.sparsifiers[0].exact_topk)
+        if exact and self.update_denominator is not None:
+            if self._key is None:
+                self._key = torch.empty(self.numel, dtype=torch.float32, device=self.stage_device)
+            denom = self.update_denominator(self._key)
+            if denom is not None:
+                return self._select_steps(memory, staged, denom)
         if self.mode in ("segmented", "group"):
             values, indices = memory.select_topk(self.key, staged, self._group_k(),
                                                  offsets=self._offsets, ks=self._ks,
@@ -266,6 +283,22 @@ class SparsePart:
             result = SelectionResult(torch.cat(vals), torch.cat(idxs), counts)
         memory.update(self.key, acc, result.indices, self.dtype)
         return result
+
+    def _select_steps(self, memory: ResidualMemory, staged: torch.Tensor,
+                      denom: torch.Tensor) -> SelectionResult:
+        """The exact top-k of the part's pending steps, ``|acc| / denom``, under the part's
+        budget (one k, per tensor, or the group's with floors): error feedback as the fused
+        kernels do it (``compensate``, then ``update``: the same residual bits), the values
+        sent are ``acc``'s. ``denom`` is overwritten with the key."""
+        acc = memory.compensate(self.key, staged)
+        key = torch.div(acc, denom, out=denom).abs_()
+        if self.mode == "buffer":
+            indices = ops.keyed_topk(key, self.ks[0])
+        else:
+            indices = ops.keyed_topk(key, self._group_k(), self._offsets, self._ks)
+        values = acc.index_select(0, indices.long())
+        memory.update(self.key, acc, indices, self.dtype)
+        return SelectionResult(values, indices, self._counts())
 
     def pack(self, result: SelectionResult, send: torch.Tensor, prescale: float) -> None:
         """Writes the record of ``result`` (padded to capacity) at this part's offset."""

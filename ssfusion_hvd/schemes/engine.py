@@ -48,7 +48,8 @@ class PlannedPhase:
     (key: its name) or of a fusion buffer (key: its part's)."""
 
     def __init__(self, plan: Plan, params: Sequence[torch.Tensor], config, transport: Transport,
-                 sparsifier_for: Callable, iteration: int, name: str, waits: int = 0):
+                 sparsifier_for: Callable, iteration: int, name: str, waits: int = 0,
+                 by_step: bool = False):
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
             raise ValueError(f"scheme {name!r} needs every gradient in one dtype on one "
@@ -74,6 +75,9 @@ class PlannedPhase:
         # sender's wait"): the decode computes `waits` shares, its tables follow the rule
         # and hyper-parameters in force (_set_fresh)
         self._waits = waits
+        # select each exact top-k part by its pending steps in the optimizer's geometry
+        # (Recipe.update_denominator; docs/recipe.md, "Selecting by the step")
+        self._by_step = by_step
         self._fresh: Optional[tuple] = None  # (rule, hyper-parameters, their tables)
         #: per sparsified parameter whose wire carried the senders' waits, the shares of
         #: what arrived in the last decode, (rows, *shape) (the shared moments' step reads them)
@@ -118,6 +122,9 @@ class PlannedPhase:
         for part in self._sparse:
             self.memory.register(part.key, [active.names[i] for i in part.tensors],
                                  [shapes[i] for i in part.tensors], part.stage_device)
+            if self._by_step:
+                part.update_denominator = recipe.update_denominator(
+                    [self.params[i] for i in part.tensors])
         self._offload_part = {part.tensors[0]: part for gb in self.groups for part in gb.offloaded}
         if offload and self._worker is None:
             self._worker = OffloadWorker(self.device)

@@ -68,6 +68,11 @@ class PlannedScheme(Scheme):
         # better, 2 neutral at 8 % more bytes); Adam only with True
         "waits": Option("auto", lambda v: isinstance(v, bool) or v == "auto",
                         "'auto', True or False"),
+        # what the exact top-k ranks: "magnitude" (the accumulated gradient), "step" (the
+        # step the optimizer would take with it: Adam's under shared moments; SGD's is
+        # the magnitude's), "auto": "step" (docs/recipe.md, "Selecting by the step")
+        "select_by": Option("auto", lambda v: v in ("auto", "magnitude", "step"),
+                            "'auto', 'magnitude' or 'step'"),
     }
 
     def __init__(self, config: SyncConfig):
@@ -119,7 +124,8 @@ class PlannedScheme(Scheme):
         self._sparsifiers = {}
         self._engine = PlannedPhase(plan, params, self.config, self.transport,
                                     self._sparsifier_for, self._iteration, self.name,
-                                    waits=self._carries_waits())
+                                    waits=self._carries_waits(),
+                                    by_step=self.opts["select_by"] != "magnitude")
         if self.config.log_plan and self.transport.rank == 0:
             _print_plan(plan, self._engine.auto)
 
