@@ -51,11 +51,16 @@ CELLS = [
     ("lm", "adam", 0.01, 3, 2),
     *[(t, "sgd", 0.01, 20, 2) for t in ("mlp", "mlp_deep", "gru")],
     *[(t, "sgd", 0.01, 6, 4) for t in ("mlp", "gru", "digits")],
+    # Adam beyond the MLP and the GRU (added with the selection by the pending step)
+    *[(t, "adam", 0.01, 6, 2) for t in ("mlp_wide", "mlp_deep", "digits")],
+    ("gru", "adam", 0.01, 20, 2),
+    *[(t, "adam", 0.01, 6, 4) for t in ("mlp", "gru")],
 ]
 #: scheme label -> (scheme, extra train.py arguments)
 VARIANTS = {"uniform": ["--floor", "none"], "shared": ["--moments", "shared"],
             "local": ["--moments", "local"], "waits": ["--waits", "on"],
-            "nowaits": ["--waits", "off"]}
+            "nowaits": ["--waits", "off"], "bystep": ["--select-by", "step"],
+            "bymagnitude": ["--select-by", "magnitude"]}
 
 
 def cell_name(cell) -> str:

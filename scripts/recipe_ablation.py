@@ -316,6 +316,11 @@ def parse_args(argv=None):
                    help="steps of a linear learning-rate warm-up (0: none)")
     p.add_argument("--catch", default="full",
                    help="ef_age_tail's Adam catch-up: full, sqrt, cap:N, none-until:T")
+    p.add_argument("--select", default="magnitude", choices=("magnitude", "adam", "arrival", "local_v"),
+                   help="the ef_age variants' selection key under Adam: the residual's "
+                        "magnitude, or its magnitude over the shared rule's sqrt(v-hat) + eps")
+    p.add_argument("--dense-1d", action="store_true",
+                   help="every variant averages 1-D tensors (norms, biases) dense")
     p.add_argument("--json", default=None)
     p.add_argument("--adam-limit", type=int, default=0, metavar="P",
                    help="measure the Adam rule's dense limit on P ranks instead (see above)")
@@ -402,8 +407,8 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                "mask_density": "auto", "shared_v": "auto", "frozen_v": "auto",
                "shared_v_mask": True}.get(variant)
     # auto_min_k: what the plan sends dense (decided at the target density, as the planner)
-    dense_t = [variant == "auto_min_k" and int(nominal_k(p.numel(), args.density)) < args.min_k
-               for p in params]
+    dense_t = [(variant == "auto_min_k" and int(nominal_k(p.numel(), args.density)) < args.min_k)
+               or (args.dense_1d and p.dim() == 1) for p in params]
     by_name = {str(i): p for i, p in enumerate(params)}
 
     def from_optimizer(names, buffers):  # what Recipe.take_state hands over
@@ -415,6 +420,7 @@ def run(task: str, variant: str, seed: int, args) -> dict:
         return {b: st[b].reshape(-1) for b in buffers}, int(float(st.get("step", 0)))
 
     aged = {}  # ef_age: parameter index -> AgedAdam, from the optimizer's state
+    vloc = {}  # --select local_v: (rank, parameter index) -> [its own gradients' v, steps]
     sq = {}  # ef_age_tail_q: (rank, parameter index) -> [sum of g², steps] since it sent
     shared = {}  # shared_v / frozen_v: key -> [v, steps], seeded from the optimizer
     refreshes, nxt, gap = set(), 0, 1
@@ -502,8 +508,34 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                 b_num, b_den = torch.zeros(p.numel()), torch.zeros(p.numel())
                 for r in range(ranks):
                     mems[r].rule.density = density
+                    if args.select == "local_v":  # every step, from the rank's own gradient
+                        lv = vloc.setdefault((r, i), [torch.zeros(p.numel()), 0])
+                        lv[0].mul_(0.999).addcmul_(grads[r][i].reshape(-1), grads[r][i].reshape(-1),
+                                                   value=0.001)
+                        lv[1] += 1
                     acc = mems[r].compensate(str(i), grads[r][i])
-                    values, idx = ops.topk(acc, k)
+                    if args.select != "magnitude" and kind == "adam" and variant.startswith("ef_age"):
+                        # the key in Adam's geometry: what the element would move the
+                        # parameter by, per unit of lr (every rank holds the same v)
+                        if i in aged:
+                            v, steps_v = aged[i].v.reshape(-1), aged[i].t
+                            wait = aged[i].age.reshape(-1) + 1
+                        else:
+                            st = opt.state[p]
+                            v, steps_v = st["exp_avg_sq"].reshape(-1), int(float(st["step"]))
+                            wait = torch.ones_like(v)
+                        if args.select == "local_v":  # this rank's own gradients' second moment
+                            lv, ln = vloc.setdefault((r, i), [torch.zeros(p.numel()), 0])
+                            v, steps_v = lv, ln
+                        if args.select == "arrival":  # v as this arrival would leave it
+                            rate = acc.reshape(-1) / wait
+                            d2 = 0.999 ** wait
+                            v = d2 * v + (1 - d2) * rate * rate
+                        denom = (v / (1 - 0.999 ** max(steps_v, 1))).sqrt() + 1e-8
+                        _, idx = ops.topk(acc.reshape(-1) / denom, k)
+                        values = acc.reshape(-1)[idx.long()]
+                    else:
+                        values, idx = ops.topk(acc, k)
                     acc_sum.index_add_(0, idx.long(), values)
                     if variant == "ef_age_tail_q":
                         # each rank's burstiness of what it sends: w·Σg² / S² (1 steady, w spike)
@@ -530,6 +562,8 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                            "ef_age_rank_m"):
                 tail = variant in ("ef_age_tail", "ef_age_tail_q", "ef_age_rank", "ef_age_rank_m")
                 for i, (p, a) in enumerate(zip(params, avg)):
+                    if dense_t[i]:  # stepped by the optimizer on its dense average, above
+                        continue
                     if i not in aged:
                         aged[i] = (AgedMomentum(p, opt.state[p], opt.param_groups[0]["lr"], tail=tail)
                                    if kind == "sgd" else
@@ -537,8 +571,7 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                                             lazy=variant == "ef_age_lazy", tail=tail,
                                             catch=args.catch))
                     if variant in ("ef_age_rank", "ef_age_rank_m"):
-                        if not dense_t[i]:
-                            rank_catch_up(aged[i], p, picks[i], ranks, variant == "ef_age_rank_m")
+                        rank_catch_up(aged[i], p, picks[i], ranks, variant == "ef_age_rank_m")
                     elif variant == "ef_age_tail_q" and kind == "adam":
                         aged[i].step(p.data, a, bursts[i].view_as(p))
                     else:

@@ -90,6 +90,10 @@ def parse_args(argv=None):
                    help="planned schemes: scheme_options['waits'], each sparse entry carries its "
                         "sender's wait for the shared moments (default: the scheme's, 'auto': "
                         "SGD from 3 ranks; Adam only with 'on')")
+    p.add_argument("--select-by", choices=("auto", "magnitude", "step"), default=None,
+                   help="planned schemes: scheme_options['select_by'], what the top-k ranks: the "
+                        "accumulated gradient or the optimizer's step with it (Adam; default: "
+                        "the scheme's)")
     p.add_argument("--plan", default=None,
                    help="a Plan JSON (opt.plan.save) the sparse scheme runs from the first step "
                         "instead of profiling and planning")
@@ -211,7 +215,8 @@ def main(argv=None):
         recipe["moments"] = args.moments
     # --min-k goes to the schemes that take it (the demo's dense comparison run does not)
     options = options_for(args.scheme, min_k=args.min_k, slack=args.slack,
-                          waits={None: None, "auto": "auto", "on": True, "off": False}[args.waits])
+                          waits={None: None, "auto": "auto", "on": True, "off": False}[args.waits],
+                          select_by=args.select_by)
     if args.floor is not None and options_for(args.scheme, floor=0.0):  # a scheme that takes it
         options = dict(options or {}, floor=None if args.floor == "none" else float(args.floor))
     # mixed precision as users train: autocast on the device and, for float16, a
