@@ -55,6 +55,7 @@ CELLS = [
     *[(t, "adam", 0.01, 6, 2) for t in ("mlp_wide", "mlp_deep", "digits")],
     ("gru", "adam", 0.01, 20, 2),
     *[(t, "adam", 0.01, 6, 4) for t in ("mlp", "gru")],
+    ("lm", "adam", 0.01, 3, 4),
 ]
 #: scheme label -> (scheme, extra train.py arguments)
 VARIANTS = {"uniform": ["--floor", "none"], "shared": ["--moments", "shared"],

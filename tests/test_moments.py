@@ -35,7 +35,7 @@ LIMIT = {
                              plan="all_sparse"),
 }
 SPARSE = {
-    # Adam's default, waits="auto", carries none
+    # Adam's default, waits="auto", carries none on 2 ranks
     "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05, plan="all_sparse",
                          steps=8),
     "planned_adam_waits": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
@@ -103,14 +103,14 @@ def _carried_waits(run) -> bool:
     return any(bool(st["waits"]) for st in run["steps"])
 
 
-def test_waits_auto_carries_them_for_sgd_from_three_ranks(limit_runs, sparse_runs):
+def test_waits_auto_carries_them_from_three_ranks(limit_runs, sparse_runs):
     on_4 = {name: _carried_waits(limit_runs[0][name]) for name in LIMIT if "planned" in name}
     assert on_4 == {"planned_sgd": False, "planned_sgd_waits": True, "planned_sgd_auto": True,
-                    "planned_adam": False, "planned_adam_waits": True}
+                    "planned_adam": True, "planned_adam_waits": True}
     assert not _carried_waits(sparse_runs[0]["planned_sgd_auto"])  # 2 ranks
+    assert not _carried_waits(sparse_runs[0]["planned_adam"])
     assert _carried_waits(sparse_runs[0]["planned_sgd_waits"])
     assert _carried_waits(sparse_runs[0]["planned_adam_waits"])
-    assert not _carried_waits(sparse_runs[0]["planned_adam"])  # Adam: only when asked
 
 
 def _reference(kind, group, w, S, age, state, sparse):

@@ -89,7 +89,7 @@ def parse_args(argv=None):
     p.add_argument("--waits", choices=("on", "off", "auto"), default=None,
                    help="planned schemes: scheme_options['waits'], each sparse entry carries its "
                         "sender's wait for the shared moments (default: the scheme's, 'auto': "
-                        "SGD from 3 ranks; Adam only with 'on')")
+                        "from 3 ranks)")
     p.add_argument("--select-by", choices=("auto", "magnitude", "step"), default=None,
                    help="planned schemes: scheme_options['select_by'], what the top-k ranks: the "
                         "accumulated gradient or the optimizer's step with it (Adam; default: "

@@ -36,10 +36,12 @@ __all__ = ["PlannedScheme", "WAITS_MIN_RANKS"]
 #: family. SGD: with 2 ranks the union's age and each sender's differ little (neutral on
 #: six 2-worker cells, at 8 % more bytes); with 4 the union's age is about a quarter of
 #: each value's wait (GRU +4.2 points, MLP +1.2; docs/recipe.md "Whose wait"); the replica
-#: gained at 3 and 8 too. Adam: never by itself (``waits=True`` takes them): on 2 workers
-#: the GRU gained 4.0 points over 5 seeds and the MLP lost 0.3, but the LM's perplexity
-#: rose on 2 seeds of 3 (17.3 and 16.7 against 13.9 and 14.2).
-WAITS_MIN_RANKS = {"sgd": 3}
+#: gained at 3 and 8 too. Adam, from 3 ranks too: on 2 workers the GRU gained 4.0 points
+#: over 5 seeds and the MLP lost 0.3, but the LM's perplexity rose on 2 seeds of 3 (17.3
+#: and 16.7 against 13.9 and 14.2); on 4 workers, with the selection by the pending step,
+#: the GRU gained 19.4 points, the MLP 2.4 and the LM's perplexity fell from 19.15 to
+#: 16.00 (2 seeds; docs/results/accuracy_bystep_adam.md).
+WAITS_MIN_RANKS = {"sgd": 3, "adam": 3}
 
 
 def _print_plan(plan: Plan, auto: dict) -> None:
@@ -63,9 +65,9 @@ class PlannedScheme(Scheme):
 
     name = "planned"
     options = {
-        # each sparse entry carries its sender's wait (1 byte), for SGD's shared moments;
-        # "auto": SGD from WAITS_MIN_RANKS ranks on (docs/results.md §2b: 4 workers
-        # better, 2 neutral at 8 % more bytes); Adam only with True
+        # each sparse entry carries its sender's wait (1 byte), for the shared moments;
+        # "auto": from WAITS_MIN_RANKS ranks on (docs/results.md §2b: with 4 workers better
+        # for SGD and Adam; with 2 neutral for SGD at 8 % more bytes, worse on Adam's LM)
         "waits": Option("auto", lambda v: isinstance(v, bool) or v == "auto",
                         "'auto', True or False"),
         # what the exact top-k ranks: "magnitude" (the accumulated gradient), "step" (the

@@ -37,7 +37,7 @@ Options (``scheme_options=``), all five:
   planned scheme takes it): each sparse entry carries its sender's wait, one byte, and
   the shared moments catch each rank's value up over its own wait instead of the
   union's (``docs/design.md``, "Each sender's wait"; ``docs/results.md`` §2b has the
-  measurements: SGD better with 4 workers, neutral with 2; Adam, only with True, better
+  measurements: SGD and Adam better with 4 workers; with 2, SGD neutral and Adam better
   on a GRU and worse on the LM).
 * ``min_k`` (default 0, the paper's planner): a tensor whose top-k at the target density
   would keep fewer elements is sent dense (``plan.keep_small_dense``: norms and biases with
