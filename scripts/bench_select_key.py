@@ -36,7 +36,7 @@ def main() -> None:
     ks = [int(nominal_k(q.numel(), args.density)) for q in params]
     settle = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
-    def denominator(out):  # what Recipe.update_denominator computes, at one step count
+    def denominator(out):  # what Recipe.step_denominator computes, at one step count
         torch.cat([v.reshape(-1) for v in vs], out=out)
         return out.div_(0.5).sqrt_().add_(1e-8)
 

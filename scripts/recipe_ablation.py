@@ -319,8 +319,6 @@ def parse_args(argv=None):
     p.add_argument("--select", default="magnitude", choices=("magnitude", "adam", "arrival", "local_v"),
                    help="the ef_age variants' selection key under Adam: the residual's "
                         "magnitude, or its magnitude over the shared rule's sqrt(v-hat) + eps")
-    p.add_argument("--dense-1d", action="store_true",
-                   help="every variant averages 1-D tensors (norms, biases) dense")
     p.add_argument("--json", default=None)
     p.add_argument("--adam-limit", type=int, default=0, metavar="P",
                    help="measure the Adam rule's dense limit on P ranks instead (see above)")
@@ -407,8 +405,8 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                "mask_density": "auto", "shared_v": "auto", "frozen_v": "auto",
                "shared_v_mask": True}.get(variant)
     # auto_min_k: what the plan sends dense (decided at the target density, as the planner)
-    dense_t = [(variant == "auto_min_k" and int(nominal_k(p.numel(), args.density)) < args.min_k)
-               or (args.dense_1d and p.dim() == 1) for p in params]
+    dense_t = [variant == "auto_min_k" and int(nominal_k(p.numel(), args.density)) < args.min_k
+               for p in params]
     by_name = {str(i): p for i, p in enumerate(params)}
 
     def from_optimizer(names, buffers):  # what Recipe.take_state hands over
@@ -562,8 +560,6 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                            "ef_age_rank_m"):
                 tail = variant in ("ef_age_tail", "ef_age_tail_q", "ef_age_rank", "ef_age_rank_m")
                 for i, (p, a) in enumerate(zip(params, avg)):
-                    if dense_t[i]:  # stepped by the optimizer on its dense average, above
-                        continue
                     if i not in aged:
                         aged[i] = (AgedMomentum(p, opt.state[p], opt.param_groups[0]["lr"], tail=tail)
                                    if kind == "sgd" else
@@ -571,7 +567,8 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                                             lazy=variant == "ef_age_lazy", tail=tail,
                                             catch=args.catch))
                     if variant in ("ef_age_rank", "ef_age_rank_m"):
-                        rank_catch_up(aged[i], p, picks[i], ranks, variant == "ef_age_rank_m")
+                        if not dense_t[i]:
+                            rank_catch_up(aged[i], p, picks[i], ranks, variant == "ef_age_rank_m")
                     elif variant == "ef_age_tail_q" and kind == "adam":
                         aged[i].step(p.data, a, bursts[i].view_as(p))
                     else:

@@ -50,6 +50,7 @@ Not yet here (docs/ddp.md): ``moments="local"``, the offload worker.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import math
@@ -267,8 +268,9 @@ class SparseHook:
             for wd, (gs, ps) in by_decay.items():
                 torch._foreach_add_(gs, ps, alpha=wd)
             self._sent_sparse.update(params)
-            if self.by_step and not b.keyed:
-                part.update_denominator = self.recipe.update_denominator(params, self.optimizer)
+            if self.by_step and self.recipe.selects_by_step and not b.keyed:
+                part.update_denominator = functools.partial(
+                    self.recipe.step_denominator, params, optimizer=self.optimizer)
                 b.keyed = True
         # 0 * (a sum that is finite exactly when every term is) is 0, or NaN
         g = b.gather

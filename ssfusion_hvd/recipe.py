@@ -205,49 +205,48 @@ class Recipe:
                     s["step"] = _zero_step(s.get("step"), p, self._group_of(p))
         return out
 
-    def update_denominator(self, params: Sequence[torch.Tensor], optimizer=None):
-        """For a sparse part holding ``params`` back to back, what selects it in the
-        optimizer's geometry (``SparsePart.update_denominator``): a function ``fn(out)``
-        that writes, per element, what the shared Adam rule divides a gradient by,
-        ``sqrt(v / (1 - beta2^step)) + eps`` from the optimizer's ``exp_avg_sq`` and
-        ``step``, into ``out`` (float32) and returns it, or returns None while a tensor has
-        no such state (``optimizer``'s, default the bound one). None (no function) unless
-        this recipe steps Adam with shared
-        moments: an SGD step is proportional to the gradient, so its largest pending steps
-        are its largest pending gradients. Every rank holds the same state, so every rank
-        keys alike; nothing that shapes a collective depends on it."""
-        if self.shared is None or self.kind != "adam":
-            return None
-        params = list(params)
-        numels = torch.tensor([p.numel() for p in params])
-        total = int(numels.sum())
+    @property
+    def selects_by_step(self) -> bool:
+        """Whether :meth:`step_denominator` applies: Adam stepped by the shared moments.
+        (An SGD step is proportional to the gradient, so its largest pending steps are its
+        largest pending gradients: the fused kernels' magnitude.)"""
+        return self.shared is not None and self.kind == "adam"
 
-        def denominator(out: torch.Tensor) -> Optional[torch.Tensor]:
-            b2, eps = float(self.shared.hparams["betas"][1]), float(self.shared.hparams["eps"])
-            # (the bound optimizer is read here: a plan given up front builds its parts
-            # before the optimizer that owns this recipe is bound to it)
-            opt = optimizer if optimizer is not None else self._optimizer
-            states = [opt.state.get(p) for p in params]
-            if any(not st or st.get("exp_avg_sq") is None for st in states):
-                return None
-            vs = [st["exp_avg_sq"].reshape(-1) for st in states]
-            if vs[0].device == out.device and all(v.dtype == out.dtype for v in vs):
-                torch.cat(vs, out=out)
-            else:  # an offloaded part staged on the host, or a 16-bit state
-                out.copy_(torch.cat([v.float() for v in vs]))
-            steps = [st["step"] for st in states]
-            if all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in steps):
-                steps = [max(float(t), 1.0) for t in steps]  # host values: no sync
-                if all(t == steps[0] for t in steps):
-                    out.div_(1.0 - b2 ** steps[0])
-                    return out.sqrt_().add_(eps)
-                corr = torch.tensor([1.0 - b2 ** t for t in steps], device=out.device)
-            else:  # steps on the device (capturable or fused Adam): computed there
-                corr = 1.0 - torch.pow(b2, torch.stack([t.reshape(()).float() for t in steps])
-                                       .clamp_(min=1.0)).to(out.device)
-            out.div_(torch.repeat_interleave(corr, numels.to(out.device), output_size=total))
-            return out.sqrt_().add_(eps)
-        return denominator
+    def step_denominator(self, params: Sequence[torch.Tensor], out: torch.Tensor,
+                         optimizer=None) -> Optional[torch.Tensor]:
+        """What selects a sparse part holding ``params`` back to back in the optimizer's
+        geometry (``SparsePart.update_denominator``): writes, per element, what the shared
+        Adam rule divides a gradient by, ``sqrt(v / (1 - beta2^step)) + eps`` from the
+        optimizer's ``exp_avg_sq`` and ``step`` (``optimizer``'s, default the bound one),
+        into ``out`` (float32) and returns it; None where it does not apply
+        (:attr:`selects_by_step`) or a tensor has no such state yet. Every rank holds the
+        same state, so every rank keys alike; nothing that shapes a collective depends on
+        it. No host sync: step counts on the device (fused or capturable Adam) stay there."""
+        if not self.selects_by_step:
+            return None
+        opt = optimizer if optimizer is not None else self._optimizer
+        states = [opt.state.get(p) for p in params]
+        if any(not st or st.get("exp_avg_sq") is None for st in states):
+            return None
+        b2, eps = float(self.shared.hparams["betas"][1]), float(self.shared.hparams["eps"])
+        vs = [st["exp_avg_sq"].reshape(-1) for st in states]
+        if vs[0].device == out.device and all(v.dtype == out.dtype for v in vs):
+            torch.cat(vs, out=out)
+        else:  # an offloaded part staged on the host, or a 16-bit state
+            out.copy_(torch.cat([v.float() for v in vs]))
+        steps = [st["step"] for st in states]
+        if all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in steps):
+            corr = [1.0 - b2 ** max(float(t), 1.0) for t in steps]  # host values
+            if all(c == corr[0] for c in corr):
+                out.div_(corr[0])
+                return out.sqrt_().add_(eps)
+        else:  # on the device: 1 - beta2^step there, as torch's capturable Adam computes it
+            corr = torch._foreach_pow(b2, torch._foreach_clamp_min(
+                [t.reshape(()).to(out.device, torch.float32) for t in steps], 1.0))
+            torch._foreach_neg_(corr)
+            torch._foreach_add_(corr, 1.0)
+        torch._foreach_div_(list(out.split([p.numel() for p in params])), corr)
+        return out.sqrt_().add_(eps)
 
     def undo_takes(self, entries) -> None:
         """Puts back the wrapped optimizer's state that :meth:`take_state` replaced with

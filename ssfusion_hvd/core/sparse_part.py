@@ -163,7 +163,7 @@ class SparsePart:
         self.stage_device = device if stage_device is None else stage_device
         self._stage: Optional[torch.Tensor] = None  # allocated at its first use (:attr:`stage`)
         #: the selection in the optimizer's geometry, where its owner sets it
-        #: (``Recipe.update_denominator``): ``fn(out)`` writes per element of the part, back
+        #: (``Recipe.step_denominator``): ``fn(out)`` writes per element of the part, back
         #: to back, what the step divides a gradient by (Adam: sqrt(v-hat) + eps) into
         #: ``out`` (float32, the stage's device) and returns it, or returns None (no state
         #: yet: magnitude this step). The top-k then takes the largest pending *steps*,

@@ -19,6 +19,7 @@ Horovod's own pre/postscale.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 import zlib
@@ -76,7 +77,7 @@ class PlannedPhase:
         # and hyper-parameters in force (_set_fresh)
         self._waits = waits
         # select each exact top-k part by its pending steps in the optimizer's geometry
-        # (Recipe.update_denominator; docs/recipe.md, "Selecting by the step")
+        # (Recipe.step_denominator; docs/recipe.md, "Selecting by the step")
         self._by_step = by_step
         self._fresh: Optional[tuple] = None  # (rule, hyper-parameters, their tables)
         #: per sparsified parameter whose wire carried the senders' waits, the shares of
@@ -122,13 +123,17 @@ class PlannedPhase:
         for part in self._sparse:
             self.memory.register(part.key, [active.names[i] for i in part.tensors],
                                  [shapes[i] for i in part.tensors], part.stage_device)
-            if self._by_step:
-                part.update_denominator = recipe.update_denominator(
-                    [self.params[i] for i in part.tensors])
+            if self._by_step and recipe.selects_by_step:
+                part.update_denominator = functools.partial(
+                    self._step_denominator, [self.params[i] for i in part.tensors])
         self._offload_part = {part.tensors[0]: part for gb in self.groups for part in gb.offloaded}
         if offload and self._worker is None:
             self._worker = OffloadWorker(self.device)
         self.reset()
+
+    def _step_denominator(self, params, out):
+        # the recipe in force: a broadcast that replaces the hyper-parameters re-resolves it
+        return self.config.recipe.step_denominator(params, out)
 
     def close(self) -> None:
         if self._worker is not None:
