@@ -64,6 +64,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("residual"), py::arg("offsets"), py::arg("floors"), py::arg("k"),
         py::arg("wire_dtype"), py::arg("velocity") = py::none(), py::arg("momentum") = 0.0,
         py::arg("mask_velocity") = false, nogil);
+  m.def("ef_step_key_cpu", &ssf::ef_step_key_cpu, py::arg("grads"), py::arg("residual"),
+        py::arg("exp_avg_sqs"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("key"), nogil);
 #ifdef SSF_WITH_CUDA
   SSF_BIND_DEVICE_OPS(cuda)
 #endif

@@ -134,6 +134,17 @@ namespace ssf {
 //   hash_owner(indices, nparts, seed): h_0 of every index (int32): its partition.
 //     {idx : h_0(idx) = p} is the index set I_p that ZEN's hash bitmap (§3.3, Algorithm 2)
 //     is laid over.
+// Selection by the pending step (ssfusion_hvd/recipe.py, docs/recipe.md "Selecting by the step")
+//   ef_step_key (CPU only; ef_step_key_cpu): a fusion group's error-feedback sum and the
+//     size of the step the shared Adam rule would take with it, in one pass over the group's
+//     tensors where they lie: grads[s] (float32) holds the elements [n_0 + ... + n_{s-1},
+//     ... + n_s) of `residual` and `key` (float32, contiguous), which the tensors tile, and
+//     exp_avg_sqs[s] (float32) their Adam second moment v. Per element, each operation
+//     rounded once in this order (square root correctly rounded):
+//       residual = residual + grad;  key = |residual| / (sqrt(v) / bias2_sqrt[s] + eps),
+//     the denominator of moments.h's adam_element (bias2_sqrt[s] = (1 - beta2^t)^(1/2) at
+//     tensor s's step count t). The keys are >= 0 (NaN where the sum or v is NaN), so the
+//     magnitude top-k of `key` is the top-k by the pending step.
 // Shared moments (ssfusion_hvd/moments.py, moments="shared" without senders' waits): the
 // step of the sparsified tensors, one pass per tensor over parameter, synchronized
 // gradient, optimizer state and ages, in place; float32 contiguous tensors, lists of one
@@ -204,6 +215,9 @@ std::tuple<at::Tensor, at::Tensor> group_ef_topk_cpu(
     const at::Tensor& grad, at::Tensor& residual, const at::Tensor& offsets,
     const at::Tensor& floors, int64_t k, at::ScalarType wire_dtype,
     const std::optional<at::Tensor>& velocity, double momentum, bool mask_velocity);
+void ef_step_key_cpu(const std::vector<at::Tensor>& grads, at::Tensor& residual,
+                     const std::vector<at::Tensor>& exp_avg_sqs,
+                     const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key);
 std::tuple<at::Tensor, at::Tensor> group_ef_topk_tensors_cpu(
     const std::vector<at::Tensor>& grads, at::Tensor& residual, const at::Tensor& offsets,
     const at::Tensor& floors, int64_t k, at::ScalarType wire_dtype,

@@ -1,14 +1,17 @@
 """The selection of one fusion group under the group budget, by magnitude (the fused
 error-feedback kernel) and by the pending step (``scheme_options["select_by"]``: Adam's
-``|acc| / (sqrt(v-hat) + eps)``, ``SparsePart._select_steps``), on a model's gradients.
+``|acc| / (sqrt(v-hat) + eps)``, ``SparsePart._select_steps``; ``step`` with the native
+key kernel where the device has one, ``step-torch`` with the torch composition), on a
+model's gradients.
 
     python scripts/bench_select_key.py [--model gpt2] [--device cpu|cuda] [--reps 7]
 
-The two alternate, repetition by repetition, on the same inputs; prints each one's median
+The three alternate, repetition by repetition, on the same inputs; prints each one's median
 and range over the repetitions after the first two, and the ratio of the medians."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -16,6 +19,8 @@ import torch
 
 from ssfusion_hvd.core.buffers import SparsePart
 from ssfusion_hvd.examples.models import MODELS, build
+from ssfusion_hvd.kernels import dispatch
+from ssfusion_hvd.recipe import StepScales
 from ssfusion_hvd.plan.cost import nominal_k
 from ssfusion_hvd.sparsify import ResidualMemory, make_sparsifier
 
@@ -36,24 +41,23 @@ def main() -> None:
     ks = [int(nominal_k(q.numel(), args.density)) for q in params]
     settle = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
-    def denominator(out):  # what Recipe.step_denominator computes, at one step count
-        torch.cat([v.reshape(-1) for v in vs], out=out)
-        return out.div_(0.5).sqrt_().add_(1e-8)
+    scales = StepScales(vs, [0.5 ** 0.5] * len(vs), 1e-8)  # Recipe.step_scales' shape
 
     parts, memories = {}, {}
-    for key in ("magnitude", "step"):
+    for key in ("magnitude", "step", "step-torch"):
         parts[key] = SparsePart("g", list(range(len(shapes))), shapes, ks, "group",
                                 [make_sparsifier("topk") for _ in shapes], 0, torch.float32,
                                 torch.device(args.device), floors=[min(k, 1) for k in ks])
-        if key == "step":
-            parts[key].update_denominator = denominator
+        if key != "magnitude":
+            parts[key].step_scales = lambda: scales
         memories[key] = ResidualMemory()
     times = {key: [] for key in parts}
     for _ in range(args.reps):
         for key, part in parts.items():
             settle()
             t0 = time.perf_counter()
-            part.select_grads(memories[key], grads)
+            with torch_key(key == "step-torch"):
+                part.select_grads(memories[key], grads)
             settle()
             times[key].append(time.perf_counter() - t0)
     n = sum(q.numel() for q in params)
@@ -63,7 +67,24 @@ def main() -> None:
         med[key] = statistics.median(ts)
         print(f"{args.model} ({n} elements, {len(params)} tensors, {args.device}) by {key}: "
               f"{1e3 * med[key]:.1f} ms (min {1e3 * min(ts):.1f}, max {1e3 * max(ts):.1f})")
-    print(f"by step / by magnitude: {med['step'] / med['magnitude']:.2f}x")
+    print(f"by step / by magnitude: {med['step'] / med['magnitude']:.2f}x; "
+          f"torch composition / native key: {med['step-torch'] / med['step']:.2f}x")
+
+
+@contextlib.contextmanager
+def torch_key(on: bool):
+    """The key's torch composition instead of its native kernel, while ``on``."""
+    if not on:
+        yield
+        return
+    saved = dict(dispatch._NATIVE)
+    for dev in ("cpu", "cuda"):
+        dispatch._NATIVE["ef_step_key", dev] = None
+    try:
+        yield
+    finally:
+        dispatch._NATIVE.clear()
+        dispatch._NATIVE.update(saved)
 
 
 if __name__ == "__main__":

@@ -269,8 +269,8 @@ class SparseHook:
                 torch._foreach_add_(gs, ps, alpha=wd)
             self._sent_sparse.update(params)
             if self.by_step and self.recipe.selects_by_step and not b.keyed:
-                part.update_denominator = functools.partial(
-                    self.recipe.step_denominator, params, optimizer=self.optimizer)
+                part.step_scales = functools.partial(
+                    self.recipe.step_scales, params, optimizer=self.optimizer)
                 b.keyed = True
         # 0 * (a sum that is finite exactly when every term is) is 0, or NaN
         g = b.gather

@@ -27,7 +27,8 @@ from .kernels.dispatch import (  # noqa: F401
 from .kernels.select import (  # noqa: F401
     sample_positions, sampled_threshold, segmented_topk, threshold_count,
     threshold_select, topk)
-from .kernels.feedback import ef_topk, group_ef_topk, keyed_topk, segmented_ef_topk  # noqa: F401
+from .kernels.feedback import (  # noqa: F401
+    ef_step_key, ef_topk, group_ef_topk, keyed_topk, segmented_ef_topk)
 from .kernels.codec import (  # noqa: F401
     deliver_chunks, pack, record_numel, record_spans, scatter_add, scatter_add_chunks,
     unpack)
@@ -37,7 +38,7 @@ from .kernels.hash import (  # noqa: F401
 __all__ = [
     "build_info", "has_native", "have_extension", "index_dtype", "magnitude_key", "native_op",
     "VALUE_DTYPES", "sample_positions", "sampled_threshold", "segmented_topk",
-    "threshold_count", "threshold_select", "topk", "ef_topk", "group_ef_topk", "keyed_topk",
+    "threshold_count", "threshold_select", "topk", "ef_step_key", "ef_topk", "group_ef_topk", "keyed_topk",
     "segmented_ef_topk", "deliver_chunks", "pack", "record_numel", "record_spans",
     "scatter_add", "scatter_add_chunks", "unpack", "default_table_size", "hash_owner",
     "hash_partition", "hash_seed"]

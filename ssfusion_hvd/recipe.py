@@ -41,10 +41,11 @@ identical on every rank, so all ranks agree without communicating.
 """
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
 from contextlib import contextmanager
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -83,6 +84,15 @@ def _zero_step(old, p: torch.Tensor, group: dict) -> torch.Tensor:
 
 
 _KINDS = ("none", "momentum", "adam")
+
+
+class StepScales(NamedTuple):
+    """Per tensor of a sparse part, what the shared Adam rule divides its step by
+    (``Recipe.step_scales``; the arguments of ``ops.ef_step_key``)."""
+    exp_avg_sqs: List[torch.Tensor]
+    #: ``(1 - beta2^step)^(1/2)`` per tensor: host floats, or 0-d tensors on the device
+    bias2_sqrt: Union[List[float], List[torch.Tensor]]
+    eps: float
 
 
 class Recipe:
@@ -207,21 +217,20 @@ class Recipe:
 
     @property
     def selects_by_step(self) -> bool:
-        """Whether :meth:`step_denominator` applies: Adam stepped by the shared moments.
+        """Whether :meth:`step_scales` applies: Adam stepped by the shared moments.
         (An SGD step is proportional to the gradient, so its largest pending steps are its
         largest pending gradients: the fused kernels' magnitude.)"""
         return self.shared is not None and self.kind == "adam"
 
-    def step_denominator(self, params: Sequence[torch.Tensor], out: torch.Tensor,
-                         optimizer=None) -> Optional[torch.Tensor]:
+    def step_scales(self, params: Sequence[torch.Tensor], optimizer=None) -> Optional["StepScales"]:
         """What selects a sparse part holding ``params`` back to back in the optimizer's
-        geometry (``SparsePart.update_denominator``): writes, per element, what the shared
-        Adam rule divides a gradient by, ``sqrt(v / (1 - beta2^step)) + eps`` from the
-        optimizer's ``exp_avg_sq`` and ``step`` (``optimizer``'s, default the bound one),
-        into ``out`` (float32) and returns it; None where it does not apply
+        geometry (``SparsePart.step_scales``): the shared Adam rule's denominator per tensor,
+        ``sqrt(v) / bias2_sqrt + eps`` (``ops.ef_step_key``), from ``optimizer``'s (default
+        the bound one's) ``exp_avg_sq`` and ``step``; None where it does not apply
         (:attr:`selects_by_step`) or a tensor has no such state yet. Every rank holds the
         same state, so every rank keys alike; nothing that shapes a collective depends on
-        it. No host sync: step counts on the device (fused or capturable Adam) stay there."""
+        it. No host sync: step counts on the device (fused or capturable Adam) stay there,
+        as 0-d tensors of ``1 - beta2^step`` square-rooted as torch's capturable Adam does."""
         if not self.selects_by_step:
             return None
         opt = optimizer if optimizer is not None else self._optimizer
@@ -229,24 +238,16 @@ class Recipe:
         if any(not st or st.get("exp_avg_sq") is None for st in states):
             return None
         b2, eps = float(self.shared.hparams["betas"][1]), float(self.shared.hparams["eps"])
-        vs = [st["exp_avg_sq"].reshape(-1) for st in states]
-        if vs[0].device == out.device and all(v.dtype == out.dtype for v in vs):
-            torch.cat(vs, out=out)
-        else:  # an offloaded part staged on the host, or a 16-bit state
-            out.copy_(torch.cat([v.float() for v in vs]))
         steps = [st["step"] for st in states]
         if all(not isinstance(t, torch.Tensor) or t.device.type == "cpu" for t in steps):
-            corr = [1.0 - b2 ** max(float(t), 1.0) for t in steps]  # host values
-            if all(c == corr[0] for c in corr):
-                out.div_(corr[0])
-                return out.sqrt_().add_(eps)
-        else:  # on the device: 1 - beta2^step there, as torch's capturable Adam computes it
-            corr = torch._foreach_pow(b2, torch._foreach_clamp_min(
-                [t.reshape(()).to(out.device, torch.float32) for t in steps], 1.0))
-            torch._foreach_neg_(corr)
-            torch._foreach_add_(corr, 1.0)
-        torch._foreach_div_(list(out.split([p.numel() for p in params])), corr)
-        return out.sqrt_().add_(eps)
+            bias2_sqrt = [math.sqrt(1.0 - b2 ** max(float(t), 1.0)) for t in steps]  # host values
+        else:  # on the device: 1 - beta2^step there
+            bias2_sqrt = torch._foreach_pow(b2, torch._foreach_clamp_min(
+                [t.reshape(()).float() for t in steps], 1.0))
+            torch._foreach_neg_(bias2_sqrt)
+            torch._foreach_add_(bias2_sqrt, 1.0)
+            torch._foreach_sqrt_(bias2_sqrt)
+        return StepScales([st["exp_avg_sq"] for st in states], bias2_sqrt, eps)
 
     def undo_takes(self, entries) -> None:
         """Puts back the wrapped optimizer's state that :meth:`take_state` replaced with

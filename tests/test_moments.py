@@ -12,6 +12,9 @@ workers.
   replays every rank's own burst from its recorded residual, gradient and wait. Every
   rank ends every step bit-identical, state included.
 """
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -293,7 +296,10 @@ def test_adam_selects_the_largest_pending_steps(sparse_runs, name):
                 if stateful:
                     own = st["own"][n]
                     v = own["exp_avg_sq"].reshape(-1).float()
-                    denom = (v / (1.0 - b2 ** max(float(own["step"]), 1.0))).sqrt() + eps
+                    # the rule's denominator, sqrt(v) / sqrt(1 - b2^t) + eps, the square root
+                    # correctly rounded (numpy's; torch's CPU one is not)
+                    b2s = math.sqrt(1.0 - b2 ** max(float(own["step"]), 1.0))
+                    denom = torch.from_numpy(np.sqrt(v.numpy())) / b2s + eps
                     keys.append((acc / denom).abs())
                 else:
                     keys.append(acc.abs())

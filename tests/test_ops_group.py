@@ -185,3 +185,121 @@ def test_keyed_topk_equals_brute_force(sizes, share, extra):
     assert seg.tolist() == ref.tolist()
     whole = ops.keyed_topk(key, min(k, n))
     assert whole.tolist() == ops.topk(key, min(k, n), backend="torch")[1].tolist()
+
+
+def _step_key_case(sizes, seed):
+    """Per tensor a gradient, Adam's v (some zeros, one NaN and an Inf gradient where the
+    layout has room) and a bias correction; a residual with a -0.0 and signed values."""
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=g) for n in sizes]
+    vs = [torch.rand(n, generator=g) * 10.0 ** torch.randint(-8, 0, (1,), generator=g).item()
+          for n in sizes]
+    for s, n in enumerate(sizes):
+        if n > 3:
+            vs[s][:2] = 0.0
+            vs[s][2] = float("nan") if s % 2 else vs[s][2]
+            grads[s][3] = float("inf") if s % 3 == 0 else grads[s][3]
+    b2s = [math.sqrt(1 - 0.999 ** t) for t in range(1, len(sizes) + 1)]
+    residual = torch.randn(sum(sizes), generator=g)
+    if residual.numel():
+        residual[0] = -0.0
+    return grads, vs, b2s, residual
+
+
+@pytest.mark.parametrize("sizes", LAYOUTS + [[70_001], [16, 15, 17]])
+@pytest.mark.parametrize("isa", ["native", "baseline"])
+def test_step_key_is_the_rules_denominator(sizes, isa, monkeypatch):
+    """ops.ef_step_key: the residual's sum and |sum| / (sqrt(v) / bias2_sqrt + eps) per
+    element, against a numpy brute force (float32, each operation rounded once, numpy's
+    correctly rounded square root), bit for bit, NaN where v or the sum is: the native
+    kernel (its AVX-512 loop, and the SSE2 one with SSF_CPU_ISA=baseline) and the torch
+    composition alike."""
+    np = pytest.importorskip("numpy")
+    if isa == "baseline":
+        monkeypatch.setenv("SSF_CPU_ISA", "baseline")
+    grads, vs, b2s, residual = _step_key_case(sizes, sum(sizes))
+    eps = 1e-8
+    acc = residual.numpy() + np.concatenate([x.numpy() for x in grads])
+    den = np.concatenate([np.sqrt(v.numpy()) / np.float32(b) for v, b in zip(vs, b2s)])
+    want = np.abs(acc) / (den + np.float32(eps))
+    backends = ["torch"] + (["native"] if ops.has_native("ef_step_key", residual) else [])
+    for backend in backends:
+        r, key = residual.clone(), torch.empty_like(residual)
+        out = ops.ef_step_key(grads, r, vs, b2s, eps, key, backend=backend)
+        assert out is key
+        assert _bits(r).tolist() == _bits(torch.from_numpy(acc)).tolist(), backend
+        assert _bits(key).tolist() == _bits(torch.from_numpy(want)).tolist(), backend
+
+
+def test_step_key_takes_what_the_native_kernel_does_not():
+    """The torch composition where the kernel does not apply: 0-d bias corrections (a
+    device-held step) and 16-bit gradients give the float32 ones' result; bad arguments
+    raise before anything is written."""
+    grads, vs, b2s, residual = _step_key_case([300, 40, 1000], 7)
+    want_r, want = residual.clone(), torch.empty_like(residual)
+    ops.ef_step_key(grads, want_r, vs, b2s, 1e-8, want)
+    r, key = residual.clone(), torch.empty_like(residual)
+    ops.ef_step_key(grads, r, vs, [torch.tensor(b) for b in b2s], 1e-8, key)
+    assert torch.equal(_bits(key), _bits(want)) and torch.equal(_bits(r), _bits(want_r))
+    half = [x.to(torch.bfloat16) for x in grads]
+    r, key = residual.clone(), torch.empty_like(residual)
+    ops.ef_step_key(half, r, vs, b2s, 1e-8, key)
+    r2 = residual.clone().add_(torch.cat(half).float())
+    assert torch.equal(_bits(r), _bits(r2))
+    before = residual.clone()
+    with pytest.raises(ValueError, match="one of each per tensor"):
+        ops.ef_step_key(grads, residual, vs[:2], b2s, 1e-8, key)
+    with pytest.raises(ValueError, match="one element count"):
+        ops.ef_step_key(grads, residual, [vs[1], vs[0], vs[2]], b2s, 1e-8, key)
+    with pytest.raises(ValueError, match="the key must be"):
+        ops.ef_step_key(grads, residual, vs, b2s, 1e-8, key[:10])
+    assert torch.equal(residual, before)
+
+
+@pytest.mark.parametrize("mode", ["group", "segmented", "buffer"])
+def test_sparse_part_selects_by_step_natively_and_in_torch_alike(mode, monkeypatch):
+    """SparsePart's selection by the pending step (gradients read where they lie, with the
+    native key; staged, with the torch one) over three steps: the same values, indices and
+    residuals, and the indices are the brute-force top of |acc| / denominator under the
+    part's budget."""
+    from ssfusion_hvd.kernels import dispatch
+    from ssfusion_hvd.recipe import StepScales
+
+    np = pytest.importorskip("numpy")
+    sizes = [300, 40, 1000, 7]
+    shapes = [torch.Size([n]) for n in sizes]
+    ks = [max(1, n // 20) for n in sizes]
+    floors = [1] * len(ks) if mode == "group" else None
+    pmode = "group" if mode == "group" else mode
+    runs = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setitem(dispatch._NATIVE, ("ef_step_key", "cpu"), None)
+        kk = ks if mode != "buffer" else [sum(ks)]
+        part = SparsePart("g", list(range(len(sizes))), shapes, kk, pmode,
+                          [make_sparsifier("topk") for _ in kk], 0, torch.float32,
+                          torch.device("cpu"), floors=floors)
+        grads, vs, b2s, _ = _step_key_case(sizes, 3)
+        vs = [v.nan_to_num(0.5) for v in vs]
+        part.step_scales = lambda: StepScales(vs, b2s, 1e-8)
+        memory, got = ResidualMemory(), []
+        for step in range(3):
+            gs = [x * (step + 1) for x in grads]
+            before = memory.residuals.get("g")
+            before = torch.zeros(sum(sizes)) if before is None else before.clone()
+            res = part.select_grads(memory, gs) if native else (part.stage_grads(gs) or part.select(memory))
+            acc = before + torch.cat(gs)
+            den = np.concatenate([np.sqrt(v.numpy()) / np.float32(b) for v, b in zip(vs, b2s)])
+            key = torch.from_numpy(np.abs(acc.numpy()) / (den + np.float32(1e-8)))
+            if mode == "group":
+                want = group_select(key, sizes, sum(ks), floors)[1]
+            elif mode == "segmented":
+                want = ops.segmented_topk(key, part._offsets, torch.tensor(ks), backend="torch")[1]
+            else:
+                want = ops.topk(key, sum(ks), backend="torch")[1]
+            assert res.indices.tolist() == want.tolist()
+            assert torch.equal(res.values, acc[want.long()])
+            got.append((res.values, res.indices, memory.residuals["g"].clone()))
+        runs.append(got)
+    for (v1, i1, r1), (v2, i2, r2) in zip(*runs):
+        assert torch.equal(i1, i2) and torch.equal(_bits(v1), _bits(v2)) and torch.equal(_bits(r1), _bits(r2))

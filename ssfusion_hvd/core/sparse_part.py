@@ -163,13 +163,12 @@ class SparsePart:
         self.stage_device = device if stage_device is None else stage_device
         self._stage: Optional[torch.Tensor] = None  # allocated at its first use (:attr:`stage`)
         #: the selection in the optimizer's geometry, where its owner sets it
-        #: (``Recipe.step_denominator``): ``fn(out)`` writes per element of the part, back
-        #: to back, what the step divides a gradient by (Adam: sqrt(v-hat) + eps) into
-        #: ``out`` (float32, the stage's device) and returns it, or returns None (no state
+        #: (``Recipe.step_scales``): ``fn()`` returns what the step divides each of the
+        #: part's tensors by (Adam: ``StepScales``, sqrt(v-hat) + eps), or None (no state
         #: yet: magnitude this step). The top-k then takes the largest pending *steps*,
         #: |acc| / denominator, instead of the largest pending gradients (docs/recipe.md,
         #: "Selecting by the step"). Exact top-k parts only.
-        self.update_denominator = None
+        self.step_scales = None
         self._key: Optional[torch.Tensor] = None  # its buffer, allocated at first use
         # decode target: the part's tensors plus the sink that padding entries point into;
         # zero wherever the last decode did not write (decode_into keeps it so)
@@ -205,7 +204,10 @@ class SparsePart:
         selected from them directly, without writing the staged copy, a pass over the part's
         bytes (on GPT-2's 124M elements, one thread: 25 ms of a 85 ms stage and select).
         Same result."""
-        if self.stage.device == grads[0].device and self.update_denominator is None:
+        if self.stage.device == grads[0].device:
+            scales = self.step_scales() if self.step_scales is not None and self._exact() else None
+            if scales is not None:  # the key's kernel reads the gradients where they lie too
+                return self._sent(memory, self._select_steps(memory, grads, scales))
             got = None
             if self.mode in ("segmented", "group"):
                 got = memory.select_topk_tensors(self.key, grads, self._group_k(),
@@ -252,14 +254,10 @@ class SparsePart:
 
     def _select(self, memory: ResidualMemory, staged: Optional[torch.Tensor] = None) -> SelectionResult:
         staged = self.stage if staged is None else staged
-        exact = self.mode in ("segmented", "group") or (
-            self.mode == "buffer" and self.sparsifiers[0].exact_topk)
-        if exact and self.update_denominator is not None:
-            if self._key is None:
-                self._key = torch.empty(self.numel, dtype=torch.float32, device=self.stage_device)
-            denom = self.update_denominator(self._key)
-            if denom is not None:
-                return self._select_steps(memory, staged, denom)
+        if self.step_scales is not None and self._exact():
+            scales = self.step_scales()
+            if scales is not None:
+                return self._select_steps(memory, list(staged.split(self.numels)), scales)
         if self.mode in ("segmented", "group"):
             values, indices = memory.select_topk(self.key, staged, self._group_k(),
                                                  offsets=self._offsets, ks=self._ks,
@@ -284,14 +282,23 @@ class SparsePart:
         memory.update(self.key, acc, result.indices, self.dtype)
         return result
 
-    def _select_steps(self, memory: ResidualMemory, staged: torch.Tensor,
-                      denom: torch.Tensor) -> SelectionResult:
-        """The exact top-k of the part's pending steps, ``|acc| / denom``, under the part's
-        budget (one k, per tensor, or the group's with floors): error feedback as the fused
-        kernels do it (``compensate``, then ``update``: the same residual bits), the values
-        sent are ``acc``'s. ``denom`` is overwritten with the key."""
-        acc = memory.compensate(self.key, staged)
-        key = torch.div(acc, denom, out=denom).abs_()
+    def _exact(self) -> bool:
+        """Whether the part's selection is an exact top-k (what a key can replace)."""
+        return self.mode in ("segmented", "group") or (
+            self.mode == "buffer" and self.sparsifiers[0].exact_topk)
+
+    def _select_steps(self, memory: ResidualMemory, grads: Sequence[torch.Tensor],
+                      scales) -> SelectionResult:
+        """The exact top-k of the part's pending steps (``grads``: its tensors' gradients,
+        one per tensor), ``|acc| / (sqrt(v-hat) + eps)`` from ``scales``
+        (``Recipe.step_scales``), under the part's budget (one k, per tensor, or the group's
+        with floors): error feedback as the fused kernels do it (the same residual bits),
+        the values sent are ``acc``'s. The key is written into a buffer of the part's,
+        allocated once."""
+        if self._key is None:
+            self._key = torch.empty(self.numel, dtype=torch.float32, device=self.stage_device)
+        acc = memory.compensate_keyed(self.key, grads, scales, self._key)
+        key = self._key
         if self.mode == "buffer":
             indices = ops.keyed_topk(key, self.ks[0])
         else:

@@ -332,3 +332,63 @@ def _concat_tiles(grads, bounds, residual: torch.Tensor, op: str) -> torch.Tenso
         raise ValueError(f"{op}: gradient tensors of {numels} elements do not tile a residual "
                          f"of {residual.numel()} by offsets {bounds}")
     return torch.cat([g.reshape(-1) for g in grads])
+
+
+def ef_step_key(grads, residual: torch.Tensor, exp_avg_sqs, bias2_sqrt, eps: float,
+                key: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+    """A fusion group's error-feedback sum and the size of the step the shared Adam rule
+    would take with it, the key that selects by the pending step (``docs/recipe.md``,
+    "Selecting by the step"): ``residual += grads`` (the tensors laid back to back tile
+    the residual), then per element ``key = |residual| / (sqrt(v) / bias2_sqrt[s] + eps)``,
+    ``v`` the element's ``exp_avg_sqs[s]`` (the same element counts as ``grads[s]``) and
+    ``bias2_sqrt[s]`` = ``(1 - beta2^t)^(1/2)`` at tensor ``s``'s step count: the shared
+    rule's denominator (``csrc/moments.h``). A float32 ``key``; the sum in the residual's
+    dtype, the key's operations in float32, each rounded once in that order, the square
+    root correctly rounded. Returns
+    ``key``; its magnitude top-k is the top-k by the pending step.
+
+    The CPU kernel (``csrc/cpu/step_key.cpp``) reads gradients and ``v`` where they lie,
+    one pass; it takes float32 tensors and host bias corrections. Elsewhere (a GPU, 16-bit
+    gradients, step counts held on the device as 0-d tensors, an offloaded part whose
+    state lies on another device) the torch composition computes the same bits."""
+    grads, vs = list(grads), list(exp_avg_sqs)
+    if not (len(grads) == len(vs) == len(bias2_sqrt)) or not grads:
+        raise ValueError(f"ef_step_key: {len(grads)} gradients, {len(vs)} exp_avg_sq tensors and "
+                         f"{len(bias2_sqrt)} bias corrections (one of each per tensor, at least one)")
+    if any(g.numel() != v.numel() for g, v in zip(grads, vs)):
+        raise ValueError("ef_step_key: each gradient and its exp_avg_sq must have one element count")
+    n = sum(g.numel() for g in grads)
+    for name, t, dtypes in (("residual", residual, VALUE_DTYPES), ("key", key, (torch.float32,))):
+        if t.dtype not in dtypes or not t.is_contiguous() or t.numel() != n:
+            raise ValueError(f"ef_step_key: the {name} must be contiguous, "
+                             f"{' or '.join(map(str, dtypes))}, of the tensors' {n} elements "
+                             f"(got {t.dtype}, {t.numel()})")
+    host = all(not isinstance(b, torch.Tensor) for b in bias2_sqrt)
+    fn = _native(residual, "ef_step_key", backend) if host else None
+    if fn is not None and all(t.dtype == torch.float32 and t.device == residual.device
+                              for t in [residual, *grads, *vs]):
+        fn([g.contiguous() for g in grads], residual, [v.contiguous() for v in vs],
+           [float(b) for b in bias2_sqrt], float(eps), key)
+        return key
+    if backend == "native":
+        raise RuntimeError("ef_step_key: the native kernel takes float32 CPU tensors and host "
+                           "bias corrections")
+    flat = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
+    residual.add_(flat.to(residual.device, residual.dtype))
+    # the denominator where v lies: an offloaded part's (staged on the host, v on the GPU)
+    # is computed there and copied once
+    if all(v.device == key.device and v.dtype == key.dtype for v in vs):
+        den = torch.cat([v.reshape(-1) for v in vs], out=key)
+    else:
+        den = torch.cat([v.reshape(-1).float() for v in vs])
+    if den.is_cuda:  # IEEE's square root on the GPU; torch's CPU one is not correctly rounded
+        den.sqrt_()
+    else:  # (a float32 square root through float64 is, as the native kernel's)
+        den.copy_(den.double().sqrt_())
+    if not host:  # 0-d tensors where torch's capturable Adam keeps the step
+        bias2_sqrt = torch.stack([b.reshape(()).float() for b in bias2_sqrt]).to(den.device).unbind()
+    torch._foreach_div_(list(den.split([g.numel() for g in grads])), list(bias2_sqrt))
+    den.add_(float(eps))
+    if den is not key:
+        key.copy_(den)
+    return torch.div(residual.float(), key, out=key).abs_()

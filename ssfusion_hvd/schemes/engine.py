@@ -77,7 +77,7 @@ class PlannedPhase:
         # and hyper-parameters in force (_set_fresh)
         self._waits = waits
         # select each exact top-k part by its pending steps in the optimizer's geometry
-        # (Recipe.step_denominator; docs/recipe.md, "Selecting by the step")
+        # (Recipe.step_scales; docs/recipe.md, "Selecting by the step")
         self._by_step = by_step
         self._fresh: Optional[tuple] = None  # (rule, hyper-parameters, their tables)
         #: per sparsified parameter whose wire carried the senders' waits, the shares of
@@ -124,16 +124,16 @@ class PlannedPhase:
             self.memory.register(part.key, [active.names[i] for i in part.tensors],
                                  [shapes[i] for i in part.tensors], part.stage_device)
             if self._by_step and recipe.selects_by_step:
-                part.update_denominator = functools.partial(
-                    self._step_denominator, [self.params[i] for i in part.tensors])
+                part.step_scales = functools.partial(
+                    self._step_scales, [self.params[i] for i in part.tensors])
         self._offload_part = {part.tensors[0]: part for gb in self.groups for part in gb.offloaded}
         if offload and self._worker is None:
             self._worker = OffloadWorker(self.device)
         self.reset()
 
-    def _step_denominator(self, params, out):
+    def _step_scales(self, params):
         # the recipe in force: a broadcast that replaces the hyper-parameters re-resolves it
-        return self.config.recipe.step_denominator(params, out)
+        return self.config.recipe.step_scales(params)
 
     def close(self) -> None:
         if self._worker is not None:

@@ -131,6 +131,27 @@ class ResidualMemory:
             return x.clone()
         return r.add_(x)  # reuse the residual's storage: it is replaced in update()
 
+    def compensate_keyed(self, key: str, grads: Sequence[torch.Tensor], scales,
+                         out: torch.Tensor) -> torch.Tensor:
+        """:meth:`compensate` for a fusion group's gradients, one tensor per entry of
+        ``scales`` (``Recipe.step_scales``; their concatenation, read where they lie), with
+        the selection key of the pending step written into ``out`` (``ops.ef_step_key``: one
+        pass on the CPU). Returns the sum (the residual's storage, which :meth:`update`
+        replaces), as :meth:`compensate` does."""
+        want = self.acc_dtype(grads[0].dtype)
+        n = sum(g.numel() for g in grads)
+        r = self.residuals.get(key)
+        if r is not None and (r.numel() != n or r.dtype != want):
+            raise ValueError(f"residual {key!r} is {tuple(r.shape)} {r.dtype}, gradient "
+                             f"is ({n},) {want}")
+        if self.rule.buffers or type(self.rule).apply is not LocalRule.apply:  # its update first
+            flat = torch.cat([g.reshape(-1).to(want) for g in grads])
+            grads = list(self.rule.apply(key, flat).split([g.numel() for g in grads]))
+        if r is None:  # -0.0: adding it changes nothing, so the first sum is the input, bit for bit
+            r = self.residuals[key] = torch.full((n,), -0.0, dtype=want, device=out.device)
+        ops.ef_step_key(grads, r, scales.exp_avg_sqs, scales.bias2_sqrt, scales.eps, out)
+        return r
+
     def select_topk(self, key: str, grad: torch.Tensor, k: Optional[int] = None, *,
                     offsets=None, ks=None, wire_dtype: Optional[torch.dtype] = None):
         """:meth:`compensate`, an exact top-k and :meth:`update` as one fused kernel
