@@ -28,7 +28,7 @@ from .kernels.select import (  # noqa: F401
     sample_positions, sampled_threshold, segmented_topk, threshold_count,
     threshold_select, topk)
 from .kernels.feedback import (  # noqa: F401
-    ef_step_key, ef_topk, group_ef_topk, keyed_topk, segmented_ef_topk)
+    ef_step_key, ef_topk, group_ef_topk, keyed_topk, segmented_ef_topk, step_denominator)
 from .kernels.codec import (  # noqa: F401
     deliver_chunks, pack, record_numel, record_spans, scatter_add, scatter_add_chunks,
     unpack)
@@ -39,6 +39,6 @@ __all__ = [
     "build_info", "has_native", "have_extension", "index_dtype", "magnitude_key", "native_op",
     "VALUE_DTYPES", "sample_positions", "sampled_threshold", "segmented_topk",
     "threshold_count", "threshold_select", "topk", "ef_step_key", "ef_topk", "group_ef_topk", "keyed_topk",
-    "segmented_ef_topk", "deliver_chunks", "pack", "record_numel", "record_spans",
+    "segmented_ef_topk", "step_denominator", "deliver_chunks", "pack", "record_numel", "record_spans",
     "scatter_add", "scatter_add_chunks", "unpack", "default_table_size", "hash_owner",
     "hash_partition", "hash_seed"]

@@ -62,6 +62,10 @@ SPARSE = {
                                plan="all_sparse", steps=8, group_floor=0.0),
     "planned_adam_magnitude": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
                                    plan="all_sparse", steps=8, select_by="magnitude"),
+    # ZEN's one top-k over the whole gradient, by the pending step (its default) and not
+    "zen_adam": dict(scheme="zen", optimizer="adam", density=0.05, steps=8),
+    "zen_adam_magnitude": dict(scheme="zen", optimizer="adam", density=0.05, steps=8,
+                               select_by="magnitude"),
 }
 
 
@@ -263,18 +267,20 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
 
 
 
-@pytest.mark.parametrize("name", ["planned_adam", "planned_adam_group", "planned_adam_magnitude"])
+@pytest.mark.parametrize("name", ["planned_adam", "planned_adam_group", "planned_adam_magnitude",
+                                  "zen_adam", "zen_adam_magnitude"])
 def test_adam_selects_the_largest_pending_steps(sparse_runs, name):
     """Under Adam with shared moments each rank sends, by default, the elements whose
     pending sum would move their parameter most, |acc| / (sqrt(v-hat) + eps) from the
-    optimizer's state before the step (per tensor, or under the group budget: floors,
-    then the rest by that key); ``select_by="magnitude"`` the largest |acc|. Each rank's
+    optimizer's state before the step (per tensor, under the group budget: floors, then
+    the rest by that key, or ZEN's one k over the whole gradient); ``select_by=
+    "magnitude"`` the largest |acc|. Each rank's
     sent set (where its residual was zeroed) equals that reference, and the two keys
     choose differently on these steps (so the check tells them apart)."""
     from ssfusion_hvd.plan.cost import nominal_k
     from test_schemes import group_select
 
-    by_step = name != "planned_adam_magnitude"
+    by_step = not name.endswith("_magnitude")
     runs = [r[name] for r in sparse_runs]
     names, group = runs[0]["names"], runs[0]["group"]
     b2, eps = group["betas"][1], group["eps"]
@@ -305,11 +311,14 @@ def test_adam_selects_the_largest_pending_steps(sparse_runs, name):
                     keys.append(acc.abs())
             sizes = [a.numel() for a in accs]
             ks = [nominal_k(n, 0.05) for n in sizes]
+            k = sum(ks)
             # the group budget's floors (share 0: one element each), or each tensor its k
             floors = [1] * len(ks) if name == "planned_adam_group" else ks
+            if name.startswith("zen"):  # one k over the whole gradient, no floor
+                k, floors = nominal_k(sum(sizes), 0.05), [0] * len(ks)
             acc = torch.cat(accs)
-            want = set(group_select(torch.cat(keys), sizes, sum(ks), floors)[1].tolist())
-            differ += want != set(group_select(acc, sizes, sum(ks), floors)[1].tolist())
+            want = set(group_select(torch.cat(keys), sizes, k, floors)[1].tolist())
+            differ += want != set(group_select(acc, sizes, k, floors)[1].tolist())
             sent = torch.cat([nxt["residuals"][n].reshape(-1) for n in names]) == 0
             got = set((sent & (acc != 0)).nonzero().flatten().tolist())
             assert got == {j for j in want if acc[j] != 0}, (name, s)

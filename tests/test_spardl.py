@@ -13,6 +13,10 @@ others: B-SAG), each recorded step must give:
 3. a state_dict/load_state_dict round trip resumes bit for bit;
 4. training the tiny model decreases the loss, with Average and Sum.
 """
+import copy
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -30,8 +34,25 @@ def _flat(d, names):
     return torch.cat([d[n].reshape(-1) for n in names])
 
 
-def check_record(runs, exact=True):
-    """Checks one recorded case (per-rank results); returns the number of steps checked."""
+def _adam_denominator(adam, names):
+    """The shared Adam rule's denominators, sqrt(v) / sqrt(1 - 0.999^t) + 1e-8 (torch's
+    defaults), flat in ``names``' order, the square root correctly rounded (numpy's); None
+    before Adam's first step."""
+    if not adam or set(adam) != set(names):
+        return None
+    parts = []
+    for n in names:
+        t, v = adam[n]
+        b2s = math.sqrt(1.0 - 0.999 ** max(t, 1.0))
+        parts.append(torch.from_numpy(np.sqrt(v.reshape(-1).numpy())) / b2s + 1e-8)
+    return torch.cat(parts)
+
+
+def check_record(runs, exact=True, by_step=0):
+    """Checks one recorded case (per-rank results); returns the number of steps checked.
+    ``by_step``: the steps (an Adam run's, shared moments) whose every selection ranks by
+    the pending step, the simulation's being given the recorded state's denominators;
+    on each of them that selection must differ from the magnitude's."""
     P = len(runs)
     r0 = runs[0]
     names, d, op = r0["names"], r0["teams"], r0["op"]
@@ -69,7 +90,14 @@ def check_record(runs, exact=True):
                       else BSAGState(**st["bsag"]) for r, st in enumerate(steps)]
         else:
             assert all(st["bsag"] is None for st in steps)
-        sim = simulate(layout, [a.clone() for a in accs], states)
+        den = _adam_denominator(steps[0].get("adam"), names)
+        if den is not None:
+            by_step -= 1
+            plain = simulate(layout, [a.clone() for a in accs],
+                             None if states is None else copy.deepcopy(states))
+        sim = simulate(layout, [a.clone() for a in accs], states, den=den)
+        if den is not None:  # (so the check tells the two selections apart)
+            assert not torch.equal(plain[0].final, sim[0].final), s
         want = sim[0].delivered.mul_(scale) if scale != 1.0 else sim[0].delivered
         want = want.to(dtype)
         if exact:
@@ -88,6 +116,7 @@ def check_record(runs, exact=True):
         assert st["phase"] == "sparse" and st["teams"] == d and st["nonfinite"] == 0
         assert st["elements"] == accs[0].numel() and st["allgather_bytes"] > 0
         assert st["delivered"] == sim[0].final.numel()
+    assert by_step <= 0, f"{by_step} steps fewer by the pending step than expected"
     return nsteps
 
 
@@ -99,6 +128,8 @@ def check_launch(results, teams):
     for d in teams:
         for op in ("average", "sum"):
             assert check_record([r[("record", d, op)] for r in results]) == 4, (d, op)
+        # Adam with shared moments: after its first step, every cut by the pending step
+        assert check_record([r[("record", d, "adam")] for r in results], by_step=3) == 4, d
         # (3) checkpoint round trip
         for r in results:
             ck = r[("checkpoint", d)]
@@ -203,8 +234,11 @@ def test_bsag_adjustment_moves_h_toward_the_target():
 def test_teams_option():
     """Teams are a scheme option: a positive int (checked without Horovod), dividing P
     (checked when the layout is built: the live case is in the launches above)."""
-    assert SparDLScheme.parse_options(None) == {"teams": 1}
-    assert SparDLScheme.parse_options({"teams": 3}) == {"teams": 3}
+    assert SparDLScheme.parse_options(None) == {"teams": 1, "select_by": "auto"}
+    assert SparDLScheme.parse_options({"teams": 3, "select_by": "magnitude"}) == \
+        {"teams": 3, "select_by": "magnitude"}
+    with pytest.raises(ValueError, match="select_by"):
+        SparDLScheme.parse_options({"select_by": "velocity"})
     for bad in (0, -2, "2", 1.5, True, None):
         with pytest.raises(ValueError, match="teams"):
             SparDLScheme.parse_options({"teams": bad})

@@ -85,11 +85,14 @@ def test_bitmap_round_trip():
 
 
 def test_options():
-    assert ZenScheme.parse_options({}) == {"seed": 0x5A454E, "rounds": 3, "table_size": None}
-    assert ZenScheme.parse_options({"seed": 7, "rounds": 0, "table_size": 64}) == \
-        {"seed": 7, "rounds": 0, "table_size": 64}
+    assert ZenScheme.parse_options({}) == {"seed": 0x5A454E, "rounds": 3, "table_size": None,
+                                           "select_by": "auto"}
+    assert ZenScheme.parse_options({"seed": 7, "rounds": 0, "table_size": 64,
+                                    "select_by": "magnitude"}) == \
+        {"seed": 7, "rounds": 0, "table_size": 64, "select_by": "magnitude"}
     for key, bad in (("seed", -1), ("seed", 2**64), ("rounds", 65), ("rounds", 1.0),
-                     ("table_size", 0), ("table_size", 2**31), ("table_size", "64")):
+                     ("table_size", 0), ("table_size", 2**31), ("table_size", "64"),
+                     ("select_by", "gradient")):
         with pytest.raises(ValueError, match=key):
             ZenScheme.parse_options({key: bad})
 

@@ -23,9 +23,11 @@ def _state(opt):
 
 
 def _optimizer(model, teams, op="average", predivide=1.0, density=0.05, lr=0.05, momentum=0.0,
-               warmup=100):
+               warmup=100, optimizer="sgd"):
+    inner = (torch.optim.Adam(model.parameters(), lr=0.01) if optimizer == "adam" else
+             torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum))
     return ssfusion_hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+        inner,
         named_parameters=model.named_parameters(), scheme="spardl", density=density,
         op=OPS[op], gradient_predivide_factor=predivide, density_warmup_steps=warmup,
         scheme_options={"teams": teams})
@@ -40,10 +42,13 @@ def bad_teams(teams):
     return None
 
 
-def record(teams, steps=4, op="average", predivide=1.0, dtype="float32", density=0.05):
+def record(teams, steps=4, op="average", predivide=1.0, dtype="float32", density=0.05,
+           optimizer="sgd"):
+    """``optimizer="adam"``: shared moments (the default), so from the second step every
+    selection is by the pending step; each step also records Adam's state before it."""
     model = _model(dtype)
     # a short density warm-up: the recorded steps cross its stages (new layouts)
-    opt = _optimizer(model, teams, op, predivide, density, warmup=2)
+    opt = _optimizer(model, teams, op, predivide, density, warmup=2, optimizer=optimizer)
     names = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     params = dict(model.named_parameters())
     loss_fn = nn.CrossEntropyLoss()
@@ -51,6 +56,9 @@ def record(teams, steps=4, op="average", predivide=1.0, dtype="float32", density
     for step in range(steps):
         opt.zero_grad()
         state = _state(opt)
+        adam = {n: (float(opt.state[params[n]]["step"]),
+                    opt.state[params[n]]["exp_avg_sq"].detach().clone())
+                for n in names if "exp_avg_sq" in opt.state.get(params[n], {})}
         x, y = _batch(step, 0, dtype)
         grads = torch.autograd.grad(loss_fn(model(x).float(), y), [params[n] for n in names],
                                     allow_unused=True)
@@ -62,6 +70,7 @@ def record(teams, steps=4, op="average", predivide=1.0, dtype="float32", density
         with opt.skip_synchronize():
             opt.step()
         out.append({"residual": {k: v.clone() for k, v in state["residuals"].items()},
+                    "adam": adam,
                     "bsag": state["bsag"], "local": local, "synced": synced,
                     "stats": opt.stats()})
     final = _state(opt)
@@ -127,6 +136,7 @@ def run_all(teams, steps=4, train_steps=30):
     for d in teams:
         out[("record", d, "average")] = record(d, steps=steps)
         out[("record", d, "sum")] = record(d, steps=steps, op="sum")
+        out[("record", d, "adam")] = record(d, steps=steps, optimizer="adam")
         out[("checkpoint", d)] = checkpoint(d)
         out[("train", d, "average")] = train(d, steps=train_steps)
         out[("train", d, "sum")] = train(d, "sum", steps=train_steps)

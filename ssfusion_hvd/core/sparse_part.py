@@ -297,14 +297,13 @@ class SparsePart:
         allocated once."""
         if self._key is None:
             self._key = torch.empty(self.numel, dtype=torch.float32, device=self.stage_device)
-        acc = memory.compensate_keyed(self.key, grads, scales, self._key)
-        key = self._key
         if self.mode == "buffer":
-            indices = ops.keyed_topk(key, self.ks[0])
+            values, indices = memory.select_steps(self.key, grads, scales, self._key, self.ks[0],
+                                                  wire_dtype=self.dtype)
         else:
-            indices = ops.keyed_topk(key, self._group_k(), self._offsets, self._ks)
-        values = acc.index_select(0, indices.long())
-        memory.update(self.key, acc, indices, self.dtype)
+            values, indices = memory.select_steps(self.key, grads, scales, self._key,
+                                                  self._group_k(), offsets=self._offsets,
+                                                  ks=self._ks, wire_dtype=self.dtype)
         return SelectionResult(values, indices, self._counts())
 
     def pack(self, result: SelectionResult, send: torch.Tensor, prescale: float) -> None:

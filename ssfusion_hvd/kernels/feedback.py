@@ -375,20 +375,33 @@ def ef_step_key(grads, residual: torch.Tensor, exp_avg_sqs, bias2_sqrt, eps: flo
                            "bias corrections")
     flat = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
     residual.add_(flat.to(residual.device, residual.dtype))
-    # the denominator where v lies: an offloaded part's (staged on the host, v on the GPU)
-    # is computed there and copied once
-    if all(v.device == key.device and v.dtype == key.dtype for v in vs):
-        den = torch.cat([v.reshape(-1) for v in vs], out=key)
+    step_denominator(vs, bias2_sqrt, eps, key)
+    return torch.div(residual.float(), key, out=key).abs_()
+
+
+def step_denominator(exp_avg_sqs, bias2_sqrt, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """What the shared Adam rule divides each element's step by, ``sqrt(v) / bias2_sqrt[s]
+    + eps`` for the tensors of ``exp_avg_sqs`` laid back to back, into ``out`` (float32,
+    contiguous), bit for bit as :func:`ef_step_key` divides by it (each operation rounded
+    once, the square root correctly rounded); ``bias2_sqrt`` host floats or 0-d tensors.
+    For the schemes whose selections run on partial sums (SparDL's merges), which divide
+    by it themselves. Returns ``out``."""
+    vs = list(exp_avg_sqs)
+    # computed where v lies: an offloaded part's (staged on the host, v on the GPU) is
+    # copied once
+    if all(v.device == out.device and v.dtype == out.dtype for v in vs):
+        den = torch.cat([v.reshape(-1) for v in vs], out=out)
     else:
         den = torch.cat([v.reshape(-1).float() for v in vs])
     if den.is_cuda:  # IEEE's square root on the GPU; torch's CPU one is not correctly rounded
         den.sqrt_()
     else:  # (a float32 square root through float64 is, as the native kernel's)
         den.copy_(den.double().sqrt_())
-    if not host:  # 0-d tensors where torch's capturable Adam keeps the step
-        bias2_sqrt = torch.stack([b.reshape(()).float() for b in bias2_sqrt]).to(den.device).unbind()
-    torch._foreach_div_(list(den.split([g.numel() for g in grads])), list(bias2_sqrt))
+    if any(isinstance(b, torch.Tensor) for b in bias2_sqrt):  # where capturable Adam keeps steps
+        bias2_sqrt = torch.stack([torch.as_tensor(b).reshape(()).float() for b in bias2_sqrt]
+                                 ).to(den.device).unbind()
+    torch._foreach_div_(list(den.split([v.numel() for v in vs])), list(bias2_sqrt))
     den.add_(float(eps))
-    if den is not key:
-        key.copy_(den)
-    return torch.div(residual.float(), key, out=key).abs_()
+    if den is not out:
+        out.copy_(den)
+    return out

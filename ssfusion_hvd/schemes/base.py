@@ -76,6 +76,13 @@ def is_real(lo: float, hi: float = float("inf"), *, open_low: bool = False) -> C
     return check
 
 
+#: what an exact top-k ranks (planned schemes and ZEN): "magnitude" (the accumulated
+#: gradient), "step" (the step the optimizer would take with it: Adam's under shared
+#: moments; SGD's is the magnitude's), "auto": "step" (docs/recipe.md, "Selecting by the step")
+SELECT_BY = Option("auto", lambda v: v in ("auto", "magnitude", "step"),
+                   "'auto', 'magnitude' or 'step'")
+
+
 #: (class, scheme name) -> the subclass ``Scheme.named`` made
 _NAMED: Dict[tuple, type] = {}
 

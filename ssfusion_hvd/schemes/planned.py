@@ -26,7 +26,7 @@ from ..core.transport import Transport, elastic
 from ..moments import SHARE_ROWS
 from ..plan import CostModel, Plan, build_plan
 from ..sparsify import make_sparsifier
-from .base import Option, Scheme, SyncConfig
+from .base import SELECT_BY, Option, Scheme, SyncConfig
 from .engine import PlannedPhase
 from .warmup import WarmupPhase
 
@@ -70,11 +70,7 @@ class PlannedScheme(Scheme):
         # for SGD and Adam; with 2 neutral for SGD at 8 % more bytes, worse on Adam's LM)
         "waits": Option("auto", lambda v: isinstance(v, bool) or v == "auto",
                         "'auto', True or False"),
-        # what the exact top-k ranks: "magnitude" (the accumulated gradient), "step" (the
-        # step the optimizer would take with it: Adam's under shared moments; SGD's is
-        # the magnitude's), "auto": "step" (docs/recipe.md, "Selecting by the step")
-        "select_by": Option("auto", lambda v: v in ("auto", "magnitude", "step"),
-                            "'auto', 'magnitude' or 'step'"),
+        "select_by": SELECT_BY,
     }
 
     def __init__(self, config: SyncConfig):

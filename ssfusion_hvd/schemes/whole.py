@@ -111,6 +111,15 @@ class WholeGradientScheme(Scheme):
         self._iteration = int(shared["iteration"])
         self._memory = self._new_memory()  # residuals and rule state from zero
 
+    def _step_scales(self):
+        """Adam's shared denominators (``Recipe.step_scales``) when this scheme's exact
+        top-k selects by the pending step (``scheme_options["select_by"]``, for the schemes
+        that take it: ZEN and SparDL; docs/recipe.md, "Selecting by the step"), else None.
+        The recipe in force: a broadcast that replaces the hyper-parameters re-resolves it."""
+        if self.opts.get("select_by", "magnitude") == "magnitude":
+            return None
+        return self.config.recipe.step_scales(self._trainable)
+
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad.is_sparse:  # sparse gradients travel densely in these schemes
             p.grad = p.grad.to_dense()

@@ -78,7 +78,7 @@ from .. import ops
 from ..core import wire
 from ..plan.cost import nominal_k
 from ..sparsify import make_sparsifier
-from .base import Option, SyncConfig, is_int
+from .base import SELECT_BY, Option, SyncConfig, is_int
 from .whole import WholeGradientScheme
 
 __all__ = ["ZenScheme", "imbalance_ratio", "pack_bitmap", "unpack_bitmap"]
@@ -128,7 +128,10 @@ class ZenScheme(WholeGradientScheme):
     * ``seed``: the universal hash's seed (h_0 and the second-level functions);
     * ``rounds``: second-level hash functions k of Algorithm 1 (the paper's evaluation uses 3);
     * ``table_size``: slots of each partition's parallel memory r1 (None: twice the mean
-      partition load, :func:`ssfusion_hvd.ops.default_table_size`).
+      partition load, :func:`ssfusion_hvd.ops.default_table_size`);
+    * ``select_by``: what each rank's top-k ranks, as the planned schemes' (``"auto"`` =
+      ``"step"``: under Adam with shared moments the step the rule would take, ``|acc| /
+      (sqrt(v-hat) + eps)``; else, and with ``"magnitude"``, the accumulated magnitude).
     """
 
     name = "zen"
@@ -138,6 +141,7 @@ class ZenScheme(WholeGradientScheme):
         "rounds": Option(3, is_int(0, 64), "an int in [0, 64]"),
         "table_size": Option(None, _optional_int(1, 2**31 - 1),
                              "None or an int in [1, 2**31 - 1]"),
+        "select_by": SELECT_BY,
     }
 
     def __init__(self, config: SyncConfig):
@@ -151,6 +155,7 @@ class ZenScheme(WholeGradientScheme):
         kwargs = {"seed": zlib.crc32(b"zen")} if config.sparsifier in ("randomk", "dgc") else {}
         self._sparsifier = make_sparsifier(config.sparsifier, **kwargs)
         self._sets = None  # built on first use: _build_sets()
+        self._key = None  # the selection key's buffer (by the pending step), allocated once
         self.reset()
 
     # ------------------------------------------------------------------ index sets
@@ -198,7 +203,14 @@ class ZenScheme(WholeGradientScheme):
         t0 = time.perf_counter()
         self._step_density = self._density()
         k = int(nominal_k(self._n, self._step_density)) if self._n else 0
-        if self._sparsifier.exact_topk:  # error feedback and top-k in one kernel, reading
+        scales = self._step_scales() if self._sparsifier.exact_topk else None
+        if scales is not None:  # by the pending step (docs/recipe.md, "Selecting by the step")
+            if self._key is None:
+                self._key = torch.empty(self._n, dtype=torch.float32, device=self._device)
+            values, indices = self._memory.select_steps(
+                self._KEY, [self._grad(p) for p in self._trainable], scales, self._key, k,
+                wire_dtype=self._dtype)
+        elif self._sparsifier.exact_topk:  # error feedback and top-k in one kernel, reading
             # the gradients where they lie once it can (ResidualMemory.select_topk_tensors)
             grads = [self._grad(p) for p in self._trainable]
             got = self._memory.select_topk_tensors(self._KEY, grads, k, wire_dtype=self._dtype)

@@ -152,6 +152,21 @@ class ResidualMemory:
         ops.ef_step_key(grads, r, scales.exp_avg_sqs, scales.bias2_sqrt, scales.eps, out)
         return r
 
+    def select_steps(self, key: str, grads: Sequence[torch.Tensor], scales, out: torch.Tensor,
+                     k: Optional[int] = None, *, offsets=None, ks=None,
+                     wire_dtype: Optional[torch.dtype] = None):
+        """:meth:`select_topk` by the pending step instead of the magnitude
+        (``docs/recipe.md``, "Selecting by the step"): :meth:`compensate_keyed` (the key into
+        ``out``), the same budgets on the key (``ops.keyed_topk``: one ``k``, ``ks`` per
+        segment, or ``k`` over the segments with ``ks`` as floors), then :meth:`update`. The
+        values are the sums', the residual as the fused kernels leave it. Returns
+        ``(values, indices)``."""
+        acc = self.compensate_keyed(key, grads, scales, out)
+        indices = ops.keyed_topk(out, k, offsets, ks)
+        values = acc.index_select(0, indices.long())
+        self.update(key, acc, indices, wire_dtype)
+        return values, indices
+
     def select_topk(self, key: str, grad: torch.Tensor, k: Optional[int] = None, *,
                     offsets=None, ks=None, wire_dtype: Optional[torch.dtype] = None):
         """:meth:`compensate`, an exact top-k and :meth:`update` as one fused kernel

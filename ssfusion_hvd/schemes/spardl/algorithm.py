@@ -111,9 +111,20 @@ def bruck_schedule(g: int) -> List[Tuple[int, int]]:
 # --------------------------------------------------------------------------- pure steps
 
 
-def select_blocks(layout: Layout, W: torch.Tensor, blocks: Sequence[int]) -> Sparse:
+def _top(x: torch.Tensor, k: int, den: Optional[torch.Tensor]) -> Sparse:
+    """The top ``k`` of ``x`` (values, positions in ``x``): by magnitude, or, with ``den``
+    (``x``'s shared Adam denominators), by the step ``|x| / den`` the rule would take
+    (``docs/recipe.md``, "Selecting by the step"; every rank holds the same ``den``)."""
+    if den is None:
+        return ops.topk(x, k)
+    i = ops.keyed_topk(torch.div(x, den).abs_(), k)
+    return x.index_select(0, i.long()), i
+
+
+def select_blocks(layout: Layout, W: torch.Tensor, blocks: Sequence[int],
+                  den: Optional[torch.Tensor] = None) -> Sparse:
     """Block-wise top-k of the blocks about to be sent (consecutive, circular): removes
-    them from ``W`` and returns them (global indices)."""
+    them from ``W`` and returns them (global indices). ``den``: as :func:`_top`."""
     runs: List[List[int]] = []
     for b in blocks:
         if runs and runs[-1][-1] + 1 == b:
@@ -124,7 +135,12 @@ def select_blocks(layout: Layout, W: torch.Tensor, blocks: Sequence[int]) -> Spa
     for run in runs:  # at most two: a bag wraps around the circle once
         lo, hi = layout.bounds[run[0]], layout.bounds[run[-1] + 1]
         offsets = [layout.bounds[b] - lo for b in run] + [hi - lo]
-        v, i = ops.segmented_topk(W[lo:hi], offsets, [layout.block_k[b] for b in run])
+        ks = [layout.block_k[b] for b in run]
+        if den is None:
+            v, i = ops.segmented_topk(W[lo:hi], offsets, ks)
+        else:
+            i = ops.keyed_topk(torch.div(W[lo:hi], den[lo:hi]).abs_(), None, offsets, ks)
+            v = W[lo:hi].index_select(0, i.long())
         vals.append(v.clone())
         idxs.append(i + lo)
     v, i = torch.cat(vals), torch.cat(idxs).to(layout.idx_dtype)
@@ -132,10 +148,11 @@ def select_blocks(layout: Layout, W: torch.Tensor, blocks: Sequence[int]) -> Spa
     return v, i
 
 
-def select_own(layout: Layout, W: torch.Tensor, pos: int) -> Sparse:
+def select_own(layout: Layout, W: torch.Tensor, pos: int,
+               den: Optional[torch.Tensor] = None) -> Sparse:
     """The final cut of the preserved block (Algorithm 1, line 9)."""
     lo, hi = layout.block(pos)
-    v, i = ops.topk(W[lo:hi], layout.block_k[pos])
+    v, i = _top(W[lo:hi], layout.block_k[pos], None if den is None else den[lo:hi])
     v, i = v.clone(), (i + lo).to(layout.idx_dtype)
     W.index_fill_(0, i.long(), 0)
     return v, i
@@ -147,7 +164,7 @@ def absorb(W: torch.Tensor, item: Sparse) -> None:
 
 
 def merge(layout: Layout, pos: int, items: Sequence[Sparse], W: torch.Tensor,
-          share: float) -> Tuple[Sparse, torch.Tensor]:
+          share: float, den: Optional[torch.Tensor] = None) -> Tuple[Sparse, torch.Tensor]:
     """SAG merge: sums ``items`` (in the given, canonical team order) in block ``pos``, cuts
     the sum to ``block_k[pos]`` and adds ``share`` of the dropped part to ``W``. Returns the
     kept entries and N_t, the number of distinct indices summed (a 0-dim tensor)."""
@@ -158,19 +175,19 @@ def merge(layout: Layout, pos: int, items: Sequence[Sparse], W: torch.Tensor,
         local = (i.long() - lo)
         acc.index_add_(0, local, v)
         seen[local] = True
-    v, i = ops.topk(acc, layout.block_k[pos])
+    v, i = _top(acc, layout.block_k[pos], None if den is None else den[lo:hi])
     v = v.clone()
     acc.index_fill_(0, i.long(), 0)
     W[lo:hi].add_(acc, alpha=share)
     return (v, (i + lo).to(layout.idx_dtype)), seen.sum()
 
 
-def trim(S: Sparse, h: int, W: torch.Tensor) -> Sparse:
+def trim(S: Sparse, h: int, W: torch.Tensor, den: Optional[torch.Tensor] = None) -> Sparse:
     """B-SAG's extra top-h before the Bruck exchange; the dropped entries go to ``W``."""
     v, i = S
     if h >= v.numel():
         return S
-    _, keep = ops.topk(v, h)
+    _, keep = _top(v, h, None if den is None else den.index_select(0, i.long()))
     keep = keep.long()
     drop = torch.ones(v.numel(), dtype=torch.bool, device=v.device)
     drop[keep] = False
@@ -283,13 +300,16 @@ def _bruck(layout: Layout, members: Sequence[int], me: int, item: Sparse,
 
 
 def run_rank(layout: Layout, rank: int, acc: torch.Tensor,
-             bsag: Optional[BSAGState] = None, scratch=None) -> Generator:
+             bsag: Optional[BSAGState] = None, scratch=None,
+             den: Optional[torch.Tensor] = None) -> Generator:
     """One rank's SparDL iteration on its error-compensated flat gradient ``acc`` (taken
     over). Yields :class:`Send` / :class:`Gather` requests, expects the replies, returns a
     :class:`RankResult`. ``bsag`` (B-SAG only) is read and then adjusted in place.
     ``scratch``: two tensors like ``acc`` (the working copy and the delivered output, the
     result's ``delivered``), reused from step to step; by default new ones, whose pages a
-    whole model's size costs the kernel to fault in every step."""
+    whole model's size costs the kernel to fault in every step. ``den``: every selection
+    by the pending step, ``|x| / den`` (Adam's shared denominators, the same on every rank),
+    instead of the magnitude."""
     m, d = layout.team_size, layout.teams
     team, pos = layout.team_of(rank), layout.pos_of(rank)
     W = acc.clone() if scratch is None else scratch[0].copy_(acc)
@@ -300,11 +320,11 @@ def run_rank(layout: Layout, rank: int, acc: torch.Tensor,
         source = (pos - dist) % m
         got = [(source + o) % m for o in range(first, end)]
         received = yield from _exchange(
-            layout, res, "srs", [select_blocks(layout, W, blocks)],
+            layout, res, "srs", [select_blocks(layout, W, blocks, den)],
             _send(f"srs{s}", layout.rank_of(team, (pos + dist) % m), layout.rank_of(team, source)),
             [sum(layout.block_k[b] for b in got)])
         absorb(W, received[0])
-    S = select_own(layout, W, pos)
+    S = select_own(layout, W, pos, den)
     # ---- Spar-All-Gather across teams (§III-D)
     if layout.sag == "rsag":
         for t in range(d.bit_length() - 1):
@@ -313,15 +333,15 @@ def run_rank(layout: Layout, rank: int, acc: torch.Tensor,
             other, = yield from _exchange(layout, res, "sag", [S], _send(f"rsag{t}", peer, peer),
                                           [layout.block_k[pos]])
             items = [S, other] if team < partner else [other, S]
-            S, _ = merge(layout, pos, items, W, share=0.5 ** (t + 1))
+            S, _ = merge(layout, pos, items, W, share=0.5 ** (t + 1), den=den)
     elif layout.sag == "bsag":
         if bsag is None:
             raise ValueError("B-SAG needs its BSAGState")
         h = res.h = bsag.h_int(layout, pos)
-        S = trim(S, h, W)
+        S = trim(S, h, W, den)
         items = yield from _bruck(layout, [layout.rank_of(x, pos) for x in range(d)], team, S,
                                   [h] * d, "bsag", res, "sag")
-        S, count = merge(layout, pos, items, W, share=1.0 / d)
+        S, count = merge(layout, pos, items, W, share=1.0 / d, den=den)
         res.count = int(count)
         bsag.adjust(layout, pos, res.count)
     # ---- All-gather inside the team

@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from ..base import Option, SyncConfig, is_int
+from ... import ops
+from ..base import SELECT_BY, Option, SyncConfig, is_int
 from ..whole import WholeGradientScheme
 from .algorithm import BSAGState, Gather, Layout, RankResult, output_scale, run_rank
 
@@ -24,7 +25,10 @@ class SparDLScheme(WholeGradientScheme):
 
     name = "spardl"
     prefix = "spardl"
-    options = {"teams": Option(1, is_int(1), "a positive int dividing the number of workers")}
+    options = {"teams": Option(1, is_int(1), "a positive int dividing the number of workers"),
+               # every selection (blocks, the own block, the merges' cuts) by the pending
+               # step under Adam with shared moments, as the planned schemes' top-k
+               "select_by": SELECT_BY}
 
     def __init__(self, config: SyncConfig):
         super().__init__(config)
@@ -41,6 +45,7 @@ class SparDLScheme(WholeGradientScheme):
         # (a new tensor each step cost page faults over the whole model every step)
         self._flat = torch.empty(self.flat.numel, dtype=self._dtype, device=self._device)
         self._scratch = None  # run_rank's working copy and output, allocated at the first step
+        self._den = None  # Adam's denominators, where the selection is by step (allocated once)
         self.reset()
 
     def _set_layout(self) -> None:
@@ -64,7 +69,12 @@ class SparDLScheme(WholeGradientScheme):
         acc = self._memory.compensate(self._KEY, self._flat_grad(out=self._flat))
         if self._scratch is None or self._scratch[0].dtype != acc.dtype:
             self._scratch = (torch.empty_like(acc), torch.empty_like(acc))
-        self._gen = run_rank(self.layout, self._rank, acc, self._bsag, self._scratch)
+        den, scales = None, self._step_scales()
+        if scales is not None:
+            if self._den is None:
+                self._den = torch.empty(acc.numel(), dtype=torch.float32, device=acc.device)
+            den = ops.step_denominator(scales.exp_avg_sqs, scales.bias2_sqrt, scales.eps, self._den)
+        self._gen = run_rank(self.layout, self._rank, acc, self._bsag, self._scratch, den)
         self._advance(None)
 
     def _advance(self, reply) -> None:

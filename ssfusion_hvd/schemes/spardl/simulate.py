@@ -13,13 +13,16 @@ __all__ = ["simulate"]
 
 
 def simulate(layout: Layout, accs: Sequence[torch.Tensor],
-             bsag: Optional[Sequence[BSAGState]] = None) -> List[RankResult]:
+             bsag: Optional[Sequence[BSAGState]] = None,
+             den: Optional[torch.Tensor] = None) -> List[RankResult]:
     """All ranks of one iteration in one process: :func:`run_rank` with the collectives
-    served in memory. ``accs[r]`` is taken over; ``bsag[r]`` is adjusted in place."""
+    served in memory. ``accs[r]`` is taken over; ``bsag[r]`` is adjusted in place; ``den``
+    (every rank's, the same): the selection by the pending step."""
     P = layout.nranks
     if len(accs) != P:
         raise ValueError(f"{len(accs)} inputs for {P} ranks")
-    gens = [run_rank(layout, r, accs[r], None if bsag is None else bsag[r]) for r in range(P)]
+    gens = [run_rank(layout, r, accs[r], None if bsag is None else bsag[r], den=den)
+            for r in range(P)]
     results: List[Optional[RankResult]] = [None] * P
     replies: List[Optional[torch.Tensor]] = [None] * P
     while True:
