@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hvdrun import run_workers
+from test_schemes import adam_denominator
 import workers_exdyna
 from ssfusion_hvd import ops
 from ssfusion_hvd.schemes.exdyna import ExDynaState
@@ -131,7 +132,11 @@ def reference_step(ranks, density, op="average"):
     s = ranks[0]["state"]["exdyna"]
     b = _bounds(s)
     density = ranks[0]["stats"]["density_target"]
-    threshold = s["threshold"] if s["density"] == density else None
+    # Adam's shared denominators (its state before the step): the threshold on the step
+    den = adam_denominator(ranks[0]["state"].get("adam"), names)
+    keyed = den is not None
+    threshold = s["threshold"] if (s["density"] == density
+                                   and s.get("keyed", False) == keyed) else None
     k = max(1, math.ceil(s["numel"] * density - 1e-9))
     wire = ranks[0]["synced"][names[0]].dtype
     accs, sels = [], []
@@ -141,15 +146,16 @@ def reference_step(ranks, density, op="average"):
             acc = _flat(rank["state"]["residuals"], names, rank["synced"]) + acc
         a = (s["iteration"] % nranks + r) % nranks
         lo, hi = b[a], b[a + 1]
+        sel = acc[lo:hi] if den is None else (acc[lo:hi] / den[lo:hi]).abs()
         if threshold is None:  # calibration: exact top-k of the partition
             kk = min(hi - lo, math.ceil(k * (hi - lo) / s["numel"] - 1e-9))
-            _, idx = ops.topk(acc[lo:hi], kk, backend="torch")
+            _, idx = ops.topk(sel, kk, backend="torch")
         else:
-            mask = (acc[lo:hi].double().abs() >= threshold) | acc[lo:hi].isnan()
+            mask = (sel.double().abs() >= threshold) | sel.isnan()
             idx = mask.nonzero().flatten()
             cap = max(1, int(1.2 * k * (hi - lo) / s["numel"] + 1e-9))  # the rank's capacity
             if idx.numel() > cap:  # trimmed to its largest
-                idx = idx[ops.topk(acc[lo:hi][idx], cap, backend="torch")[1].long()]
+                idx = idx[ops.topk(sel[idx], cap, backend="torch")[1].long()]
         accs.append(acc)
         sels.append(idx.long() + lo)
     union = torch.cat(sels)
@@ -221,11 +227,27 @@ def results(request):
 def test_matches_reference(results):
     for case, density, op in [("stream", 0.05, "average"), ("stream_predivide", 0.02, "average"),
                               ("stream_sum", 0.05, "sum"), ("net", 0.05, "average"),
-                              ("net_sum", 0.05, "sum"), ("net_fp16", 0.05, "average")]:
+                              ("net_sum", 0.05, "sum"), ("net_fp16", 0.05, "average"),
+                              ("net_adam", 0.05, "average")]:
         runs = [r[case] for r in results]
         tol = dict(rtol=2e-3, atol=2e-3) if case == "net_fp16" else {}
         check_run(runs, density, op, **tol)
         assert runs[0]["steps"][0]["stats"]["phase"] == "calibration"
+        if case == "net_adam":  # thresholds on the pending step, which select otherwise
+            steps = [[run["steps"][s] for run in runs] for s in range(len(runs[0]["steps"]))]
+            keyed = [st[0]["state"]["exdyna"].get("keyed") for st in steps[1:]]
+            assert keyed[-1] and sum(keyed) >= 3, keyed
+            differ = 0  # keyed steps where rank 0's selection is not its largest |acc|
+            names = sorted(steps[0][0]["synced"])
+            for st in steps[3:]:
+                got = st[0]["selected"].long()
+                acc = _flat(st[0]["local"], names, st[0]["synced"]).float() + _flat(
+                    st[0]["state"]["residuals"], names, st[0]["synced"])
+                b = _bounds(st[0]["state"]["exdyna"])
+                a = st[0]["state"]["exdyna"]["iteration"] % len(runs)
+                top = ops.topk(acc[b[a]:b[a + 1]], got.numel(), backend="torch")[1].long() + b[a]
+                differ += not torch.equal(top, got)
+            assert differ >= 1, differ
         if case.startswith("net"):  # the density warm-up ran through its stages
             targets = [st["stats"]["density_target"] for st in runs[0]["steps"]]
             assert targets[0] == 0.25 and targets[-1] == 0.05 and targets == sorted(targets)[::-1]

@@ -6,8 +6,10 @@ reference top-k (per tensor, or over the whole fusion buffer for multi-tensor), 
 ranks and scales by ``op``. The synchronized gradients must match up to float rounding,
 and the next residual must be acc minus what was sent (nothing lost).
 """
+import math
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +23,21 @@ from ssfusion_hvd.sparsify import make_sparsifier
 pytestmark = pytest.mark.multiworker
 
 SCHEMES = ["per_tensor", "multi_tensor", "ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"]
+
+
+def adam_denominator(adam, names):
+    """The shared Adam rule's denominators from a recorded state ``{name: (step,
+    exp_avg_sq)}``: sqrt(v) / sqrt(1 - 0.999^t) + 1e-8 (torch's defaults), flat in
+    ``names``' order, the square root correctly rounded (numpy's; torch's CPU one is not);
+    None where a tensor has no state yet (before Adam's first step; SGD)."""
+    if not adam or set(adam) != set(names):
+        return None
+    parts = []
+    for n in names:
+        t, v = adam[n]
+        b2s = math.sqrt(1.0 - 0.999 ** max(t, 1.0))
+        parts.append(torch.from_numpy(np.sqrt(v.reshape(-1).float().numpy())) / b2s + 1e-8)
+    return torch.cat(parts)
 
 
 def group_select(acc, sizes, k, floors):

@@ -14,13 +14,12 @@ others: B-SAG), each recorded step must give:
 4. training the tiny model decreases the loss, with Average and Sum.
 """
 import copy
-import math
 
-import numpy as np
 import pytest
 import torch
 
 from hvdrun import run_workers
+from test_schemes import adam_denominator
 import workers_spardl
 from ssfusion_hvd.schemes.spardl import (BSAGState, Layout, SparDLScheme, output_scale,
                                          simulate)
@@ -32,20 +31,6 @@ STATS_KEYS = {"phase", "allreduce_bytes", "allgather_bytes", "tensors_dense", "t
 
 def _flat(d, names):
     return torch.cat([d[n].reshape(-1) for n in names])
-
-
-def _adam_denominator(adam, names):
-    """The shared Adam rule's denominators, sqrt(v) / sqrt(1 - 0.999^t) + 1e-8 (torch's
-    defaults), flat in ``names``' order, the square root correctly rounded (numpy's); None
-    before Adam's first step."""
-    if not adam or set(adam) != set(names):
-        return None
-    parts = []
-    for n in names:
-        t, v = adam[n]
-        b2s = math.sqrt(1.0 - 0.999 ** max(t, 1.0))
-        parts.append(torch.from_numpy(np.sqrt(v.reshape(-1).numpy())) / b2s + 1e-8)
-    return torch.cat(parts)
 
 
 def check_record(runs, exact=True, by_step=0):
@@ -90,7 +75,7 @@ def check_record(runs, exact=True, by_step=0):
                       else BSAGState(**st["bsag"]) for r, st in enumerate(steps)]
         else:
             assert all(st["bsag"] is None for st in steps)
-        den = _adam_denominator(steps[0].get("adam"), names)
+        den = adam_denominator(steps[0].get("adam"), names)
         if den is not None:
             by_step -= 1
             plain = simulate(layout, [a.clone() for a in accs],

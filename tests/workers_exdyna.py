@@ -47,23 +47,29 @@ def _scheme_state(opt):
             "residuals": {k: v.clone() for k, v in state["residuals"].items()}}
 
 
-def _optimizer(model, density, op="average", predivide=1.0, lr=0.01, momentum=0.0, warmup=0):
+def _optimizer(model, density, op="average", predivide=1.0, lr=0.01, momentum=0.0, warmup=0,
+               optimizer="sgd"):
     # density warm-up off unless asked: the stream cases measure Algorithm 5's tracking
+    inner = (torch.optim.Adam(model.parameters(), lr=0.01) if optimizer == "adam" else
+             torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum))
     return ssfusion_hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+        inner,
         named_parameters=model.named_parameters(), scheme="exdyna", density=density,
         op=OPS[op], gradient_predivide_factor=predivide, density_warmup_steps=warmup)
 
 
 def record(model_kind="synthetic", steps=5, density=0.05, op="average", predivide=1.0,
-           dtype="float32"):
+           dtype="float32", optimizer="sgd"):
+    """``optimizer="adam"``: shared moments, so from Adam's first step on the threshold is
+    on the pending step; each step also records Adam's state before it."""
     if model_kind == "synthetic":
         model = Synthetic()
     else:
         torch.manual_seed(1234)
         model = Net().to(DTYPES[dtype])
     # the net cases run the density warm-up through two of its stages (steps 0, 1), then d
-    opt = _optimizer(model, density, op, predivide, warmup=0 if model_kind == "synthetic" else 2)
+    opt = _optimizer(model, density, op, predivide, warmup=0 if model_kind == "synthetic" else 2,
+                     optimizer=optimizer)
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     loss_fn = nn.CrossEntropyLoss()
@@ -71,6 +77,8 @@ def record(model_kind="synthetic", steps=5, density=0.05, op="average", predivid
     for step in range(steps):
         opt.zero_grad()
         before = _scheme_state(opt)
+        before["adam"] = {n: (float(opt.state[p]["step"]), opt.state[p]["exp_avg_sq"].clone())
+                          for n, p in zip(names, params) if "exp_avg_sq" in opt.state.get(p, {})}
         if model_kind == "synthetic":
             c = model.stream(step)
             local = {n: c[n].clone() for n in names}
@@ -204,6 +212,9 @@ def all_cases(long_steps=50):
         "net": record("net", steps=5, density=0.05),
         "net_sum": record("net", steps=5, density=0.05, op="sum"),
         "net_fp16": record("net", steps=4, density=0.05, dtype="float16"),
+        # density warm-up to step 2, Adam's state from step 1: calibrations at steps 0 (the
+        # magnitude), 1 (the pending step), 2 (the last density), thresholds from 3
+        "net_adam": record("net", steps=6, density=0.05, optimizer="adam"),
         "train_average": train("average"),
         "train_sum": train("sum", lr=0.1),
         "dense_average": train("average", scheme="dense"),

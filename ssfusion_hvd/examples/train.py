@@ -91,7 +91,8 @@ def parse_args(argv=None):
                         "sender's wait for the shared moments (default: the scheme's, 'auto': "
                         "from 3 ranks)")
     p.add_argument("--select-by", choices=("auto", "magnitude", "step"), default=None,
-                   help="planned schemes and zen: scheme_options['select_by'], what the top-k ranks: the "
+                   help="planned schemes, zen, spardl, exdyna: scheme_options['select_by'], what the "
+                        "top-k (exdyna: its threshold) ranks: the "
                         "accumulated gradient or the optimizer's step with it (Adam; default: "
                         "the scheme's)")
     p.add_argument("--plan", default=None,

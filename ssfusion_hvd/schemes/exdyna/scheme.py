@@ -11,7 +11,7 @@ import torch
 
 from ... import ops
 from ...sparsify.base import trim
-from ..base import Option, SyncConfig, is_int, is_real
+from ..base import SELECT_BY, Option, SyncConfig, is_int, is_real
 from ..whole import WholeGradientScheme
 from .state import ExDynaState
 
@@ -31,6 +31,9 @@ class ExDynaScheme(WholeGradientScheme):
         "beta": Option(1.2, is_real(1.0, open_low=True), "a number > 1"),
         "gamma": Option(0.05, is_real(0.0, 1.0, open_low=True), "a number in (0, 1]"),
         "cap": Option(1.2, is_real(1.0), "a number >= 1"),
+        # the threshold on Adam's pending step instead of the magnitude, as the other
+        # schemes' top-k (docs/recipe.md, "Selecting by the step")
+        "select_by": SELECT_BY,
     }
 
     def __init__(self, config: SyncConfig):
@@ -38,7 +41,9 @@ class ExDynaScheme(WholeGradientScheme):
         self._numel = self.flat.numel
         self._nranks, self._rank = self.transport.size, self.transport.rank
         self._idx_dtype = ops.index_dtype(self._numel)
-        self.state = ExDynaState(self._numel, self._nranks, self._density(), **self.opts)
+        self.state = ExDynaState(self._numel, self._nranks, self._density(),
+                                 **{k: v for k, v in self.opts.items() if k != "select_by"})
+        self._den = None  # Adam's denominators, then the keys (by step), allocated once
         self._flat = torch.empty(self._numel, dtype=self._dtype, device=self._device)
         self._out = torch.empty(self._numel, dtype=self._acc_dtype(), device=self._device)
         self.selected: Optional[torch.Tensor] = None  # this rank's indices, last iteration
@@ -53,8 +58,16 @@ class ExDynaScheme(WholeGradientScheme):
             self._flat_grad(out=self._flat)
         acc = self._memory.compensate(self._KEY, self._flat)
         st.set_density(self._density())  # density warm-up: the target of this step
+        scales = self._step_scales()  # every rank alike: the optimizer's state is shared
+        st.set_keyed(scales is not None)
         lo, hi = st.partition(self._rank)
         part = acc[lo:hi]
+        if scales is not None:  # the partition's pending steps, |acc| / denominator
+            if self._den is None:
+                self._den = torch.empty(self._numel, dtype=torch.float32, device=acc.device)
+            den = ops.step_denominator(scales.exp_avg_sqs, scales.bias2_sqrt, scales.eps,
+                                       self._den)
+            part = torch.div(part, den[lo:hi], out=den[lo:hi]).abs_()
         self._calibrating = st.threshold is None
         if self._calibrating:
             values, idx = ops.topk(part, st.calibration_k(self._rank))

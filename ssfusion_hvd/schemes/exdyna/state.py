@@ -41,6 +41,9 @@ class ExDynaState:
         self.cap = float(cap)
         self._scaler = Threshold(beta=beta, gamma=gamma)  # Algorithm 5's scale factor
         self.threshold: Optional[float] = None
+        #: the threshold's unit: the accumulated magnitude, or (True) Adam's pending step
+        #: ``|acc| / (sqrt(v-hat) + eps)`` (``scheme_options["select_by"]``)
+        self.keyed = False
         self.iteration = 0
         self.partition_blocks()
 
@@ -51,6 +54,14 @@ class ExDynaState:
         if float(density) != self.density:
             self.density = float(density)
             self.k = _k_of(self.numel, self.density)
+            self.threshold = None
+
+    def set_keyed(self, keyed: bool) -> None:
+        """What the threshold is compared with this iteration: the magnitude, or Adam's
+        pending step (from the step after Adam's first, when the optimizer has ``v``). A
+        change of unit recalibrates, as a new density does."""
+        if bool(keyed) != self.keyed:
+            self.keyed = bool(keyed)
             self.threshold = None
 
     # ------------------------------------------------------------------ Algorithm 2
@@ -147,13 +158,14 @@ class ExDynaState:
         return {"numel": self.numel, "nranks": self.nranks, "density": self.density,
                 "block_size": self.block_size,
                 "num_blocks": self.num_blocks, "blocks": list(self.blocks),
-                "threshold": self.threshold, "iteration": self.iteration}
+                "threshold": self.threshold, "keyed": self.keyed, "iteration": self.iteration}
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["numel"]) != self.numel:
             raise ValueError(f"checkpoint has {state['numel']} gradient elements, the model "
                              f"has {self.numel}")
         self.threshold = state["threshold"]
+        self.keyed = bool(state.get("keyed", False))  # (checkpoints before it: the magnitude)
         self.iteration = int(state["iteration"])
         if "density" in state:  # the density the threshold was tuned to (density warm-up)
             self.density = float(state["density"])
