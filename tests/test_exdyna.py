@@ -131,12 +131,13 @@ def reference_step(ranks, density, op="average"):
     names = sorted(ranks[0]["synced"])  # canonical order: sorted by name
     s = ranks[0]["state"]["exdyna"]
     b = _bounds(s)
-    density = ranks[0]["stats"]["density_target"]
-    # Adam's shared denominators (its state before the step): the threshold on the step
+    final, density = density, ranks[0]["stats"]["density_target"]
+    # Adam's shared denominators (its state before the step): the threshold on the step,
+    # recalibrated at a change of unit and, on the key, every step of the density warm-up
     den = adam_denominator(ranks[0]["state"].get("adam"), names)
     keyed = den is not None
-    threshold = s["threshold"] if (s["density"] == density
-                                   and s.get("keyed", False) == keyed) else None
+    threshold = s["threshold"] if (s["density"] == density and s.get("keyed", False) == keyed
+                                   and not (keyed and density > final)) else None
     k = max(1, math.ceil(s["numel"] * density - 1e-9))
     wire = ranks[0]["synced"][names[0]].dtype
     accs, sels = [], []
@@ -237,6 +238,8 @@ def test_matches_reference(results):
             steps = [[run["steps"][s] for run in runs] for s in range(len(runs[0]["steps"]))]
             keyed = [st[0]["state"]["exdyna"].get("keyed") for st in steps[1:]]
             assert keyed[-1] and sum(keyed) >= 3, keyed
+            phases = [st[0]["stats"]["phase"] for st in steps]
+            assert phases[:9] == ["calibration"] * 9 and phases[9:] == ["sparse"] * 2, phases
             differ = 0  # keyed steps where rank 0's selection is not its largest |acc|
             names = sorted(steps[0][0]["synced"])
             for st in steps[3:]:

@@ -59,7 +59,7 @@ def _optimizer(model, density, op="average", predivide=1.0, lr=0.01, momentum=0.
 
 
 def record(model_kind="synthetic", steps=5, density=0.05, op="average", predivide=1.0,
-           dtype="float32", optimizer="sgd"):
+           dtype="float32", optimizer="sgd", warmup=None):
     """``optimizer="adam"``: shared moments, so from Adam's first step on the threshold is
     on the pending step; each step also records Adam's state before it."""
     if model_kind == "synthetic":
@@ -68,8 +68,9 @@ def record(model_kind="synthetic", steps=5, density=0.05, op="average", predivid
         torch.manual_seed(1234)
         model = Net().to(DTYPES[dtype])
     # the net cases run the density warm-up through two of its stages (steps 0, 1), then d
-    opt = _optimizer(model, density, op, predivide, warmup=0 if model_kind == "synthetic" else 2,
-                     optimizer=optimizer)
+    if warmup is None:
+        warmup = 0 if model_kind == "synthetic" else 2
+    opt = _optimizer(model, density, op, predivide, warmup=warmup, optimizer=optimizer)
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     loss_fn = nn.CrossEntropyLoss()
@@ -212,9 +213,10 @@ def all_cases(long_steps=50):
         "net": record("net", steps=5, density=0.05),
         "net_sum": record("net", steps=5, density=0.05, op="sum"),
         "net_fp16": record("net", steps=4, density=0.05, dtype="float16"),
-        # density warm-up to step 2, Adam's state from step 1: calibrations at steps 0 (the
-        # magnitude), 1 (the pending step), 2 (the last density), thresholds from 3
-        "net_adam": record("net", steps=6, density=0.05, optimizer="adam"),
+        # a density warm-up of 8 steps (4 stages of 2), Adam's state from step 1: every
+        # warm-up step calibrates (on the key from step 1, also within a stage), the final
+        # density at step 8, a threshold from step 9
+        "net_adam": record("net", steps=11, density=0.05, optimizer="adam", warmup=8),
         "train_average": train("average"),
         "train_sum": train("sum", lr=0.1),
         "dense_average": train("average", scheme="dense"),
