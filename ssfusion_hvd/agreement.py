@@ -171,7 +171,7 @@ class StepAgreement:
             raise RanksDisagree(
                 f"ssfusion_hvd: the ranks of the process set are at different points of "
                 f"scheme {self.scheme_name!r} (iteration from {lo[0]} to {hi[0]}"
-                f"{', different plans' if lo[1] != hi[1] else ''}): their collectives cannot "
+                f"{', different plans or optimizer states' if lo[1] != hi[1] else ''}): their collectives cannot "
                 f"match. A checkpoint loaded on some ranks only must be followed by "
                 f"hvd.broadcast_optimizer_state(optimizer, root_rank) on every rank "
                 f"(docs/horovod.md, \"Checkpoint and resume\"), and every rank must call "

@@ -347,3 +347,14 @@ def test_trains(results, op):
         assert t["stats"]["phase"] == "sparse" and t["stats"]["nonfinite"] == 0
         for n, p in t["params"].items():
             assert torch.equal(p, results[0][f"train_{op}"]["params"][n]), n
+
+
+@pytest.mark.multiworker
+def test_ranks_on_different_units_raise_alike(results):
+    """A rank whose optimizer lost its Adam state would put its threshold on the magnitude
+    while the others put theirs on the pending step, and only some would calibrate: every
+    rank raises at that step instead of hanging (ExDynaScheme.signature)."""
+    for r in results:
+        got = r["keyed_disagreement"]
+        assert got["step"] == 2, got
+        assert "different plans or optimizer states" in got["error"], got["error"]

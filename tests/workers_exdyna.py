@@ -203,6 +203,31 @@ def nonfinite(steps=7, poison_at=2):
     return out
 
 
+def keyed_disagreement(steps=3):
+    """Adam, shared moments: after two steps rank 1 loses its optimizer state (as a
+    checkpoint loaded on rank 0 only, without hvd.broadcast_optimizer_state, leaves the
+    others): its threshold would be on the magnitude, rank 0's on the pending step, and
+    only one of them would calibrate (an allgather more). Every rank must raise
+    RanksDisagree before any collective of that step; returns its message."""
+    from ssfusion_hvd.agreement import RanksDisagree
+
+    torch.manual_seed(1234)
+    model = Net()
+    opt = _optimizer(model, 0.05, optimizer="adam")
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(steps):
+        if step == 2 and hvd.rank() == 1:
+            opt.state.clear()
+        opt.zero_grad()
+        x, y = _batch(step, 0, "float32")
+        loss_fn(model(x), y).backward()
+        try:
+            opt.step()
+        except RanksDisagree as exc:
+            return {"step": step, "error": str(exc)}
+    return {"step": None, "error": None}
+
+
 def all_cases(long_steps=50):
     """Everything test_exdyna.py checks, in one launch."""
     return {
@@ -223,4 +248,5 @@ def all_cases(long_steps=50):
         "dense_sum": train("sum", lr=0.1, scheme="dense"),
         "checkpoint": checkpoint(),
         "nonfinite": nonfinite(),
+        "keyed_disagreement": keyed_disagreement(),  # last: it leaves an optimizer raising
     }

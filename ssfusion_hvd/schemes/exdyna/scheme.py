@@ -151,6 +151,13 @@ class ExDynaScheme(WholeGradientScheme):
         self._acc = None
         self._calibrating = False
 
+    def signature(self):
+        """``(iteration, keyed)``: whether this step's threshold is on Adam's pending step
+        decides whether it calibrates, an allgather more; it follows the optimizer's state,
+        which a checkpoint loaded on some ranks only (not broadcast) leaves different, so
+        the ranks agree on it before any collective, or all raise."""
+        return (self._iteration, int(self._step_scales() is not None))
+
     # ------------------------------------------------------------------ state
     def _step_state(self) -> dict:
         # the whole object: Algorithm 5's scale factor is state too
