@@ -66,6 +66,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("mask_velocity") = false, nogil);
   m.def("ef_step_key_cpu", &ssf::ef_step_key_cpu, py::arg("grads"), py::arg("residual"),
         py::arg("exp_avg_sqs"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("key"), nogil);
+  m.def("step_denominator_cpu", &ssf::step_denominator_cpu, py::arg("exp_avg_sqs"),
+        py::arg("bias2_sqrt"), py::arg("eps"), py::arg("out"), nogil);
 #ifdef SSF_WITH_CUDA
   SSF_BIND_DEVICE_OPS(cuda)
 #endif

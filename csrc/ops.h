@@ -145,6 +145,10 @@ namespace ssf {
 //     the denominator of moments.h's adam_element (bias2_sqrt[s] = (1 - beta2^t)^(1/2) at
 //     tensor s's step count t). The keys are >= 0 (NaN where the sum or v is NaN), so the
 //     magnitude top-k of `key` is the top-k by the pending step.
+//   step_denominator (CPU only; step_denominator_cpu): the denominator alone,
+//     sqrt(v) / bias2_sqrt[s] + eps per element of exp_avg_sqs laid back to back, into
+//     `out` (float32, contiguous), rounded as ef_step_key rounds it (for the schemes that
+//     divide partial sums by it: SparDL, ExDyna).
 // Shared moments (ssfusion_hvd/moments.py, moments="shared" without senders' waits): the
 // step of the sparsified tensors, one pass per tensor over parameter, synchronized
 // gradient, optimizer state and ages, in place; float32 contiguous tensors, lists of one
@@ -218,6 +222,8 @@ std::tuple<at::Tensor, at::Tensor> group_ef_topk_cpu(
 void ef_step_key_cpu(const std::vector<at::Tensor>& grads, at::Tensor& residual,
                      const std::vector<at::Tensor>& exp_avg_sqs,
                      const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key);
+void step_denominator_cpu(const std::vector<at::Tensor>& exp_avg_sqs,
+                          const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out);
 std::tuple<at::Tensor, at::Tensor> group_ef_topk_tensors_cpu(
     const std::vector<at::Tensor>& grads, at::Tensor& residual, const at::Tensor& offsets,
     const at::Tensor& floors, int64_t k, at::ScalarType wire_dtype,

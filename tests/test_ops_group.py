@@ -210,7 +210,7 @@ def _step_key_case(sizes, seed):
 @pytest.mark.parametrize("isa", ["native", "baseline"])
 def test_step_key_is_the_rules_denominator(sizes, isa, monkeypatch):
     """ops.ef_step_key: the residual's sum and |sum| / (sqrt(v) / bias2_sqrt + eps) per
-    element, against a numpy brute force (float32, each operation rounded once, numpy's
+    element (and ops.step_denominator: the denominator alone), against a numpy brute force (float32, each operation rounded once, numpy's
     correctly rounded square root), bit for bit, NaN where v or the sum is: the native
     kernel (its AVX-512 loop, and the SSE2 one with SSF_CPU_ISA=baseline) and the torch
     composition alike."""
@@ -221,7 +221,8 @@ def test_step_key_is_the_rules_denominator(sizes, isa, monkeypatch):
     eps = 1e-8
     acc = residual.numpy() + np.concatenate([x.numpy() for x in grads])
     den = np.concatenate([np.sqrt(v.numpy()) / np.float32(b) for v, b in zip(vs, b2s)])
-    want = np.abs(acc) / (den + np.float32(eps))
+    den_want = den + np.float32(eps)
+    want = np.abs(acc) / den_want
     backends = ["torch"] + (["native"] if ops.has_native("ef_step_key", residual) else [])
     for backend in backends:
         r, key = residual.clone(), torch.empty_like(residual)
@@ -229,6 +230,10 @@ def test_step_key_is_the_rules_denominator(sizes, isa, monkeypatch):
         assert out is key
         assert _bits(r).tolist() == _bits(torch.from_numpy(acc)).tolist(), backend
         assert _bits(key).tolist() == _bits(torch.from_numpy(want)).tolist(), backend
+        # the denominator alone (SparDL, ExDyna), rounded alike
+        den = torch.empty_like(residual)
+        assert ops.step_denominator(vs, b2s, eps, den, backend=backend) is den
+        assert _bits(den).tolist() == _bits(torch.from_numpy(den_want)).tolist(), backend
 
 
 def test_step_key_takes_what_the_native_kernel_does_not():

@@ -22,86 +22,102 @@
 namespace ssf {
 namespace {
 
-// One tensor's range [0, n): r += g, key = |r| / (sqrt(v) / b + e). Each operation rounds
-// once, in moments.h's order for the denominator (the module is built with
-// -ffp-contract=off). The square root is the instruction's, correctly rounded; written
-// with intrinsics because std::sqrt keeps errno's semantics, which stops the compiler
-// from vectorizing the loop (it ran at a fifth of the memory's speed).
-void key_range_scalar(float* r, const float* g, const float* v, float* out, int64_t n, float b,
-                      float e) {
+// One tensor's range [0, n): with KEY, r += g and out = |r| / (sqrt(v) / b + e); without,
+// out = sqrt(v) / b + e, the denominator alone (SparDL's and ExDyna's selections divide
+// partial sums by it). Each operation rounds once, in moments.h's order for the
+// denominator (the module is built with -ffp-contract=off). The square root is the
+// instruction's, correctly rounded; written with intrinsics because std::sqrt keeps
+// errno's semantics, which stops the compiler from vectorizing the loop (it ran at a fifth
+// of the memory's speed).
+template <bool KEY>
+void range_scalar(float* r, const float* g, const float* v, float* out, int64_t n, float b,
+                  float e) {
   int64_t i = 0;
 #if defined(__SSE2__)
   const __m128 bv = _mm_set1_ps(b), ev = _mm_set1_ps(e);
   const __m128 sign = _mm_set1_ps(-0.0f);
   for (; i + 4 <= n; i += 4) {
-    const __m128 acc = _mm_add_ps(_mm_loadu_ps(r + i), _mm_loadu_ps(g + i));
-    _mm_storeu_ps(r + i, acc);
     const __m128 den = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(_mm_loadu_ps(v + i)), bv), ev);
-    _mm_storeu_ps(out + i, _mm_div_ps(_mm_andnot_ps(sign, acc), den));
+    if constexpr (KEY) {
+      const __m128 acc = _mm_add_ps(_mm_loadu_ps(r + i), _mm_loadu_ps(g + i));
+      _mm_storeu_ps(r + i, acc);
+      _mm_storeu_ps(out + i, _mm_div_ps(_mm_andnot_ps(sign, acc), den));
+    } else {
+      _mm_storeu_ps(out + i, den);
+    }
   }
 #endif
   for (; i < n; ++i) {
-    const float acc = r[i] + g[i];
-    r[i] = acc;
-    out[i] = std::fabs(acc) / (std::sqrt(v[i]) / b + e);
+    const float den = std::sqrt(v[i]) / b + e;
+    if constexpr (KEY) {
+      const float acc = r[i] + g[i];
+      r[i] = acc;
+      out[i] = std::fabs(acc) / den;
+    } else {
+      out[i] = den;
+    }
   }
 }
 
 #ifdef SSF_X86_DISPATCH
-__attribute__((target("avx512f"))) void key_range_avx512(float* r, const float* g,
-                                                         const float* v, float* out, int64_t n,
-                                                         float b, float e) {
+template <bool KEY>
+__attribute__((target("avx512f"))) void range_avx512(float* r, const float* g, const float* v,
+                                                     float* out, int64_t n, float b, float e) {
   const __m512 bv = _mm512_set1_ps(b), ev = _mm512_set1_ps(e);
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 acc = _mm512_add_ps(_mm512_loadu_ps(r + i), _mm512_loadu_ps(g + i));
-    _mm512_storeu_ps(r + i, acc);
     const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(_mm512_loadu_ps(v + i)), bv), ev);
-    const __m512 mag = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(acc), magnitude));
-    _mm512_storeu_ps(out + i, _mm512_div_ps(mag, den));
+    if constexpr (KEY) {
+      const __m512 acc = _mm512_add_ps(_mm512_loadu_ps(r + i), _mm512_loadu_ps(g + i));
+      _mm512_storeu_ps(r + i, acc);
+      const __m512 mag = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(acc), magnitude));
+      _mm512_storeu_ps(out + i, _mm512_div_ps(mag, den));
+    } else {
+      _mm512_storeu_ps(out + i, den);
+    }
   }
-  key_range_scalar(r + i, g + i, v + i, out + i, n - i, b, e);
+  range_scalar<KEY>(KEY ? r + i : r, KEY ? g + i : g, v + i, out + i, n - i, b, e);
 }
 #endif
 
-void key_range(float* r, const float* g, const float* v, float* out, int64_t n, float b, float e) {
+template <bool KEY>
+void range(float* r, const float* g, const float* v, float* out, int64_t n, float b, float e) {
 #ifdef SSF_X86_DISPATCH
-  if (cpu::use_avx512()) return key_range_avx512(r, g, v, out, n, b, e);
+  if (cpu::use_avx512()) return range_avx512<KEY>(r, g, v, out, n, b, e);
 #endif
-  key_range_scalar(r, g, v, out, n, b, e);
+  range_scalar<KEY>(r, g, v, out, n, b, e);
 }
 
-}  // namespace
-
-
-void ef_step_key_cpu(const std::vector<at::Tensor>& grads, at::Tensor& residual,
-                     const std::vector<at::Tensor>& exp_avg_sqs,
-                     const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key) {
-  const char* op = "ef_step_key";
-  const size_t nseg = grads.size();
+// The checked tiling of exp_avg_sqs (with KEY, grads alike) over `out` (and the residual),
+// then range<KEY> over it in parallel, each thread's span split at the tensors' bounds.
+template <bool KEY>
+void over_tensors(const char* op, const std::vector<at::Tensor>* grads, at::Tensor* residual,
+                  const std::vector<at::Tensor>& exp_avg_sqs,
+                  const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out) {
+  const size_t nseg = exp_avg_sqs.size();
   TORCH_CHECK(nseg >= 1, op, ": no tensors");
-  TORCH_CHECK(exp_avg_sqs.size() == nseg && bias2_sqrt.size() == nseg, op, ": ", nseg,
-              " gradients, ", exp_avg_sqs.size(), " exp_avg_sq tensors and ", bias2_sqrt.size(),
-              " bias corrections (one of each per tensor)");
-  check_moment_lists({grads, exp_avg_sqs}, op, at::kCPU);
-  for (const at::Tensor* t : {&residual, &key}) {
-    TORCH_CHECK(t->device().type() == at::kCPU && t->scalar_type() == at::kFloat &&
-                    t->is_contiguous(),
-                op, ": residual and key must be contiguous float32 CPU tensors");
-  }
+  TORCH_CHECK(bias2_sqrt.size() == nseg && (!KEY || grads->size() == nseg), op, ": ",
+              KEY ? grads->size() : nseg, " gradients, ", nseg, " exp_avg_sq tensors and ",
+              bias2_sqrt.size(), " bias corrections (one of each per tensor)");
+  if constexpr (KEY) check_moment_lists({*grads, exp_avg_sqs}, op, at::kCPU);
+  else check_moment_lists({exp_avg_sqs}, op, at::kCPU);
   std::vector<int64_t> off(nseg + 1, 0);
-  for (size_t s = 0; s < nseg; ++s) off[s + 1] = off[s] + grads[s].numel();
+  for (size_t s = 0; s < nseg; ++s) off[s + 1] = off[s] + exp_avg_sqs[s].numel();
   const int64_t n = off[nseg];
-  TORCH_CHECK(residual.numel() == n && key.numel() == n, op, ": the tensors hold ", n,
-              " elements, the residual ", residual.numel(), " and the key ", key.numel(),
-              " (the tensors must tile both)");
-  float* r = residual.data_ptr<float>();
-  float* out = key.data_ptr<float>();
-  std::vector<const float*> g(nseg), v(nseg);
+  for (const at::Tensor* t : {residual, &out}) {
+    if (t == nullptr) continue;
+    TORCH_CHECK(t->device().type() == at::kCPU && t->scalar_type() == at::kFloat &&
+                    t->is_contiguous() && t->numel() == n,
+                op, ": residual and output must be contiguous float32 CPU tensors of the ",
+                "tensors' ", n, " elements (they must tile both)");
+  }
+  float* r = KEY ? residual->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  std::vector<const float*> g(nseg, nullptr), v(nseg);
   std::vector<float> b(nseg);
   for (size_t s = 0; s < nseg; ++s) {
-    g[s] = grads[s].const_data_ptr<float>();
+    if constexpr (KEY) g[s] = (*grads)[s].const_data_ptr<float>();
     v[s] = exp_avg_sqs[s].const_data_ptr<float>();
     b[s] = float(bias2_sqrt[s]);
   }
@@ -111,9 +127,24 @@ void ef_step_key_cpu(const std::vector<at::Tensor>& grads, at::Tensor& residual,
     for (int64_t s = std::upper_bound(off.begin(), off.end(), lo) - off.begin() - 1;
          s < int64_t(nseg) && off[s] < hi; ++s) {
       const int64_t b0 = std::max(lo, off[s]), b1 = std::min(hi, off[s + 1]);
-      key_range(r + b0, g[s] + (b0 - off[s]), v[s] + (b0 - off[s]), out + b0, b1 - b0, b[s], e);
+      range<KEY>(KEY ? r + b0 : nullptr, KEY ? g[s] + (b0 - off[s]) : nullptr,
+                 v[s] + (b0 - off[s]), o + b0, b1 - b0, b[s], e);
     }
   });
+}
+
+}  // namespace
+
+
+void ef_step_key_cpu(const std::vector<at::Tensor>& grads, at::Tensor& residual,
+                     const std::vector<at::Tensor>& exp_avg_sqs,
+                     const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key) {
+  over_tensors<true>("ef_step_key", &grads, &residual, exp_avg_sqs, bias2_sqrt, eps, key);
+}
+
+void step_denominator_cpu(const std::vector<at::Tensor>& exp_avg_sqs,
+                          const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out) {
+  over_tensors<false>("step_denominator", nullptr, nullptr, exp_avg_sqs, bias2_sqrt, eps, out);
 }
 
 }  // namespace ssf

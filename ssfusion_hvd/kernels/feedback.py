@@ -375,18 +375,29 @@ def ef_step_key(grads, residual: torch.Tensor, exp_avg_sqs, bias2_sqrt, eps: flo
                            "bias corrections")
     flat = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
     residual.add_(flat.to(residual.device, residual.dtype))
-    step_denominator(vs, bias2_sqrt, eps, key)
+    step_denominator(vs, bias2_sqrt, eps, key, backend="torch")
     return torch.div(residual.float(), key, out=key).abs_()
 
 
-def step_denominator(exp_avg_sqs, bias2_sqrt, eps: float, out: torch.Tensor) -> torch.Tensor:
+def step_denominator(exp_avg_sqs, bias2_sqrt, eps: float, out: torch.Tensor, *,
+                     backend: Optional[str] = None) -> torch.Tensor:
     """What the shared Adam rule divides each element's step by, ``sqrt(v) / bias2_sqrt[s]
     + eps`` for the tensors of ``exp_avg_sqs`` laid back to back, into ``out`` (float32,
     contiguous), bit for bit as :func:`ef_step_key` divides by it (each operation rounded
     once, the square root correctly rounded); ``bias2_sqrt`` host floats or 0-d tensors.
     For the schemes whose selections run on partial sums (SparDL's merges), which divide
-    by it themselves. Returns ``out``."""
+    by it themselves. Returns ``out``. The CPU kernel (``csrc/cpu/step_key.cpp``) reads
+    ``v`` where it lies, one pass, for float32 states and host bias corrections."""
     vs = list(exp_avg_sqs)
+    host = all(not isinstance(b, torch.Tensor) for b in bias2_sqrt)
+    fn = _native(out, "step_denominator", backend) if host else None
+    if fn is not None and out.dtype == torch.float32 and all(
+            v.dtype == torch.float32 and v.device == out.device for v in vs):
+        fn([v.contiguous() for v in vs], [float(b) for b in bias2_sqrt], float(eps), out)
+        return out
+    if backend == "native":
+        raise RuntimeError("step_denominator: the native kernel takes float32 CPU tensors and "
+                           "host bias corrections")
     # computed where v lies: an offloaded part's (staged on the host, v on the GPU) is
     # copied once
     if all(v.device == out.device and v.dtype == out.dtype for v in vs):
