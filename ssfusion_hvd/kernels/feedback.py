@@ -375,7 +375,7 @@ def ef_step_key(grads, residual: torch.Tensor, exp_avg_sqs, bias2_sqrt, eps: flo
                            "bias corrections")
     flat = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
     residual.add_(flat.to(residual.device, residual.dtype))
-    step_denominator(vs, bias2_sqrt, eps, key, backend="torch")
+    step_denominator(vs, bias2_sqrt, eps, key, backend=backend)
     return torch.div(residual.float(), key, out=key).abs_()
 
 
