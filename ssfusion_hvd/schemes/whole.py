@@ -112,9 +112,10 @@ class WholeGradientScheme(Scheme):
         self._memory = self._new_memory()  # residuals and rule state from zero
 
     def _step_scales(self):
-        """Adam's shared denominators (``Recipe.step_scales``) when this scheme's exact
-        top-k selects by the pending step (``scheme_options["select_by"]``, for the schemes
-        that take it: ZEN and SparDL; docs/recipe.md, "Selecting by the step"), else None.
+        """Adam's shared denominators (``Recipe.step_scales``) when this scheme selects by
+        the pending step (``scheme_options["select_by"]``, for the schemes that take it:
+        ZEN's top-k, SparDL's cuts, ExDyna's threshold; docs/recipe.md, "Selecting by the
+        step"), else None.
         The recipe in force: a broadcast that replaces the hyper-parameters re-resolves it."""
         if self.opts.get("select_by", "magnitude") == "magnitude":
             return None
