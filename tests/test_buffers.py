@@ -254,3 +254,31 @@ def test_select_grads_equals_staging_then_select(dtype, acc, rule, buffer):
         assert torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8))
         assert torch.equal(mem_d.residuals[direct.key].view(torch.uint8),
                            mem_s.residuals[staged.key].view(torch.uint8)), step
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 0), (0, 31), (3, 3), (3, 9), (5, 6), (6, 20), (11, 31),
+                                   (30, 31), (31, 31)])
+def test_flat_layout_window_tiles_exactly_the_laid_out_slice(lo, hi):
+    from ssfusion_hvd.core.layout import FlatLayout
+    shapes = [(2, 3), (0,), (5,), (4, 5)]  # 31 elements, an empty tensor among them
+    layout = FlatLayout(shapes)
+    tensors = [torch.randn(s) for s in shapes]
+    tensors[3] = tensors[3].t().contiguous().t()  # a non-contiguous one: its piece is a copy
+    pieces, which = layout.window(tensors, lo, hi)
+    flat = layout.gather(tensors)
+    assert torch.equal(torch.cat(pieces) if pieces else torch.empty(0), flat[lo:hi])
+    assert all(p.numel() for p in pieces)  # no empty piece, not even of the empty tensor
+    assert which == sorted(set(which))
+    owners = layout.owner(torch.arange(lo, hi)).tolist()
+    assert which == list(dict.fromkeys(owners))
+    for piece, i in zip(pieces, which):  # a contiguous tensor's piece is a view, not a copy
+        shared = piece.untyped_storage().data_ptr() == tensors[i].untyped_storage().data_ptr()
+        assert shared == tensors[i].is_contiguous()
+
+
+def test_flat_layout_window_outside_raises():
+    from ssfusion_hvd.core.layout import FlatLayout
+    layout = FlatLayout([(3,), (4,)])
+    for lo, hi in ((-1, 2), (2, 1), (0, 8)):
+        with pytest.raises(ValueError, match="outside"):
+            layout.window([torch.zeros(3), torch.zeros(4)], lo, hi)

@@ -7,6 +7,7 @@ element offsets; ``bounds[i]:bounds[i + 1]`` is tensor ``i``.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from typing import List, Sequence
@@ -74,3 +75,23 @@ class FlatLayout:
             return torch.zeros((), dtype=torch.int64)
         hits = torch.bincount(self.owner(indices), minlength=len(self.shapes))
         return (hits[:len(self.shapes)] == 0).sum()
+
+    def window(self, tensors: Sequence[torch.Tensor], lo: int, hi: int):
+        """The flat elements ``lo:hi`` of ``tensors`` laid out as this layout, without
+        laying them out: ``(pieces, which)``, the 1-D views (a contiguous tensor's are
+        views, else copies) that tile the window in order, and the index of the tensor
+        each comes from. For a scheme that needs a per-element quantity of its own
+        partition only (ExDyna's Adam denominators)."""
+        if not 0 <= lo <= hi <= self.numel:
+            raise ValueError(f"window {lo}:{hi} outside a layout of {self.numel} elements")
+        pieces, which = [], []
+        first = max(0, bisect.bisect_right(self.bounds, lo) - 1)
+        for i in range(first, len(self.shapes)):
+            start, stop = self.bounds[i], self.bounds[i + 1]
+            if start >= hi:
+                break
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                pieces.append(tensors[i].reshape(-1)[a - start:b - start])
+                which.append(i)
+        return pieces, which

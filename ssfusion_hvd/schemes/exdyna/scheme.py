@@ -68,12 +68,14 @@ class ExDynaScheme(WholeGradientScheme):
             st.threshold = None
         lo, hi = st.partition(self._rank)
         part = acc[lo:hi]
-        if scales is not None:  # the partition's pending steps, |acc| / denominator
+        if scales is not None and hi > lo:  # the partition's pending steps, |acc| / denominator
             if self._den is None:
                 self._den = torch.empty(self._numel, dtype=torch.float32, device=acc.device)
-            den = ops.step_denominator(scales.exp_avg_sqs, scales.bias2_sqrt, scales.eps,
-                                       self._den)
-            part = torch.div(part, den[lo:hi], out=den[lo:hi]).abs_()
+            # the denominators of this rank's partition only (1/P of the model's)
+            vs, which = self.flat.window(scales.exp_avg_sqs, lo, hi)
+            den = ops.step_denominator(vs, [scales.bias2_sqrt[i] for i in which], scales.eps,
+                                       self._den[:hi - lo])
+            part = torch.div(part, den, out=den).abs_()
         self._calibrating = st.threshold is None
         if self._calibrating:
             values, idx = ops.topk(part, st.calibration_k(self._rank))
