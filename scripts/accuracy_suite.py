@@ -22,7 +22,7 @@ paper's per-tensor density) instead of the group budget; ``ssfusion_oi/waits`` (
 without it; ``ssfusion_oi/slack=0.2`` and
 ``ssfusion_oi/floor=0.5`` set ``scheme_options`` ``slack`` and ``floor``,
 ``ssfusion_oi/warmup=150`` the recipe's ``density_warmup_steps``, ``dense/lr=1e-3``
-the learning rate.
+the learning rate, ``ssfusion_oi/density=0.015`` the density in place of the cell's.
 
 Output: ``<out>/<name>.json`` (every run, rewritten after each; ``--merge`` keeps the
 runs of an earlier file that this invocation does not repeat) and ``<name>.md``: per cell
@@ -87,15 +87,17 @@ def parse_args(argv=None):
 def scheme_of(label: str):
     """(scheme, extra train.py arguments) of a label: ``scheme``, ``scheme/uniform``,
     ``scheme/slack=x`` or ``scheme/floor=x`` (``scheme_options["slack"]``, ``["floor"]``),
-    ``scheme/warmup=n`` (``density_warmup_steps``), ``scheme/lr=x`` (the learning rate)."""
+    ``scheme/warmup=n`` (``density_warmup_steps``), ``scheme/lr=x`` (the learning rate),
+    ``scheme/density=x`` (the density, in place of the cell's: a run at a peer's bytes)."""
     scheme, _, variant = label.partition("/")
     for option, flag in (("slack", "--slack"), ("floor", "--floor"),
-                         ("warmup", "--density-warmup-steps"), ("lr", "--lr")):
+                         ("warmup", "--density-warmup-steps"), ("lr", "--lr"),
+                         ("density", "--density")):
         if variant.startswith(option + "="):
             return scheme, [flag, variant[len(option) + 1:]]
     if variant and variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r} of {label!r}; known: {sorted(VARIANTS)}, "
-                         "slack=x, floor=x, warmup=n, lr=x")
+                         "slack=x, floor=x, warmup=n, lr=x, density=x")
     return scheme, VARIANTS.get(variant, [])
 
 
@@ -107,6 +109,8 @@ def run_cell(args, cell, label: str, seed: int, logs: Path) -> dict:
         profile=args.profile, momentum_correction="auto", density_warmup_steps=None,
         min_k=None, timeout=args.timeout, optimizer=opt, extra=extra,
         name=f"{args.name}-{cell_name(cell)}-{label.replace('/', '_')}")
+    if "--density" in extra:  # the label's density in place of the cell's (the last flag wins)
+        density = float(extra[extra.index("--density") + 1])
     r = run_one(ns, task, scheme, seed, logs)
     r.update(cell=cell_name(cell), label=label, optimizer=opt, density=density,
              epochs=args.epochs or epochs, workers=workers)

@@ -61,6 +61,8 @@ digits task's model and optimizer, as ``examples/train.py --task`` and ``--optim
 
 Output: one line per run and a mean ± std table per task (``--json`` keeps the runs).
 
+``--lm-lr`` sets the LM's Adam learning rate (2e-3 by default, the cell's).
+
 ``--adam-limit P`` instead measures the Adam rule in the dense limit (density 1: every
 element sent every step) on P ranks with noisy gradients (signal 0.1, noise 1 per
 element): the norm of the rule's averaged update against ``torch.optim.Adam``'s on the
@@ -312,6 +314,7 @@ def parse_args(argv=None):
     p.add_argument("--refresh-dense", type=int, default=0,
                    help="shared_v: updated every step until this step, then at intervals "
                         "doubling up to --refresh")
+    p.add_argument("--lm-lr", type=float, default=2e-3, help="the lm task's Adam learning rate")
     p.add_argument("--lr-warmup", type=int, default=0,
                    help="steps of a linear learning-rate warm-up (0: none)")
     p.add_argument("--catch", default="full",
@@ -389,7 +392,7 @@ def make_task(task: str, seed: int, ranks: int, args=None):
         if key not in gens:
             gens[key] = torch.Generator().manual_seed((seed * 1000 + epoch) * 1000 + r)
         return text.lm_loss(model, *tr.batch(16, gens[key]))
-    return model, loss, lambda: text.perplexity(model, va), 100, "adam", 2e-3
+    return model, loss, lambda: text.perplexity(model, va), 100, "adam", getattr(args, "lm_lr", 2e-3)
 
 
 def run(task: str, variant: str, seed: int, args) -> dict:
