@@ -70,6 +70,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("bias2_sqrt"), py::arg("eps"), py::arg("out"), nogil);
 #ifdef SSF_WITH_CUDA
   SSF_BIND_DEVICE_OPS(cuda)
+  m.def("ef_step_key_cuda", &ssf::ef_step_key_cuda, py::arg("grads"), py::arg("residual"),
+        py::arg("exp_avg_sqs"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("key"), nogil);
+  m.def("step_denominator_cuda", &ssf::step_denominator_cuda, py::arg("exp_avg_sqs"),
+        py::arg("bias2_sqrt"), py::arg("eps"), py::arg("out"), nogil);
 #endif
 #undef SSF_BIND_DEVICE_OPS
   m.def("record_spans", &ssf::record_spans, py::arg("k"), py::arg("value_dtype"),

@@ -215,6 +215,36 @@ inline void check_moment_lists(const std::vector<std::vector<at::Tensor>>& lists
   }
 }
 
+// ef_step_key's and step_denominator's arguments (ops.h), on either device: exp_avg_sqs
+// (with the key, grads alike) float32 contiguous on `device`, one bias correction per
+// tensor, and the flat outputs (the residual with the key; `out`) contiguous float32 on
+// the tensors' device, of their total count. Returns the tensors' offsets in the flat
+// outputs (nseg + 1 entries).
+inline std::vector<int64_t> check_step_key(const char* op, const std::vector<at::Tensor>* grads,
+                                           const at::Tensor* residual,
+                                           const std::vector<at::Tensor>& exp_avg_sqs,
+                                           const std::vector<double>& bias2_sqrt,
+                                           const at::Tensor& out, c10::DeviceType device) {
+  const size_t nseg = exp_avg_sqs.size();
+  TORCH_CHECK(nseg >= 1, op, ": no tensors");
+  TORCH_CHECK(bias2_sqrt.size() == nseg && (!grads || grads->size() == nseg), op, ": ",
+              grads ? grads->size() : nseg, " gradients, ", nseg, " exp_avg_sq tensors and ",
+              bias2_sqrt.size(), " bias corrections (one of each per tensor)");
+  if (grads) check_moment_lists({*grads, exp_avg_sqs}, op, device);
+  else check_moment_lists({exp_avg_sqs}, op, device);
+  std::vector<int64_t> off(nseg + 1, 0);
+  for (size_t s = 0; s < nseg; ++s) off[s + 1] = off[s] + exp_avg_sqs[s].numel();
+  for (const at::Tensor* t : {residual, &out}) {
+    if (t == nullptr) continue;
+    TORCH_CHECK(t->device() == exp_avg_sqs[0].device() && t->scalar_type() == at::kFloat &&
+                    t->is_contiguous() && t->numel() == off[nseg],
+                op, ": residual and output must be contiguous float32 tensors on the ",
+                "tensors' device (", exp_avg_sqs[0].device(), ") of their ", off[nseg],
+                " elements (they must tile both)");
+  }
+  return off;
+}
+
 // shared_adam_step's arguments: check_moment_lists', and one bias correction per tensor.
 inline void check_adam_step(const std::vector<at::Tensor>& params,
                             const std::vector<at::Tensor>& grads,

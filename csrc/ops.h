@@ -135,7 +135,7 @@ namespace ssf {
 //     {idx : h_0(idx) = p} is the index set I_p that ZEN's hash bitmap (§3.3, Algorithm 2)
 //     is laid over.
 // Selection by the pending step (ssfusion_hvd/recipe.py, docs/recipe.md "Selecting by the step")
-//   ef_step_key (CPU only; ef_step_key_cpu): a fusion group's error-feedback sum and the
+//   ef_step_key (ef_step_key_cpu, ef_step_key_cuda): a fusion group's error-feedback sum and the
 //     size of the step the shared Adam rule would take with it, in one pass over the group's
 //     tensors where they lie: grads[s] (float32) holds the elements [n_0 + ... + n_{s-1},
 //     ... + n_s) of `residual` and `key` (float32, contiguous), which the tensors tile, and
@@ -145,7 +145,7 @@ namespace ssf {
 //     the denominator of moments.h's adam_element (bias2_sqrt[s] = (1 - beta2^t)^(1/2) at
 //     tensor s's step count t). The keys are >= 0 (NaN where the sum or v is NaN), so the
 //     magnitude top-k of `key` is the top-k by the pending step.
-//   step_denominator (CPU only; step_denominator_cpu): the denominator alone,
+//   step_denominator (step_denominator_cpu, step_denominator_cuda): the denominator alone,
 //     sqrt(v) / bias2_sqrt[s] + eps per element of exp_avg_sqs laid back to back, into
 //     `out` (float32, contiguous), rounded as ef_step_key rounds it (for the schemes that
 //     divide partial sums by it: SparDL, ExDyna).
@@ -230,6 +230,11 @@ std::tuple<at::Tensor, at::Tensor> group_ef_topk_tensors_cpu(
     const std::optional<at::Tensor>& velocity, double momentum, bool mask_velocity);
 #ifdef SSF_WITH_CUDA
 SSF_DEVICE_OPS(cuda)
+void ef_step_key_cuda(const std::vector<at::Tensor>& grads, at::Tensor& residual,
+                      const std::vector<at::Tensor>& exp_avg_sqs,
+                      const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key);
+void step_denominator_cuda(const std::vector<at::Tensor>& exp_avg_sqs,
+                           const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out);
 #endif
 
 // Elements of a buffer of dtype `value_dtype` taken by the values (padded) and by the

@@ -517,3 +517,43 @@ def _same_nan(a, b):
     assert a.dtype == b.dtype and torch.equal(torch.isnan(a), torch.isnan(b))
     keep = ~torch.isnan(b)
     assert torch.equal(_bits(a[keep]), _bits(b[keep]))
+
+
+# ------------------------------------------------------- selection by Adam's pending step
+
+
+@pytest.mark.parametrize("sizes", [[70_001], [16, 15, 17], [0, 5, 0, 3000, 1],
+                                   [(i * 37) % 500 for i in range(70)]])  # > one launch's batch
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_step_key_cuda_equals_cpu(sizes, backend):
+    """ops.ef_step_key and ops.step_denominator on CUDA (the kernel, and the torch
+    composition the dispatcher falls back to) against the CPU kernel, itself held to a
+    numpy brute force by tests/test_ops_group.py: residual, key and denominator bit for bit
+    (NaN where v or the sum is NaN)."""
+    from test_ops_group import _step_key_case
+    grads, vs, b2s, residual = _step_key_case(sizes, sum(sizes))
+    r_cpu, key_cpu, den_cpu = residual.clone(), torch.empty_like(residual), torch.empty_like(residual)
+    ops.ef_step_key(grads, r_cpu, vs, b2s, 1e-8, key_cpu, backend="native")
+    ops.step_denominator(vs, b2s, 1e-8, den_cpu, backend="native")
+    r_gpu, key_gpu = residual.to(DEV), torch.empty_like(residual, device=DEV)
+    den_gpu = torch.empty_like(residual, device=DEV)
+    g_gpu, v_gpu = [x.to(DEV) for x in grads], [v.to(DEV) for v in vs]
+    assert ops.ef_step_key(g_gpu, r_gpu, v_gpu, b2s, 1e-8, key_gpu, backend=backend) is key_gpu
+    assert ops.step_denominator(v_gpu, b2s, 1e-8, den_gpu, backend=backend) is den_gpu
+    _same_nan(r_gpu.cpu(), r_cpu)
+    _same_nan(key_gpu.cpu(), key_cpu)
+    _same_nan(den_gpu.cpu(), den_cpu)
+
+
+def test_step_key_cuda_rejects_bad_arguments_before_writing():
+    from test_ops_group import _step_key_case
+    grads, vs, b2s, residual = _step_key_case([300, 40, 1000], 7)
+    g, v, r = [x.to(DEV) for x in grads], [x.to(DEV) for x in vs], residual.to(DEV)
+    key, before = torch.empty_like(r), r.clone()
+    with pytest.raises((ValueError, RuntimeError), match="one of each per tensor"):
+        ops.ef_step_key(g, r, v[:2], b2s, 1e-8, key, backend="native")
+    with pytest.raises((ValueError, RuntimeError), match="the key must be|tile both"):
+        ops.ef_step_key(g, r, v, b2s, 1e-8, key[:10], backend="native")
+    with pytest.raises(RuntimeError, match="tile both|device"):
+        ops.step_denominator(v, b2s, 1e-8, torch.empty(r.numel()), backend="native")
+    assert torch.equal(r, before)

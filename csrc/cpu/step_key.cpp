@@ -95,23 +95,10 @@ template <bool KEY>
 void over_tensors(const char* op, const std::vector<at::Tensor>* grads, at::Tensor* residual,
                   const std::vector<at::Tensor>& exp_avg_sqs,
                   const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out) {
+  const std::vector<int64_t> off =
+      check_step_key(op, grads, residual, exp_avg_sqs, bias2_sqrt, out, at::kCPU);
   const size_t nseg = exp_avg_sqs.size();
-  TORCH_CHECK(nseg >= 1, op, ": no tensors");
-  TORCH_CHECK(bias2_sqrt.size() == nseg && (!KEY || grads->size() == nseg), op, ": ",
-              KEY ? grads->size() : nseg, " gradients, ", nseg, " exp_avg_sq tensors and ",
-              bias2_sqrt.size(), " bias corrections (one of each per tensor)");
-  if constexpr (KEY) check_moment_lists({*grads, exp_avg_sqs}, op, at::kCPU);
-  else check_moment_lists({exp_avg_sqs}, op, at::kCPU);
-  std::vector<int64_t> off(nseg + 1, 0);
-  for (size_t s = 0; s < nseg; ++s) off[s + 1] = off[s] + exp_avg_sqs[s].numel();
   const int64_t n = off[nseg];
-  for (const at::Tensor* t : {residual, &out}) {
-    if (t == nullptr) continue;
-    TORCH_CHECK(t->device().type() == at::kCPU && t->scalar_type() == at::kFloat &&
-                    t->is_contiguous() && t->numel() == n,
-                op, ": residual and output must be contiguous float32 CPU tensors of the ",
-                "tensors' ", n, " elements (they must tile both)");
-  }
   float* r = KEY ? residual->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
   std::vector<const float*> g(nseg, nullptr), v(nseg);

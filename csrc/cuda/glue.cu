@@ -457,6 +457,46 @@ void shared_adam_step_cuda(std::vector<at::Tensor> params, const std::vector<at:
   }
 }
 
+namespace {
+// ef_step_key / step_denominator on CUDA: the checks are the CPU kernel's (checks.h), then
+// one launch per kKeyBatch tensors; empty tensors are skipped (no block row for them).
+void step_key_launch(const char* op, const std::vector<at::Tensor>* grads, at::Tensor* residual,
+                     const std::vector<at::Tensor>& exp_avg_sqs,
+                     const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out) {
+  const std::vector<int64_t> off =
+      check_step_key(op, grads, residual, exp_avg_sqs, bias2_sqrt, out, at::kCUDA);
+  const OnDevice on(out);
+  float* r = residual ? residual->data_ptr<float>() : nullptr;
+  cuda::KeyBatch batch;
+  batch.count = 0;
+  for (size_t s = 0; s < exp_avg_sqs.size(); ++s) {
+    if (exp_avg_sqs[s].numel() == 0) continue;
+    const int i = batch.count++;
+    batch.g[i] = grads ? (*grads)[s].const_data_ptr<float>() : nullptr;
+    batch.v[i] = exp_avg_sqs[s].const_data_ptr<float>();
+    batch.off[i] = off[s];
+    batch.n[i] = exp_avg_sqs[s].numel();
+    batch.bias2_sqrt[i] = float(bias2_sqrt[s]);
+    if (batch.count == cuda::kKeyBatch) {
+      cuda::step_key(batch, r, out.data_ptr<float>(), float(eps), on.stream);
+      batch.count = 0;
+    }
+  }
+  cuda::step_key(batch, r, out.data_ptr<float>(), float(eps), on.stream);
+}
+}  // namespace
+
+void ef_step_key_cuda(const std::vector<at::Tensor>& grads, at::Tensor& residual,
+                      const std::vector<at::Tensor>& exp_avg_sqs,
+                      const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key) {
+  step_key_launch("ef_step_key", &grads, &residual, exp_avg_sqs, bias2_sqrt, eps, key);
+}
+
+void step_denominator_cuda(const std::vector<at::Tensor>& exp_avg_sqs,
+                           const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out) {
+  step_key_launch("step_denominator", nullptr, nullptr, exp_avg_sqs, bias2_sqrt, eps, out);
+}
+
 // Every CUDA op that ops.h declares is defined above with the declared signature: a
 // definition whose parameters drifted would be a second overload beside the undefined
 // declaration (a link error on GPU machines only), and taking the address of an overloaded
@@ -466,7 +506,8 @@ namespace {
     &topk_cuda, &segmented_topk_cuda, &sampled_threshold_cuda, &threshold_select_cuda,
     &ef_topk_cuda, &segmented_ef_topk_cuda, &threshold_count_cuda, &pack_cuda, &scatter_add_cuda,
     &scatter_add_chunks_cuda, &deliver_chunks_cuda, &hash_partition_cuda, &hash_owner_cuda,
-    &shared_momentum_step_cuda, &shared_adam_step_cuda);
+    &shared_momentum_step_cuda, &shared_adam_step_cuda, &ef_step_key_cuda,
+    &step_denominator_cuda);
 }  // namespace
 
 }  // namespace ssf

@@ -217,5 +217,21 @@ void shared_momentum(const MomentBatch& batch, float lr, float momentum, float d
 void shared_adam(const MomentBatch& batch, float lr, float beta1, float beta2, float eps,
                  cudaStream_t stream);
 
+// Adam's pending step as a selection key (ops.h, ef_step_key / step_denominator): one launch
+// per batch of up to kKeyBatch tensors, a row of blocks per tensor. Tensor i's n[i]
+// elements lie at v[i] (and g[i]) and at [off[i], off[i] + n[i]) of the flat residual and out.
+constexpr int kKeyBatch = 32;
+struct KeyBatch {
+  int count;
+  const float* g[kKeyBatch];  // nullptr in step_denominator
+  const float* v[kKeyBatch];
+  int64_t off[kKeyBatch];
+  int64_t n[kKeyBatch];
+  float bias2_sqrt[kKeyBatch];
+};
+// With `residual`: residual += g, out = |residual| / (sqrt(v) / b + eps); without (nullptr):
+// out = sqrt(v) / b + eps. Each operation rounded once, IEEE division and square root.
+void step_key(const KeyBatch& batch, float* residual, float* out, float eps, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace ssf

@@ -1,5 +1,5 @@
 // Shared moments on CUDA (see kernels.cuh): the element's arithmetic is csrc/moments.h's,
-// the same code as the CPU's. A batch of tensors is one launch: blockIdx.y picks the
+// the same code as the CPU's; and the key of the selection by Adam's pending step. A batch of tensors is one launch: blockIdx.y picks the
 // tensor, a grid-stride loop over x covers its elements, so a model's many small tensors
 // cost a launch per kMomentBatch of them rather than one each.
 #include "../moments.h"
@@ -52,7 +52,36 @@ __global__ void adam_kernel(const MomentBatch batch, const float lr, const float
   }
 }
 
-dim3 grid_of(const MomentBatch& batch) {
+// The key of the selection by the pending step (ops.h): the denominator is adam_element's,
+// sqrt(v) / bias2_sqrt + eps, and the key divides the error feedback's sum by it. Plain
+// float operations, each rounded once: nvcc's defaults keep division and square root IEEE
+// (-prec-div, -prec-sqrt) and there is no product to contract, so the bits are the CPU
+// kernel's (csrc/cpu/step_key.cpp) and the torch composition's.
+template <bool KEY>
+__global__ void step_key_kernel(const KeyBatch batch, float* residual, float* out,
+                                const float eps) {
+  const int t = blockIdx.y;
+  const int64_t n = batch.n[t];
+  const float b = batch.bias2_sqrt[t];
+  const float* v = batch.v[t];
+  const float* g = batch.g[t];
+  float* r = KEY ? residual + batch.off[t] : nullptr;
+  float* o = out + batch.off[t];
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += int64_t(gridDim.x) * blockDim.x) {
+    const float den = sqrtf(v[j]) / b + eps;
+    if (KEY) {
+      const float acc = r[j] + g[j];
+      r[j] = acc;
+      o[j] = fabsf(acc) / den;
+    } else {
+      o[j] = den;
+    }
+  }
+}
+
+template <class Batch>
+dim3 grid_of(const Batch& batch) {
   int64_t most = 1;
   for (int i = 0; i < batch.count; ++i) most = std::max(most, batch.n[i]);
   const int64_t blocks = std::min<int64_t>(kMaxBlocksX, (most + kThreads - 1) / kThreads);
@@ -73,6 +102,16 @@ void shared_adam(const MomentBatch& batch, float lr, float beta1, float beta2, f
                  cudaStream_t stream) {
   if (batch.count == 0) return;
   adam_kernel<<<grid_of(batch), kThreads, 0, stream>>>(batch, lr, beta1, beta2, eps);
+  SSF_CUDA_CHECK_LAUNCH();
+}
+
+void step_key(const KeyBatch& batch, float* residual, float* out, float eps,
+              cudaStream_t stream) {
+  if (batch.count == 0) return;
+  if (residual != nullptr)
+    step_key_kernel<true><<<grid_of(batch), kThreads, 0, stream>>>(batch, residual, out, eps);
+  else
+    step_key_kernel<false><<<grid_of(batch), kThreads, 0, stream>>>(batch, nullptr, out, eps);
   SSF_CUDA_CHECK_LAUNCH();
 }
 

@@ -347,10 +347,11 @@ def ef_step_key(grads, residual: torch.Tensor, exp_avg_sqs, bias2_sqrt, eps: flo
     root correctly rounded. Returns
     ``key``; its magnitude top-k is the top-k by the pending step.
 
-    The CPU kernel (``csrc/cpu/step_key.cpp``) reads gradients and ``v`` where they lie,
-    one pass; it takes float32 tensors and host bias corrections. Elsewhere (a GPU, 16-bit
-    gradients, step counts held on the device as 0-d tensors, an offloaded part whose
-    state lies on another device) the torch composition computes the same bits."""
+    The native kernels (``csrc/cpu/step_key.cpp``; on CUDA, ``csrc/cuda/moments.cu``) read
+    gradients and ``v`` where they lie, one pass; they take float32 tensors on the
+    residual's device and host bias corrections. Elsewhere (16-bit gradients, step counts
+    held on the device as 0-d tensors, an offloaded part whose state lies on another
+    device) the torch composition computes the same bits."""
     grads, vs = list(grads), list(exp_avg_sqs)
     if not (len(grads) == len(vs) == len(bias2_sqrt)) or not grads:
         raise ValueError(f"ef_step_key: {len(grads)} gradients, {len(vs)} exp_avg_sq tensors and "
@@ -371,8 +372,8 @@ def ef_step_key(grads, residual: torch.Tensor, exp_avg_sqs, bias2_sqrt, eps: flo
            [float(b) for b in bias2_sqrt], float(eps), key)
         return key
     if backend == "native":
-        raise RuntimeError("ef_step_key: the native kernel takes float32 CPU tensors and host "
-                           "bias corrections")
+        raise RuntimeError("ef_step_key: the native kernel takes float32 tensors on the residual's "
+                           "device and host bias corrections")
     flat = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
     residual.add_(flat.to(residual.device, residual.dtype))
     step_denominator(vs, bias2_sqrt, eps, key, backend=backend)
@@ -386,8 +387,9 @@ def step_denominator(exp_avg_sqs, bias2_sqrt, eps: float, out: torch.Tensor, *,
     contiguous), bit for bit as :func:`ef_step_key` divides by it (each operation rounded
     once, the square root correctly rounded); ``bias2_sqrt`` host floats or 0-d tensors.
     For the schemes whose selections run on partial sums (SparDL's merges), which divide
-    by it themselves. Returns ``out``. The CPU kernel (``csrc/cpu/step_key.cpp``) reads
-    ``v`` where it lies, one pass, for float32 states and host bias corrections."""
+    by it themselves. Returns ``out``. The native kernels (CPU and CUDA, as
+    :func:`ef_step_key`'s) read ``v`` where it lies, one pass, for float32 states on
+    ``out``'s device and host bias corrections."""
     vs = list(exp_avg_sqs)
     host = all(not isinstance(b, torch.Tensor) for b in bias2_sqrt)
     fn = _native(out, "step_denominator", backend) if host else None
@@ -396,8 +398,8 @@ def step_denominator(exp_avg_sqs, bias2_sqrt, eps: float, out: torch.Tensor, *,
         fn([v.contiguous() for v in vs], [float(b) for b in bias2_sqrt], float(eps), out)
         return out
     if backend == "native":
-        raise RuntimeError("step_denominator: the native kernel takes float32 CPU tensors and "
-                           "host bias corrections")
+        raise RuntimeError("step_denominator: the native kernel takes float32 tensors on the "
+                           "output's device and host bias corrections")
     # computed where v lies: an offloaded part's (staged on the host, v on the GPU) is
     # copied once
     if all(v.device == out.device and v.dtype == out.dtype for v in vs):
