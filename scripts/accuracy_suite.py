@@ -88,17 +88,23 @@ def scheme_of(label: str):
     """(scheme, extra train.py arguments) of a label: ``scheme``, ``scheme/uniform``,
     ``scheme/slack=x`` or ``scheme/floor=x`` (``scheme_options["slack"]``, ``["floor"]``),
     ``scheme/warmup=n`` (``density_warmup_steps``), ``scheme/lr=x`` (the learning rate),
-    ``scheme/density=x`` (the density, in place of the cell's: a run at a peer's bytes)."""
-    scheme, _, variant = label.partition("/")
-    for option, flag in (("slack", "--slack"), ("floor", "--floor"),
-                         ("warmup", "--density-warmup-steps"), ("lr", "--lr"),
-                         ("density", "--density")):
-        if variant.startswith(option + "="):
-            return scheme, [flag, variant[len(option) + 1:]]
-    if variant and variant not in VARIANTS:
-        raise SystemExit(f"unknown variant {variant!r} of {label!r}; known: {sorted(VARIANTS)}, "
-                         "slack=x, floor=x, warmup=n, lr=x, density=x")
-    return scheme, VARIANTS.get(variant, [])
+    ``scheme/density=x`` (the density, in place of the cell's: a run at a peer's bytes);
+    variants joined by ``+`` combine (``ssfusion_oi/bymagnitude+lr=1e-3``)."""
+    scheme, _, variants = label.partition("/")
+    extra = []
+    for variant in [v for v in variants.split("+") if v]:
+        for option, flag in (("slack", "--slack"), ("floor", "--floor"),
+                             ("warmup", "--density-warmup-steps"), ("lr", "--lr"),
+                             ("density", "--density")):
+            if variant.startswith(option + "="):
+                extra += [flag, variant[len(option) + 1:]]
+                break
+        else:
+            if variant not in VARIANTS:
+                raise SystemExit(f"unknown variant {variant!r} of {label!r}; known: "
+                                 f"{sorted(VARIANTS)}, slack=x, floor=x, warmup=n, lr=x, density=x")
+            extra += VARIANTS[variant]
+    return scheme, extra
 
 
 def run_cell(args, cell, label: str, seed: int, logs: Path) -> dict:

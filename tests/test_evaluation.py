@@ -369,6 +369,17 @@ def test_peers_train_on_the_same_task(tmp_path):
             assert first["bytes_per_step"] > h["bytes_per_step"]
 
 
+def test_accuracy_suite_labels_give_train_py_its_flags():
+    """A label's variants become train.py's flags; ``+`` combines them (the last flag wins
+    in train.py, so ``density=x`` overrides the cell's); an unknown variant stops the suite."""
+    assert accuracy_suite.scheme_of("dense") == ("dense", [])
+    assert accuracy_suite.scheme_of("ssfusion_oi/uniform") == ("ssfusion_oi", ["--floor", "none"])
+    assert accuracy_suite.scheme_of("ssfusion_oi/bymagnitude+lr=1e-3+density=0.015") == (
+        "ssfusion_oi", ["--select-by", "magnitude", "--lr", "1e-3", "--density", "0.015"])
+    with pytest.raises(SystemExit, match="unknown variant 'nope'"):
+        accuracy_suite.scheme_of("ssfusion_oi/lr=1e-3+nope")
+
+
 @pytest.mark.multiworker
 def test_accuracy_suite_runs_cells_and_reports_against_dense(tmp_path):
     """One cell, dense and ssfusion_oi with the paper's per-tensor k, one seed, 2 epochs:
