@@ -1,7 +1,8 @@
 // Shared moments on CUDA (see kernels.cuh): the element's arithmetic is csrc/moments.h's,
-// the same code as the CPU's; and the key of the selection by Adam's pending step. A batch of tensors is one launch: blockIdx.y picks the
-// tensor, a grid-stride loop over x covers its elements, so a model's many small tensors
-// cost a launch per kMomentBatch of them rather than one each.
+// the same code as the CPU's; and the key of the selection by Adam's pending step. A batch
+// of tensors is one launch: blockIdx.y picks the tensor, a grid-stride loop over x covers
+// its elements, so a model's many small tensors cost a launch per batch of them rather
+// than one each.
 #include "../moments.h"
 #include "kernels.cuh"
 
