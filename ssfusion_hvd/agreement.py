@@ -12,13 +12,14 @@ instead of hanging.
 every rank when any rank's gradients are not finite), so it allreduces each rank's
 non-finite flag anyway; the signature travels beside it: no collective for the check alone.
 
-*When.* For the planned schemes the agreement leaves once the step's last gradient is in,
-after their collectives, which left during backward; every wait of theirs goes through
-:meth:`StepAgreement.gate`, so nothing that may never complete is waited on before the
-agreement is read. A whole-gradient scheme (``Scheme.agrees_before_launch``) must not
-start a collective beside a rank that disagrees or has joined: its agreement leaves alone
-with the first gradient and is read before the scheme's first collective
-(``transport.first_launch``); its flags then travel alone.
+*When.* Once the step's last gradient is in, after the scheme's first collectives (the
+planned schemes' left during backward, ZEN's and SparDL's with the last gradient). Every
+wait of a scheme goes through :meth:`StepAgreement.gate`, so nothing that may never
+complete (a collective beside a rank that disagrees or has joined) is waited on before
+the agreement is read: the check adds no collective of its own. A scheme whose first
+collective must not even be enqueued beside a joined rank (``Scheme.agrees_before_launch``:
+ExDyna) has its agreement leave alone with the first gradient, read before that
+collective (``transport.first_launch``); its flags then travel alone.
 """
 from __future__ import annotations
 

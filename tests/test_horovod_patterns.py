@@ -293,17 +293,20 @@ def test_checkpoint_on_one_rank_without_broadcast_fails_clearly(scheme, tmp_path
 @pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "per_tensor", "spardl", "zen",
                                     "exdyna"])
 def test_the_agreement_rides_on_the_steps_one_small_allreduce(scheme):
-    """A planned scheme's agreement costs no collective of its own: its step makes exactly
-    one small allreduce of the optimizer's, with the agreement (signature and the ranks'
-    non-finite flags in one) and without it (the flags alone), warm-up steps included. A
-    whole-gradient scheme, which reads it before it launches, sends it with the first
-    gradient, its flags after the last: two with, one without. The runs with and without
-    end with the same parameters. Dense (stateless, nothing to agree on) makes none."""
+    """A scheme's agreement costs no collective of its own: its step makes exactly one
+    small allreduce of the optimizer's, with the agreement (signature and the ranks'
+    non-finite flags in one) and without it (the flags alone), warm-up steps included;
+    ZEN and SparDL too, whose first collectives leave with their last gradient, before
+    the agreement. ExDyna, which reads it before it launches, sends it with the first
+    gradient and its flags after the last: two with, one without. The runs with and
+    without end with the same parameters. Dense (stateless, nothing to agree on) makes
+    none."""
     on, off = (run_workers(workers_horovod.own_collectives, np=2, timeout=120,
                            scheme=scheme, agreement=a) for a in (True, False))
-    whole = scheme in ("spardl", "zen", "exdyna")
+    before_launch = scheme == "exdyna"  # (Scheme.agrees_before_launch: sent alone)
     for r in on:
-        assert r["counts"] == [0 if scheme == "dense" else 2 if whole else 1] * 6, r["counts"]
+        assert r["counts"] == [0 if scheme == "dense" else 2 if before_launch else 1] * 6, \
+            (scheme, r["counts"])
     for r in off:
         assert r["counts"] == [0 if scheme == "dense" else 1] * 6, (scheme, r["counts"])
     _equal_dicts(on[0]["params"], off[0]["params"])
@@ -358,8 +361,8 @@ def test_the_gate_waits_for_the_collective_or_the_agreement(monkeypatch, first):
 def test_first_launch_runs_once_before_the_first_collective(monkeypatch):
     """``transport.first_launch(fn)``: the first collective a Transport of the thread
     enqueues calls ``fn`` first, and only the first; where ``fn`` raises, nothing is
-    enqueued and the exception comes out of that call. (The optimizer reads a
-    whole-gradient scheme's agreement there, after its selection.)"""
+    enqueued and the exception comes out of that call. (The optimizer reads
+    ExDyna's agreement there, after its selection.)"""
     from ssfusion_hvd.core import transport
 
     enqueued = []
@@ -389,10 +392,11 @@ def test_uneven_steps_with_hvd_join(scheme):
     """Rank 0 has 5 batches, rank 1 has 3 and then calls hvd.join(). Dense runs the extra
     steps as Horovod's optimizer does (the joined rank adds zeros). A sparse scheme's
     step agreement sees the joined rank and raises on rank 0, naming hvd.join() and the
-    fixes, before the parameters change (the whole-gradient schemes before their first
-    collective of the step, after their selection, whose residuals are put back): both
-    ranks still hold the same parameters, rank 0 its residuals and momentum, rank 0 joins
-    too, and a later collective completes on both (no hang)."""
+    fixes, before the parameters change (the step's selection put back into the
+    residuals; ExDyna before its first collective of the step): both ranks still hold the
+    same parameters, rank 0 its residuals and momentum, rank 0 joins too, and a later
+    collective completes on both (no hang), the collectives rank 0 launched beside the
+    joined rank notwithstanding."""
     r0, r1 = run_workers(workers_horovod.uneven_join, np=2, timeout=180, scheme=scheme)
     assert r1["error"] is None
     if scheme == "dense":

@@ -1,7 +1,8 @@
 """Base of the schemes that synchronize the whole model gradient as one flat vector once
 its last tensor is final: SparDL, ZEN, ExDyna, and any written against it
-(``tests/test_add_a_scheme.py``). The optimizer reads the step's agreement before such a
-scheme's first collective (``Scheme.agrees_before_launch``)."""
+(``tests/test_add_a_scheme.py``). ``_launch`` only enqueues; every wait is in ``finish()``,
+which the optimizer runs behind the step's agreement (``agreement.StepAgreement.gate``)
+unless the scheme reads it before its launch (``Scheme.agrees_before_launch``)."""
 from __future__ import annotations
 
 import time
@@ -25,7 +26,6 @@ class WholeGradientScheme(Scheme):
 
     #: gradient dtypes the scheme's collectives can carry
     dtypes = SPARSE_GRAD_DTYPES
-    agrees_before_launch = True  # everything launches with the last gradient
     #: prefix of the scheme's collective names (``Transport``)
     prefix = "whole"
 
@@ -153,8 +153,11 @@ class WholeGradientScheme(Scheme):
         if self._t_first is None:
             self._t_first = time.perf_counter()
         self._submitted += 1
-        if self._submitted == len(self._trainable):  # (the optimizer read the agreement)
+        if self._submitted == len(self._trainable):
             self._launch()
 
     def _launch(self) -> None:
+        """With the last gradient: selects and enqueues the step's first collectives. It
+        must not wait on one: ranks that disagree (or a rank that joined) may never complete
+        it, and only ``finish()``'s waits go behind the step's agreement."""
         raise NotImplementedError
