@@ -46,7 +46,10 @@ Variants (``--variants``):
   ``moments="shared"`` now); ``ef_age_tail_q``: ``ef_age_tail`` whose Adam second
   moment also takes how spiky each rank's sum was (``w·Σg²/S²`` over the ``w`` steps it
   waited: 1 for a steady gradient, ``w`` for one step's), weighted over the ranks that
-  sent it (measured and rejected, docs/recipe.md §1); ``ef_age_rank``: ``ef_age_tail``
+  sent it (measured and rejected, docs/recipe.md §1); ``ef_age_tail_var``: ``ef_age_tail``
+  whose Adam second moment also takes the senders' variance, each rank's own gradient's
+  within its wait (``Σg²/w - (S/w)²``, averaged over the senders, over P): Adam's ``v`` of
+  the averaged gradient is ``mean² + σ²/P`` (docs/results/accuracy_lm.md); ``ef_age_rank``: ``ef_age_tail``
   with each rank's own wait: a rank's values are caught up as the steps since *it* last
   sent the element (the package's rule takes the steps since *any* rank did, which is
   all the receivers of an allreduced sum can know) (``rank_catch_up``); ``ef_age_rank_m``:
@@ -87,7 +90,7 @@ from ssfusion_hvd.sparsify.memory import ResidualMemory
 
 VARIANTS = ("dense", "ef", "ef_warm", "auto", "mask", "nomask", "mask_density", "auto_min_k",
             "shared_v", "frozen_v", "shared_v_mask", "ef_age", "ef_age_lazy", "ef_age_tail", "ef_age_tail_q",
-            "ef_age_rank", "ef_age_rank_m")
+            "ef_age_tail_var", "ef_age_rank", "ef_age_rank_m")
 
 
 class AgedAdam:
@@ -114,7 +117,7 @@ class AgedAdam:
         self.age = torch.zeros_like(p)
 
     @torch.no_grad()
-    def step(self, p, avg, burst=None):
+    def step(self, p, avg, burst=None, extra_v=None):
         self.t += 1
         self.age += 1
         arrived = avg != 0
@@ -127,6 +130,8 @@ class AgedAdam:
             self.m.mul_(b1).add_((1 - d1) * g)
             # burst: how spiky the arrived sums were (1: a steady gradient, a: one step's)
             self.v.mul_(b2).add_((1 - d2) * g * g * (1 if burst is None else burst))
+            if extra_v is not None:  # ef_age_tail_var: the senders' within-wait variance / P
+                self.v.add_((1 - d2) * torch.where(arrived, extra_v, torch.zeros_like(extra_v)))
             catch = self.age - (1 - d1) / (1 - b1)
             if self.catch == "sqrt":
                 catch = catch.clamp(min=0).sqrt()
@@ -538,6 +543,18 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                     else:
                         values, idx = ops.topk(acc, k)
                     acc_sum.index_add_(0, idx.long(), values)
+                    if variant == "ef_age_tail_var":
+                        # each rank's Σg² and count since it last sent the element: at a send,
+                        # the within-wait variance of its gradient, averaged over the senders
+                        q, w = sq.setdefault((r, i), [torch.zeros(p.numel()), torch.zeros(p.numel())])
+                        q.add_(grads[r][i].reshape(-1).square())
+                        w.add_(1)
+                        il = idx.long()
+                        mean = values / w[il]
+                        b_num.index_add_(0, il, (q[il] / w[il] - mean * mean).clamp(min=0))
+                        b_den.index_add_(0, il, torch.ones_like(mean))
+                        q[il] = 0
+                        w[il] = 0
                     if variant == "ef_age_tail_q":
                         # each rank's burstiness of what it sends: w·Σg² / S² (1 steady, w spike)
                         q, w = sq.setdefault((r, i), [torch.zeros(p.numel()), torch.zeros(p.numel())])
@@ -557,11 +574,15 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                     sent += k
                     total += p.numel()
                 avg.append((acc_sum / ranks).view_as(p))
-                bursts.append(torch.where(b_den > 0, b_num / b_den.clamp_min(1e-30),
-                                          torch.ones_like(b_den)))
-            if variant in ("ef_age", "ef_age_lazy", "ef_age_tail", "ef_age_tail_q", "ef_age_rank",
-                           "ef_age_rank_m"):
-                tail = variant in ("ef_age_tail", "ef_age_tail_q", "ef_age_rank", "ef_age_rank_m")
+                if variant == "ef_age_tail_var":  # Adam's v of the average: mean² + σ²/P
+                    bursts.append(b_num / b_den.clamp_min(1) / ranks)
+                else:
+                    bursts.append(torch.where(b_den > 0, b_num / b_den.clamp_min(1e-30),
+                                              torch.ones_like(b_den)))
+            if variant in ("ef_age", "ef_age_lazy", "ef_age_tail", "ef_age_tail_q", "ef_age_tail_var",
+                           "ef_age_rank", "ef_age_rank_m"):
+                tail = variant in ("ef_age_tail", "ef_age_tail_q", "ef_age_tail_var", "ef_age_rank",
+                                   "ef_age_rank_m")
                 for i, (p, a) in enumerate(zip(params, avg)):
                     if i not in aged:
                         aged[i] = (AgedMomentum(p, opt.state[p], opt.param_groups[0]["lr"], tail=tail)
@@ -574,6 +595,8 @@ def run(task: str, variant: str, seed: int, args) -> dict:
                             rank_catch_up(aged[i], p, picks[i], ranks, variant == "ef_age_rank_m")
                     elif variant == "ef_age_tail_q" and kind == "adam":
                         aged[i].step(p.data, a, bursts[i].view_as(p))
+                    elif variant == "ef_age_tail_var" and kind == "adam":
+                        aged[i].step(p.data, a, extra_v=bursts[i].view_as(p))
                     else:
                         aged[i].step(p.data, a)
             elif masking is None:  # the optimizer on the sparse average (plain error feedback)
