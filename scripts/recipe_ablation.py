@@ -427,7 +427,7 @@ def run(task: str, variant: str, seed: int, args) -> dict:
 
     aged = {}  # ef_age: parameter index -> AgedAdam, from the optimizer's state
     vloc = {}  # --select local_v: (rank, parameter index) -> [its own gradients' v, steps]
-    sq = {}  # ef_age_tail_q: (rank, parameter index) -> [sum of g², steps] since it sent
+    sq = {}  # ef_age_tail_q / _var: (rank, parameter index) -> [sum of g², steps] since it sent
     shared = {}  # shared_v / frozen_v: key -> [v, steps], seeded from the optimizer
     refreshes, nxt, gap = set(), 0, 1
     while nxt < 100_000:  # every step to --refresh-dense, then doubling gaps up to --refresh
