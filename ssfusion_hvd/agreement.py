@@ -13,13 +13,13 @@ every rank when any rank's gradients are not finite), so it allreduces each rank
 non-finite flag anyway; the signature travels beside it: no collective for the check alone.
 
 *When.* Once the step's last gradient is in, after the scheme's first collectives (the
-planned schemes' left during backward, ZEN's and SparDL's with the last gradient). Every
+planned schemes' left during backward, the whole-gradient schemes' with the last gradient). Every
 wait of a scheme goes through :meth:`StepAgreement.gate`, so nothing that may never
 complete (a collective beside a rank that disagrees or has joined) is waited on before
-the agreement is read: the check adds no collective of its own. A scheme whose first
-collective must not even be enqueued beside a joined rank (``Scheme.agrees_before_launch``:
-ExDyna) has its agreement leave alone with the first gradient, read before that
-collective (``transport.first_launch``); its flags then travel alone.
+the agreement is read: the check adds no collective of its own. The collectives a scheme
+launches before it may meet a rank that called ``hvd.join()``: an allreduce runs there
+(the joined rank adds zeros), an allgather or alltoall gets Horovod's error, provided its
+name is one step's only (``Transport``'s ``step``; a cached one crashes the joined rank).
 """
 from __future__ import annotations
 
@@ -72,7 +72,6 @@ class StepAgreement:
         """Forgets the step in flight (a checkpoint load, a rebuilt scheme)."""
         self._due = None  # True: this step's agreement is due; False: none; None: undecided
         self._handle = None  # the agreement, sent and not yet read
-        self._carries_flags = False
         self._flags = None  # the flags' own allreduce, where the agreement does not carry them
         self._flags_read = None  # the ranks' flags, read from the agreement
 
@@ -82,39 +81,32 @@ class StepAgreement:
     # ------------------------------------------------------------------ a step
     def start(self, scheme) -> None:
         """With the step's first gradient: whether the step has an agreement to make
-        (the scheme has a ``signature()``). Sent now for a whole-gradient scheme, whose
-        first collective waits on it: crossing the link during backward and the scheme's
-        selection, it has usually arrived by then, where sent at the launch it would hold
-        the launch back by a round trip."""
+        (the scheme has a ``signature()``)."""
         if self._due is not None:
             return
         self._due = self.enabled and scheme.signature() is not None
         self.blocked_s = 0.0
-        if self._due and scheme.agrees_before_launch:
-            self.send(scheme, flags=False)
 
-    def send(self, scheme, flags: bool = True) -> None:
+    def send(self, scheme) -> None:
         """The agreement (unless sent or not due): the signature's values and their
         negatives, with ``Max``, so every rank learns their minimum and maximum; a last
         entry of 1 tells a rank that called ``hvd.join()`` apart (Horovod runs the
         allreduce on the ranks still stepping with zeros for the joined ones, so its
-        minimum comes back 0); then, with ``flags``, this rank's non-finite flag. On the
-        gradients' device, so the flag is not read back before the collective."""
+        minimum comes back 0); then this rank's non-finite flag. On the gradients'
+        device, so the flag is not read back before the collective."""
         if self._due is not True or self._handle is not None:
             return
         vals = [int(v) for v in scheme.signature()] + [1]
         t = torch.tensor(vals + [-v for v in vals], dtype=torch.int64)
-        if flags:
-            grads = self._grads()
-            flag = (nonfinite_flag(grads) if grads and scheme.stateful
-                    else torch.zeros(1, dtype=torch.int32))
-            t = torch.cat([t.to(flag.device), flag.to(torch.int64)])
+        grads = self._grads()
+        flag = (nonfinite_flag(grads) if grads and scheme.stateful
+                else torch.zeros(1, dtype=torch.int32))
+        t = torch.cat([t.to(flag.device), flag.to(torch.int64)])
         self._handle = self.transport.allreduce(t, "step", op=Max)
-        self._carries_flags = flags
 
     def send_flags(self, scheme) -> None:
         """After the step's last submission: the ranks' non-finite flags, in the
-        agreement where it has not left yet, else by their own allreduce. A rank's NaN can
+        agreement where one is due, else by their own allreduce. A rank's NaN can
         hide from the synchronized gradients (a threshold never selects it, a partition
         not its own never sends it); it would then stay in its residual for ever."""
         self.send(scheme)
@@ -154,16 +146,16 @@ class StepAgreement:
         t0 = time.perf_counter()
         out = self.transport.wait(handle).tolist()
         self.blocked_s = time.perf_counter() - t0
-        if self._carries_flags:
-            self._flags_read = out.pop()
+        self._flags_read = out.pop()
         n = len(out) // 2
         hi, lo = out[:n], [-v for v in out[n:]]
         if lo[-1] == 0:
             raise RanksDisagree(
                 f"ssfusion_hvd: a rank of the process set called hvd.join() while this rank "
                 f"still steps (ranks with different numbers of batches). Scheme "
-                f"{self.scheme_name!r} sends its sparse records by allgather, which Horovod "
-                f"does not run with joined ranks. Give every rank the same number of steps "
+                f"{self.scheme_name!r} sends its sparse records by allgather or alltoall, "
+                f"which Horovod does not run with joined ranks. Give every rank the same "
+                f"number of steps "
                 f"(e.g. shards of equal length: DistributedSampler(drop_last=True), or stop "
                 f"every rank at the smallest count, agreed by hvd.allreduce(op=hvd.Min)), or "
                 f"use scheme='dense', which runs with hvd.join() as Horovod's optimizer does. "

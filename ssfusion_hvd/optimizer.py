@@ -180,20 +180,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad.mul_(self._inv_scale)
             if wd:  # the local rule accumulates g + wd·w, where SGD/Adam would add the decay
                 p.grad.add_(p.detach(), alpha=wd)
-        if self._scheme.agrees_before_launch and len(self._submitted) == len(self._requires_update):
-            # the last gradient: such a scheme selects and launches everything now. The
-            # agreement (sent with the first gradient) is read after its selection, which
-            # overlaps the round trip, and before its first collective, so ranks that
-            # disagree (or one that called hvd.join()) fail before any collective of the
-            # step, and the selection's residuals are put back (docs/design.md, scheme interface)
-            try:
-                with transport.first_launch(self._agreement.read):
-                    self._scheme.submit(p)
-            except RanksDisagree:
-                self._abandon_step()
-                raise
-            self._agreement.read()  # (read already, unless the scheme launched nothing)
-            return
         self._scheme.submit(p)
 
     # ------------------------------------------------------------------ Horovod API

@@ -41,7 +41,7 @@ from horovod.torch.mpi_ops import Average, Max, Min, Sum, global_process_set
 
 __all__ = ["Transport", "allgather_bytes", "broadcast_object", "root_rank", "allreduce",
            "allgather", "barrier", "split_list", "Average", "Sum", "Max", "Min",
-           "global_process_set", "op_scales", "gated", "first_launch", "done",
+           "global_process_set", "op_scales", "gated", "done",
            "in_broadcast_optimizer_state"]
 
 #: Horovod's ``synchronize`` waits by spinning on ``sched_yield``. Where ranks share cores
@@ -94,22 +94,6 @@ def gated(gate):
     which returns once that collective may be waited on (the optimizer's step agreement:
     ``agreement.StepAgreement.gate``)."""
     return _thread_setting("fn", gate)
-
-
-def first_launch(fn):
-    """Within: the first collective that a :class:`Transport` of this thread enqueues first
-    calls ``fn()`` (once; an exception it raises comes out of that collective's call, and
-    nothing is enqueued). The optimizer reads a whole-gradient scheme's step agreement
-    here: after the scheme's local selection, which so overlaps the agreement's round
-    trip, and before anything that could not match on ranks that disagree."""
-    return _thread_setting("launch", fn)
-
-
-def _launching() -> None:
-    fn = getattr(_GATE, "launch", None)
-    if fn is not None:
-        _GATE.launch = None  # once: fn's own collectives, and the scheme's next, go ahead
-        fn()
 
 
 def _inner(handle):
@@ -278,10 +262,24 @@ def _horovod_dtype(t: torch.Tensor) -> bool:
 class Transport:
     """A scheme's asynchronous collectives on ``config.process_set`` (see the module
     docstring). ``sent`` counts the bytes this rank handed to each kind of collective
-    since :meth:`reset_counters`."""
+    since :meth:`reset_counters`.
 
-    def __init__(self, config, prefix: str, counted: bool = True):
+    ``step``: a scheme's step counter (a callable, read at each launch). Given, the names
+    of its allgathers and alltoalls carry the step: ``"<tag>.<suffix>@<step>"``. Horovod
+    caches a collective's response by name, and a rank that called ``hvd.join()`` takes
+    part in every cached collective the others launch: a cached allreduce it feeds with
+    zeros, as designed, but a cached allgather or alltoall crashes it (a segfault, or
+    "Trying to overwrite cached response" and a shut-down Horovod; Horovod 0.28.1,
+    ``Controller::ComputeResponseList``). An uncached one gets Horovod's error on every
+    rank instead. A scheme launches these before its step's agreement is read
+    (``agreement.py``), beside a joined rank whenever the data are uneven, so none of
+    them may ever be a cache hit: a name is used for one step only. (Every rank names a
+    step alike when their steps agree; when they do not, the names differ, nothing
+    matches, and the agreement, read before any such wait, raises.)"""
+
+    def __init__(self, config, prefix: str, counted: bool = True, step=None):
         self.config = config
+        self.step = step
         self.process_set = config.process_set
         # counted=False: the prefix alone (names then depend on nothing created before)
         self.tag = f"{prefix}{next(_COUNTERS[prefix])}" if counted else prefix
@@ -310,6 +308,10 @@ class Transport:
     def name(self, suffix) -> str:
         return f"{self.tag}.{suffix}"
 
+    def _step_name(self, suffix) -> str:
+        """The name of an allgather or alltoall: one step's only (see the class docstring)."""
+        return self.name(suffix) if self.step is None else f"{self.tag}.{suffix}@{self.step()}"
+
     def reset_counters(self) -> None:
         for k in self.sent:
             self.sent[k] = 0
@@ -322,7 +324,6 @@ class Transport:
     def allreduce(self, tensor: torch.Tensor, suffix, *, op=None, prescale: float = 1.0,
                   postscale: float = 1.0):
         """In-place allreduce of ``tensor`` (dense; Horovod scales by pre/postscale)."""
-        _launching()
         wide = tensor if _horovod_dtype(tensor) else tensor.float()
         self.sent["allreduce"] += self._nbytes([wide])
         handle = _mpi.allreduce_async_(wide, name=self.name(suffix),
@@ -332,7 +333,6 @@ class Transport:
         return handle if wide is tensor else _Widened(handle, tensor, False)
 
     def grouped_allreduce(self, tensors: Sequence[torch.Tensor], suffix):
-        _launching()
         tensors = list(tensors)
         wide = [t if _horovod_dtype(t) else t.float() for t in tensors]
         self.sent["allreduce"] += self._nbytes(wide)
@@ -344,26 +344,24 @@ class Transport:
 
     def sparse_allreduce(self, tensor: torch.Tensor, suffix):
         """A torch sparse gradient (Horovod allgathers its indices and values)."""
-        _launching()
         self.sent["allreduce"] += tensor._nnz() * tensor.element_size()
         return _mpi.sparse_allreduce_async(tensor, name=self.name(suffix), op=self.op,
                                            process_set=self.process_set)
 
     def allgather(self, tensor: torch.Tensor, suffix):
-        _launching()
         self.sent["allgather"] += self._nbytes([tensor])
         if _horovod_dtype(tensor):
-            return _mpi.allgather_async(tensor, name=self.name(suffix),
+            return _mpi.allgather_async(tensor, name=self._step_name(suffix),
                                         process_set=self.process_set)
-        return _Viewed(_mpi.allgather_async(tensor.view(torch.int16), name=self.name(suffix),
+        return _Viewed(_mpi.allgather_async(tensor.view(torch.int16),
+                                            name=self._step_name(suffix),
                                             process_set=self.process_set))
 
     def alltoall(self, tensor: torch.Tensor, splits: torch.Tensor, suffix):
         """Rows ``splits[r]`` of ``tensor`` go to rank ``r``; ``wait`` returns
         ``(received, received_splits)``."""
-        _launching()
         self.sent["alltoall"] += self._nbytes([tensor])
-        return _mpi.alltoall_async(tensor, splits=splits, name=self.name(suffix),
+        return _mpi.alltoall_async(tensor, splits=splits, name=self._step_name(suffix),
                                    process_set=self.process_set)
 
     def send(self, payload: torch.Tensor, target: int, suffix):
@@ -375,7 +373,6 @@ class Transport:
 
     def broadcast_object(self, obj, suffix):
         """Blocking: the first rank's ``obj`` on every rank."""
-        _launching()
         return broadcast_object(obj, self.name(suffix), self.process_set)
 
     @staticmethod

@@ -188,17 +188,6 @@ class Scheme:
         optimizer compares it across ranks every step (``_DistributedOptimizer``)."""
         return None
 
-    #: True: no collective of a step may start before the ranks are known to agree; the
-    #: optimizer sends the step's agreement with the first gradient and reads it before
-    #: the scheme's first collective (``transport.first_launch``), so the scheme's
-    #: selection overlaps its round trip. For a scheme whose first collective may not be
-    #: enqueued beside a rank that called ``hvd.join()``: Horovod 0.28 answers an
-    #: allgather there with an error, and a joined rank that cached the name's response at
-    #: another shape throws on it (``ResponseCache::put``) and shuts Horovod down. False
-    #: (the rest): the agreement rides on the flags' allreduce after the last gradient, and
-    #: only the scheme's waits go behind it (``StepAgreement.gate``).
-    agrees_before_launch = False
-
     def memories(self) -> list:
         """The :class:`~ssfusion_hvd.sparsify.memory.ResidualMemory` objects in use."""
         return []

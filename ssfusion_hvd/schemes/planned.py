@@ -75,7 +75,8 @@ class PlannedScheme(Scheme):
 
     def __init__(self, config: SyncConfig):
         super().__init__(config)
-        self.transport = Transport(config, "ssf")
+        # (allgather and alltoall names per step: Transport, on hvd.join())
+        self.transport = Transport(config, "ssf", step=lambda: self._iteration)
         self._trainable = [p for p in config.order if p.requires_grad]
         self._by_name = {config.names[p]: p for p in self._trainable}
         dev = {p.device for p in self._trainable}

@@ -1,8 +1,7 @@
 """Base of the schemes that synchronize the whole model gradient as one flat vector once
 its last tensor is final: SparDL, ZEN, ExDyna, and any written against it
 (``tests/test_add_a_scheme.py``). ``_launch`` only enqueues; every wait is in ``finish()``,
-which the optimizer runs behind the step's agreement (``agreement.StepAgreement.gate``)
-unless the scheme reads it before its launch (``Scheme.agrees_before_launch``)."""
+which the optimizer runs behind the step's agreement (``agreement.StepAgreement.gate``)."""
 from __future__ import annotations
 
 import time
@@ -49,9 +48,10 @@ class WholeGradientScheme(Scheme):
         #: the whole model gradient as one flat vector (canonical order)
         self.flat = FlatLayout([p.shape for p in self._trainable],
                                [config.names[p] for p in self._trainable])
-        self.transport = Transport(config, self.prefix)
-        self._memory = self._new_memory()
         self._iteration = 0
+        # (allgather and alltoall names per step: Transport, on hvd.join())
+        self.transport = Transport(config, self.prefix, step=lambda: self._iteration)
+        self._memory = self._new_memory()
 
     _KEY = "flat"  # the memory key of the whole flat gradient
 

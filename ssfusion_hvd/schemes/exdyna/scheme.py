@@ -21,9 +21,6 @@ class ExDynaScheme(WholeGradientScheme):
 
     name = "exdyna"
     prefix = "exd"
-    #: its first collective is the index allgather, whose shape changes every step: a
-    #: rank that joined would take Horovod down on it (``Scheme.agrees_before_launch``)
-    agrees_before_launch = True
     #: Algorithm 2's grid, Algorithm 3's block moves and Algorithm 5's scaling
     #: (:class:`ExDynaState`; the paper gives no values, these are ours)
     options = {
