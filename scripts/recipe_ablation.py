@@ -59,7 +59,7 @@ Variants (``--variants``):
   ``--min-k`` elements are averaged dense and stepped by the task's optimizer, as the
   engine steps a plan's dense tensors.
 
-``--model`` (cnn, mlp, mlp_deep, gru) and ``--optimizer`` (sgd, adam: lr 1e-3) choose the
+``--model`` (cnn, mlp, mlp_deep, gru) and ``--optimizer`` (sgd; adam at ``--adam-lr``) choose the
 digits task's model and optimizer, as ``examples/train.py --task`` and ``--optimizer`` do.
 
 Output: one line per run and a mean ± std table per task (``--json`` keeps the runs).
@@ -320,6 +320,8 @@ def parse_args(argv=None):
                    help="shared_v: updated every step until this step, then at intervals "
                         "doubling up to --refresh")
     p.add_argument("--lm-lr", type=float, default=2e-3, help="the lm task's Adam learning rate")
+    p.add_argument("--adam-lr", type=float, default=1e-3,
+                   help="the digits task's Adam learning rate (--optimizer adam)")
     p.add_argument("--lr-warmup", type=int, default=0,
                    help="steps of a linear learning-rate warm-up (0: none)")
     p.add_argument("--catch", default="full",
@@ -384,7 +386,7 @@ def make_task(task: str, seed: int, ranks: int, args=None):
             with torch.no_grad():
                 return float((model(test.x).argmax(1) == test.y).float().mean()) * 100
         if args is not None and args.optimizer == "adam":
-            return model, loss, evaluate, len(shards[0].y) // bs, "adam", 1e-3
+            return model, loss, evaluate, len(shards[0].y) // bs, "adam", args.adam_lr
         return model, loss, evaluate, len(shards[0].y) // bs, "sgd", 0.05 * ranks
     from ssfusion_hvd.examples import text
 
