@@ -354,6 +354,33 @@ def test_the_gate_waits_for_the_collective_or_the_agreement(monkeypatch, first):
         assert agreement.reads == 1 and agreement._handle is None and polls["data"] == 4
 
 
+def test_allgathers_and_alltoalls_are_named_for_one_step(monkeypatch):
+    """A scheme's allgathers and alltoalls carry its step in their names, so Horovod never
+    answers one from its response cache (where a rank inside hvd.join() would take part
+    and crash); its allreduces keep one name, which Horovod caches (a joined rank adds
+    zeros to them). Without a step counter the names are the plain ones."""
+    from ssfusion_hvd.core import transport
+
+    names = []
+    for fn in ("allgather_async", "alltoall_async", "allreduce_async_"):
+        monkeypatch.setattr(transport._mpi, fn,
+                            lambda *a, name, **k: names.append(name) or len(names))
+    step = [7]
+    tr = transport.Transport.__new__(transport.Transport)
+    tr.tag, tr.process_set, tr.op, tr.size = "s0", None, transport.Sum, 2
+    tr.sent = {"allreduce": 0, "allgather": 0, "alltoall": 0}
+    tr.step = lambda: step[0]
+    x = torch.zeros(2)
+    tr.allgather(x, "ag")
+    tr.send(x, 1, "p2p")
+    tr.allreduce(x, "ar")
+    step[0] = 8
+    tr.alltoall(x, torch.tensor([1, 1], dtype=torch.int32), "a2a")
+    tr.step = None
+    tr.allgather(x, "ag")
+    assert names == ["s0.ag@7", "s0.p2p@7", "s0.ar", "s0.a2a@8", "s0.ag"]
+
+
 @pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "multi_tensor", "spardl", "zen",
                                     "exdyna"])
 def test_uneven_steps_with_hvd_join(scheme):
