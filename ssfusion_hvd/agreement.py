@@ -155,9 +155,9 @@ class StepAgreement:
                 f"still steps (ranks with different numbers of batches). Scheme "
                 f"{self.scheme_name!r} sends its sparse records by allgather or alltoall, "
                 f"which Horovod does not run with joined ranks. Give every rank the same "
-                f"number of steps "
-                f"(e.g. shards of equal length: DistributedSampler(drop_last=True), or stop "
-                f"every rank at the smallest count, agreed by hvd.allreduce(op=hvd.Min)), or "
+                f"number of steps (e.g. shards of equal length: "
+                f"DistributedSampler(drop_last=True), or stop every rank at the smallest "
+                f"count, agreed by hvd.allreduce(op=hvd.Min)), or "
                 f"use scheme='dense', which runs with hvd.join() as Horovod's optimizer does. "
                 f"This rank's step did not update the parameters; call hvd.join() to end it.")
         if hi != lo:

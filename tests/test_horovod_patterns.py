@@ -297,7 +297,8 @@ def test_the_agreement_rides_on_the_steps_one_small_allreduce(scheme):
     small allreduce of the optimizer's, with the agreement (signature and the ranks'
     non-finite flags in one) and without it (the flags alone), warm-up steps included;
     the whole-gradient schemes too, whose first collectives leave with their last
-    gradient, before the agreement. The runs with and without end with the same parameters. Dense (stateless, nothing to agree on) makes
+    gradient, before the agreement. The runs with and without end with the same
+    parameters. Dense (stateless, nothing to agree on) makes
     none."""
     on, off = (run_workers(workers_horovod.own_collectives, np=2, timeout=120,
                            scheme=scheme, agreement=a) for a in (True, False))

@@ -310,7 +310,7 @@ class Transport:
 
     def _step_name(self, suffix) -> str:
         """The name of an allgather or alltoall: one step's only (see the class docstring)."""
-        return self.name(suffix) if self.step is None else f"{self.tag}.{suffix}@{self.step()}"
+        return self.name(suffix) if self.step is None else f"{self.name(suffix)}@{self.step()}"
 
     def reset_counters(self) -> None:
         for k in self.sent:
