@@ -60,7 +60,8 @@ CELLS = [
 #: scheme label -> (scheme, extra train.py arguments)
 VARIANTS = {"uniform": ["--floor", "none"], "shared": ["--moments", "shared"],
             "local": ["--moments", "local"], "waits": ["--waits", "on"],
-            "nowaits": ["--waits", "off"], "bystep": ["--select-by", "step"],
+            "nowaits": ["--waits", "off"], "spread": ["--spread", "on"],
+            "nospread": ["--spread", "off"], "bystep": ["--select-by", "step"],
             "bymagnitude": ["--select-by", "magnitude"]}
 
 

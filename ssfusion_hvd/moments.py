@@ -101,7 +101,8 @@ class SharedMoments:
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, optimizer, group: dict, params: List[torch.Tensor],
-             shares: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> None:
+             shares: Optional[Dict[torch.Tensor, torch.Tensor]] = None,
+             noise: Optional[Dict[torch.Tensor, torch.Tensor]] = None) -> None:
         """Steps ``params`` (sparsified tensors of ``group``, ``p.grad`` the synchronized
         average of this step) and their state in ``optimizer.state``. Decoupled weight
         decay is the caller's (it applies to every element every step).
@@ -110,18 +111,26 @@ class SharedMoments:
         shares of this step's gradient the decode computed (shape ``(rows, *p.shape)``,
         :func:`share_table`'s rows weighted by the senders' values), used instead of the
         union's age. SGD then needs no age; Adam still ages every element (its second
-        moment's gain is the union's)."""
+        moment's gain is the union's).
+
+        ``noise``: for tensors whose wire carried each sender's spread, per element the
+        senders' variance over P as a ratio to this step's gradient squared
+        (``SparsePart.noise``); Adam adds it, times the gradient squared, to its second
+        moment at an arrival: ``v`` of an average of P noisy gradients is the mean's
+        square plus their variance over P, of which a sparse sum carries only the first
+        (``docs/recipe.md``, "The senders' variance"). SGD reads none."""
         grads = [p.grad.float() for p in params]
         shares = shares or {}
+        noise = (noise or {}) if self.kind == "adam" else {}
         if self.kind == "adam":
             state = self._adam_state(optimizer, group, params)
         else:
             state = self._momentum_buffers(optimizer, params)
-        # the tensors without shares in one native pass each where the extension has it;
-        # the rest (and everything, where it has not) by the foreach path below
-        own = [i for i, p in enumerate(params) if p not in shares]
+        # the tensors without shares or noise in one native pass each where the extension
+        # has it; the rest (and everything, where it has not) by the foreach path below
+        own = [i for i, p in enumerate(params) if p not in shares and p not in noise]
         if own and self._native_step(group, *_pick(own, params, grads, state)):
-            rest = [i for i, p in enumerate(params) if p in shares]
+            rest = [i for i, p in enumerate(params) if p in shares or p in noise]
             if not rest:
                 return
             params, grads, state = _pick(rest, params, grads, state)
@@ -134,7 +143,8 @@ class SharedMoments:
         if ages:
             torch._foreach_add_(ages, 1.0)
         if self.kind == "adam":
-            update = self._adam(state, grads, ages, [shares.get(p) for p in params])
+            update = self._adam(state, grads, ages, [shares.get(p) for p in params],
+                                [noise.get(p) for p in params])
         else:
             share = iter(self.fresh_shares(ages) if ages else [])
             update = self._momentum(state, grads,
@@ -207,7 +217,7 @@ class SharedMoments:
             bufs.append(st["momentum_buffer"])
         return bufs
 
-    def _adam(self, state, grads, ages, given):
+    def _adam(self, state, grads, ages, given, noise):
         b1, b2 = self.hparams["betas"]
         eps = self.hparams["eps"]
         m, v, steps = state
@@ -228,7 +238,14 @@ class SharedMoments:
         torch._foreach_mul_(m32, b1)
         torch._foreach_addcmul_(m32, grads, s1, value=1.0 - b1)
         torch._foreach_mul_(v32, b2)
-        torch._foreach_addcmul_(v32, torch._foreach_mul(rate, rate), _one_minus_pow(b2, ages))
+        gain = _one_minus_pow(b2, ages)
+        torch._foreach_addcmul_(v32, torch._foreach_mul(rate, rate), gain)
+        # the senders' variance over P, at the same gain: v ← … + (1 − β2^a)·R·S²
+        noisy = [i for i, r in enumerate(noise) if r is not None]
+        if noisy:
+            sq = torch._foreach_mul([grads[i] for i in noisy], [grads[i] for i in noisy])
+            torch._foreach_mul_(sq, [noise[i] for i in noisy])
+            torch._foreach_addcmul_([v32[i] for i in noisy], sq, [gain[i] for i in noisy])
         _copy_back(m, m32)
         _copy_back(v, v32)
         rest = torch._foreach_neg(s1)

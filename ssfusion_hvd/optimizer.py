@@ -267,7 +267,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # sparsified tensors under momentum correction hold an update, applied here; the
         # wrapped optimizer steps the others (recipe.py)
         with self._config.recipe.step_dense_only(self, self._scheme.sparse_params(),
-                                                 self._scheme.shares()):
+                                                 self._scheme.shares(), self._scheme.noise()):
             return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):

@@ -285,11 +285,12 @@ class Recipe:
         return float(group.get("weight_decay", 0.0))
 
     @contextmanager
-    def step_dense_only(self, optimizer, sparse: Iterable[torch.Tensor], shares=None):
+    def step_dense_only(self, optimizer, sparse: Iterable[torch.Tensor], shares=None,
+                        noise=None):
         """Steps the sparsified tensors (AdamW: decoupled decay first): ``w -= lr · update``
         under local rules (``p.grad`` is the synchronized update), the shared moments'
-        step under shared ones (``p.grad`` is the synchronized gradient; ``shares``: the
-        scheme's, ``Scheme.shares``). Then runs the body with the wrapped optimizer seeing
+        step under shared ones (``p.grad`` is the synchronized gradient; ``shares`` and
+        ``noise``: the scheme's, ``Scheme.shares`` and ``Scheme.noise``). Then runs the body with the wrapped optimizer seeing
         only the other tensors: its ``step()`` steps them with its own state and
         hyper-parameters."""
         sparse = set(sparse) if not isinstance(sparse, (set, frozenset)) else sparse
@@ -307,7 +308,7 @@ class Recipe:
                     if g.get("decoupled_weight_decay", False) and g.get("weight_decay", 0.0):
                         torch._foreach_mul_(mine, 1.0 - lr * float(g["weight_decay"]))
                     if self.shared is not None:
-                        self.shared.step(optimizer, g, mine, shares)
+                        self.shared.step(optimizer, g, mine, shares, noise)
                     else:
                         torch._foreach_add_(mine, [p.grad for p in mine], alpha=-lr)
                 if rest:

@@ -9,8 +9,11 @@ workers.
   the ages before the step): every element takes the optimizer's step with a zero
   gradient, and one that arrived after ``a`` steps also gets the gradient part of ``a``
   steps of ``S / a``. With each sender's wait on the wire (``waits``), the reference
-  replays every rank's own burst from its recorded residual, gradient and wait. Every
-  rank ends every step bit-identical, state included.
+  replays every rank's own burst from its recorded residual, gradient and wait. With
+  each sender's spread on the wire (``spread``, Adam's default), the reference adds the
+  senders' variance over P to Adam's second moment, each rank's computed from its
+  recorded sum of squares, gradient, residual and wait. Every rank ends every step
+  bit-identical, state included.
 """
 import math
 
@@ -38,9 +41,11 @@ LIMIT = {
                              plan="all_sparse"),
 }
 SPARSE = {
-    # Adam's default, waits="auto", carries none on 2 ranks
+    # Adam's default, waits="auto", carries none on 2 ranks; spread="auto" carries the spreads
     "planned_adam": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05, plan="all_sparse",
                          steps=8),
+    "planned_adam_nospread": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
+                                  plan="all_sparse", steps=8, spread=False),
     "planned_adam_waits": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
                                plan="all_sparse", steps=8, waits=True),
     "per_tensor_adamw_waits": dict(scheme="per_tensor", optimizer="adamw", density=0.05,
@@ -106,8 +111,8 @@ def test_dense_limit_is_the_optimizer_on_the_averaged_gradient(limit_runs, name)
 
 
 def _carried_waits(run) -> bool:
-    """Whether a run's wire carried its senders' waits (their counters are saved then)."""
-    return any(bool(st["waits"]) for st in run["steps"])
+    """Whether a run's wire carried its senders' waits."""
+    return run["carried"]["waits"]
 
 
 def test_waits_auto_carries_them_from_three_ranks(limit_runs, sparse_runs):
@@ -120,7 +125,14 @@ def test_waits_auto_carries_them_from_three_ranks(limit_runs, sparse_runs):
     assert _carried_waits(sparse_runs[0]["planned_adam_waits"])
 
 
-def _reference(kind, group, w, S, age, state, sparse):
+def test_spread_auto_carries_them_under_adam(limit_runs, sparse_runs):
+    carried = {name: run["carried"]["spread"] for name, run in sparse_runs[0].items()
+               if name.startswith(("planned", "per_tensor", "multi_tensor"))}
+    assert carried == {name: "adam" in name and "nospread" not in name for name in carried}
+    assert limit_runs[0]["planned_adam"]["carried"]["spread"]
+
+
+def _reference(kind, group, w, S, age, state, sparse, noise=None):
     """One step of the shared moments for one tensor, element by element: every element
     takes the optimizer's step with a zero gradient (its moments decay and move it); one
     that arrived after ``a`` steps also gets the gradient part of ``a`` steps of
@@ -128,20 +140,21 @@ def _reference(kind, group, w, S, age, state, sparse):
     S = S.double()
     age = (age.double() if age is not None else torch.zeros_like(S)) + 1
     if kind == "adam":
-        w, new = _adam_reference(group, w.double(), [(S, age)], state, age)
+        w, new = _adam_reference(group, w.double(), [(S, age)], state, age, noise)
     else:
         w, new = _momentum_reference(group, w.double(), [(S, age)], state)
     age[S != 0] = 0
     return w, new, age
 
 
-def _adam_reference(group, w, sources, state, age):
+def _adam_reference(group, w, sources, state, age, noise=None):
     """Adam's step for one tensor, element by element, from ``sources`` (as
     :func:`_momentum_reference`'s): each burst replayed as ``a_r`` steps of ``S_r / a_r``
     in the first moment (the last step's part stays in it, the earlier ones moved the
     parameter: over this step's denominator); the second moment takes the summed rate
     ``Σ_r S_r / a_r`` as ``age`` steps of it (the union's age, which is one source's
-    ``a_r`` without waits: then this is ``a`` steps of ``g = S / a`` exactly)."""
+    ``a_r`` without waits: then this is ``a`` steps of ``g = S / a`` exactly), and
+    ``noise`` (the senders' variance over P, :func:`_noise`) at the same gain."""
     b1, b2 = group["betas"]
     lr = group["lr"]
     if group.get("decoupled_weight_decay"):
@@ -163,7 +176,8 @@ def _adam_reference(group, w, sources, state, age):
         rate += g
         hit |= mine
     hit &= sum(S_r.double() for S_r, _ in sources) != 0  # an exact zero sum: none arrived
-    v += torch.where(hit, (1 - b2 ** age.double()) * rate * rate, torch.zeros_like(v))
+    extra = rate * rate if noise is None else rate * rate + noise
+    v += torch.where(hit, (1 - b2 ** age.double()) * extra, torch.zeros_like(v))
     upd = ((m + skipped) / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
     return w - lr * upd, {"exp_avg": m, "exp_avg_sq": v, "step": t}
 
@@ -208,6 +222,29 @@ def _senders(ranks, s, n, group):
     return out
 
 
+def _noise(ranks, s, n, group):
+    """The senders' variance of tensor ``n`` at step ``s``, over P: per rank that sent an
+    element, its gradient's variance over the steps it waited (its recorded sum of squares
+    plus this step's gradient squared, its sum ``acc`` and wait ``w``:
+    ``Σg²/w − (acc/w)²``), as the wire carries it (a ratio to ``acc²``, one byte), averaged
+    over the ranks that sent it, over P."""
+    from ssfusion_hvd.core.wire import code_spreads, spread_codes
+    coupled = 0.0 if group.get("decoupled_weight_decay") else group["weight_decay"]
+    total = count = 0
+    for r in ranks:
+        st, nxt = r["steps"][s], r["steps"][s + 1]
+        g = st["local"][n] + coupled * st["before"][n]  # what the memory saw
+        acc = st["residuals"].get(n, torch.zeros_like(g)) + g
+        sent = (nxt["waits"][n] == 0) & (acc != 0)
+        w = (st["waits"].get(n, torch.zeros_like(g, dtype=torch.int32)) + 1).float()
+        q = st["squares"].get(n, torch.zeros_like(g)) + g * g
+        spread = (q / (w * (acc * acc)) - 1 / (w * w)).clamp(min=0)
+        spread = code_spreads()[spread_codes(torch.where(sent, spread, 0.0)).long()]
+        total = total + torch.where(sent, spread * acc.double() ** 2, 0.0)
+        count = count + sent.double()
+    return torch.where(count > 0, total / count.clamp(min=1), 0.0) / len(ranks)
+
+
 @pytest.fixture(scope="module")
 def sparse_runs():
     return run_workers(workers_moments.record_all, np=2, timeout=300, cases=SPARSE)
@@ -218,7 +255,7 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
     ranks = [r[name] for r in sparse_runs]
     names, group, kind = ranks[0]["names"], ranks[0]["group"], ranks[0]["kind"]
     steps = ranks[0]["steps"]
-    late_arrivals = mixed_waits = 0
+    late_arrivals = mixed_waits = noisy = 0
     for s, st0 in enumerate(steps):
         for r in ranks[1:]:  # every rank: the same sum, parameters, state and ages
             st = r["steps"][s]
@@ -234,13 +271,15 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
             break
         nxt = steps[s + 1]
         for n in st0["sparse"]:
+            noise = _noise(ranks, s, n, group) if ranks[0]["carried"]["spread"] else None
+            noisy += 0 if noise is None else int((noise > 0).sum())
             if "waits" in name:  # each sender's own burst
                 senders = _senders(ranks, s, n, group)
                 if kind == "adam":  # (its second moment's gain: the union's age)
                     age = st0["ages"].get(n)
                     age = (age.double() if age is not None else torch.zeros_like(senders[0][0])) + 1
                     w, state = _adam_reference(group, st0["before"][n].double(), senders,
-                                               st0["own"].get(n, {}), age)
+                                               st0["own"].get(n, {}), age, noise)
                 else:
                     w, state = _momentum_reference(group, st0["before"][n].double(), senders,
                                                    st0["own"].get(n, {}))
@@ -251,7 +290,7 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
             else:
                 age = st0["ages"].get(n)
                 w, state, age_after = _reference(kind, group, st0["before"][n], st0["synced"][n],
-                                                 age, st0["own"].get(n, {}), st0["sparse"])
+                                                 age, st0["own"].get(n, {}), st0["sparse"], noise)
                 late_arrivals += int(((age_after == 0) & ((age if age is not None else 0) > 0)).sum())
                 torch.testing.assert_close(nxt["ages"][n].double(), age_after, rtol=0, atol=0)
             torch.testing.assert_close(st0["after"][n].double(), w, rtol=1e-5, atol=1e-6,
@@ -263,6 +302,7 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
     assert sum(bool(st["sparse"]) for st in steps) >= 4, name
     assert late_arrivals > 0, f"{name}: no element arrived after waiting (the ages were not exercised)"
     assert "waits" not in name or mixed_waits > 0, f"{name}: no element two senders sent after different waits"
+    assert noisy > 0 or not ranks[0]["carried"]["spread"], f"{name}: no sender's spread was above 0"
 
 
 

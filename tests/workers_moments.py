@@ -1,7 +1,8 @@
 """Worker functions for tests/test_moments.py (run on every Horovod rank).
 
 Shared moments (``moments="shared"``): every rank records, per step, the parameters, the
-wrapped optimizer's state, the ages, its residuals and waits before the step, its own
+wrapped optimizer's state, the ages, its residuals, waits and sums of squares before the
+step (what its sent entries' spreads are computed from), its own
 gradient on its own batch, the synchronized gradient, the names of the tensors sparsified, and the
 parameters after ``step()``.
 """
@@ -28,7 +29,7 @@ class TanhNet(nn.Module):
 
 
 def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=1e-3,
-           nesterov=False, waits=None, select_by=None, group_floor=None):
+           nesterov=False, waits=None, select_by=None, group_floor=None, spread=None):
     torch.manual_seed(7)  # identical initial weights on every rank
     model = TanhNet()
     named = sorted(model.named_parameters())
@@ -46,8 +47,8 @@ def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=
         inner, named_parameters=model.named_parameters(), scheme=scheme, density=density,
         warmup_steps=2, profile=profile("topk"), plan=plan, log_plan=False,
         density_warmup_steps=density_warmup, moments="shared",
-        scheme_options={k: v for k, v in (("waits", waits), ("select_by", select_by))
-                        if v is not None} or None)
+        scheme_options={k: v for k, v in (("waits", waits), ("select_by", select_by),
+                                          ("spread", spread)) if v is not None} or None)
     out = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * hvd.rank() + step)  # noisy: a batch per rank
@@ -55,8 +56,9 @@ def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=
         opt.zero_grad()
         ours = opt.state_dict()["ssfusion"]
         ages = _clone(ours.get("ages", {}))
-        # this rank's residuals and each element's wait since it last sent it
-        mine = {k: _clone(ours["state"].get(k, {})) for k in ("residuals", "waits")}
+        # this rank's residuals, each element's wait since it last sent it and its sum of
+        # squared gradients over that wait
+        mine = {k: _clone(ours["state"].get(k, {})) for k in ("residuals", "waits", "squares")}
         own = {name_of[p]: _clone(dict(s)) for p, s in opt.state.items()}
         before = {n: p.detach().clone() for n, p in named}
         # the gradient before the hooks: they fold coupled weight decay into p.grad
@@ -72,8 +74,10 @@ def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=
                     "synced": synced, "sparse": sparse,
                     "after": {n: p.detach().clone() for n, p in named}})
     group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    engine = getattr(opt._scheme, "_engine", None)  # what the planned schemes' wire carried
+    carried = {"waits": bool(engine and engine._waits), "spread": bool(engine and engine._spread)}
     return {"steps": out, "names": [n for n, _ in named], "group": group,
-            "moments": opt.recipe.moments, "kind": opt.recipe.kind}
+            "moments": opt.recipe.moments, "kind": opt.recipe.kind, "carried": carried}
 
 
 def record_all(cases):

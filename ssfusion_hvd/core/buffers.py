@@ -113,14 +113,15 @@ class GroupBuffers:
 
 def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload_device=None,
                 key_prefix: str = "g", acc_dtype: torch.dtype | None = None,
-                waits: int = 0) -> GroupBuffers:
+                waits: int = 0, spread: bool = False) -> GroupBuffers:
     """The buffers of ``plan.groups[index]``.
 
     ``shapes`` are the gradient shapes in plan order; ``new_sparsifier(key, i)`` returns the
     sparsifier instance for tensor ``i`` (or for a fusion buffer, with ``i = None``).
     Offloaded tensors (SSFusion-O) get a sparse part each, staged on ``offload_device``.
     ``waits``: the sparse parts' entries carry their sender's wait, from which their decode
-    computes that many shares (:class:`SparsePart`; 0: none).
+    computes that many shares (:class:`SparsePart`; 0: none); ``spread``: they carry
+    their sender's spread, from which the decode computes the noise ratio.
     """
     g = plan.groups[index]
     members = list(g.indices())
@@ -128,7 +129,7 @@ def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload
         key = f"{key_prefix}{index}"
         part = SparsePart(key, members, [shapes[i] for i in members], [g.buffer_k], "buffer",
                           [new_sparsifier(key, None)], 0, dtype, device, acc_dtype=acc_dtype,
-                          waits=waits)
+                          waits=waits, spread=spread)
         send = torch.empty(part.length, dtype=dtype, device=device)
         return GroupBuffers(index, members, [], None, [], [part], send)
     ar = [i for i in members if not plan.sparse[i] and plan.collective[i] == "allreduce"]
@@ -158,7 +159,7 @@ def build_group(index: int, plan, shapes, dtype, device, new_sparsifier, offload
             mode, floors = "group", plan.floors(tensors)  # (one tensor: its own k either way)
         part = SparsePart(key, tensors, [shapes[i] for i in tensors], [plan.k[i] for i in tensors],
                           mode, sps, offset, dtype, device, stage_device=on, acc_dtype=acc_dtype,
-                          floors=floors, waits=waits)
+                          floors=floors, waits=waits, spread=spread)
         parts.append(part)
         if on is not None:
             offloaded.append(part)

@@ -23,6 +23,12 @@ With ``waits`` (the shared moments, ``scheme_options["waits"]``) a part's record
 followed by one byte per entry, its sender's wait (``core/wire.wait_codes``), and the
 decode also computes :attr:`SparsePart.share`, the shares of what arrived that the
 moments' rule reads (``moments.share_table``; ``docs/design.md``, "Each sender's wait").
+With ``spread`` (the shared Adam rule, ``scheme_options["spread"]``) a byte more per
+entry carries its sender's spread (``core/wire.spread_codes``: the variance of the
+sender's gradient over the steps the entry waited, as a ratio to its value squared), and
+the decode computes :attr:`SparsePart.noise`, the senders' mean variance over P as a
+ratio to the arrived sum squared, which the rule adds to Adam's second moment
+(``docs/recipe.md``, "The senders' variance").
 
 Sparsifiers that return fewer than ``capacity`` elements are padded with zero values at
 distinct *sink* positions past the end of the staged data, so decoding (a scatter-add of P
@@ -46,7 +52,7 @@ from .. import ops
 from ..moments import share_table
 from ..sparsify import ResidualMemory, Sparsifier
 from .layout import views
-from .wire import code_waits, wait_codes
+from .wire import code_spreads, code_waits, spread_codes, wait_codes
 
 __all__ = ["DIRECT_MAX_SHARE", "DIRECT_ON_CUDA", "SelectionResult", "SparsePart", "fresh_table"]
 
@@ -59,6 +65,7 @@ class SelectionResult:
     indices: torch.Tensor
     per_tensor: Optional[List[int]] = None  # elements selected per tensor, when known on host
     waits: Optional[torch.Tensor] = None  # this rank's wait per entry, where the wire carries it
+    spreads: Optional[torch.Tensor] = None  # this rank's spread per entry, where the wire carries it
 
 
 def _scaled_copy(out: torch.Tensor, part, grads: List[torch.Tensor],
@@ -102,7 +109,7 @@ class SparsePart:
                  ks: Sequence[int], mode: str, sparsifiers: Sequence[Sparsifier], offset: int,
                  dtype: torch.dtype, device: torch.device, stage_device: torch.device | None = None,
                  acc_dtype: torch.dtype | None = None, floors: Sequence[int] | None = None,
-                 waits: int = 0):
+                 waits: int = 0, spread: bool = False):
         if mode not in ("segmented", "group", "per_tensor", "buffer"):
             raise ValueError(f"unknown sparse part mode {mode!r}")
         self.key = key
@@ -143,14 +150,31 @@ class SparsePart:
         #: shared indices: every rank sends the same elements, so the union's age is every
         #: sender's wait.
         self.waits = 0 if self.shared_indices else int(waits)
+        #: each entry carries its sender's spread (one byte after the waits', if any), from
+        #: which the decode computes :attr:`noise`. Not for shared indices (every rank
+        #: sends every entry every step: no wait, no spread).
+        self.spread = bool(spread) and not self.shared_indices
         #: per share, what each wait code weighs (``moments.share_table`` of the rule and
         #: hyper-parameters in force; rows, 256), float32 on the decode's device: set by
         #: the owner before a decode (:func:`fresh_table`)
         self.fresh: Optional[torch.Tensor] = None
-        if self.waits:
+        # the codes after the record: the waits' bytes, then the spreads'
+        code_rows = bool(self.waits) + self.spread
+        if code_rows:
             self._codes_at = offset + self.length
-            self._code_span = -(-self.capacity // torch.empty(0, dtype=dtype).element_size())
+            self._code_span = -(-code_rows * self.capacity
+                                // torch.empty(0, dtype=dtype).element_size())
             self.length += self._code_span
+        if self.spread:
+            self._spread_table = code_spreads().to(device=device, dtype=torch.float32)
+            #: the senders' mean spread-variance over P, as a ratio to the arrived sum
+            #: squared, at the positions the last decode touched (row 0; row 1: the number
+            #: of senders there, scratch; finite everywhere)
+            self.noise = torch.zeros(2, self.numel + self.capacity, dtype=torch.float32,
+                                     device=device)
+            #: per tensor, its noise ratio, shaped like it
+            self.noise_views = views(self.noise[0], shapes)
+        if self.waits:
             #: the shares of the arrived sum (rows), at the positions the last decode
             #: touched (finite everywhere; where nothing arrived the gradient is 0)
             self.share = torch.zeros(self.waits, self.numel + self.capacity,
@@ -205,6 +229,7 @@ class SparsePart:
         bytes (on GPT-2's 124M elements, one thread: 25 ms of a 85 ms stage and select).
         Same result."""
         if self.stage.device == grads[0].device:
+            self._square(memory, grads)
             scales = self.step_scales() if self.step_scales is not None and self._exact() else None
             if scales is not None:  # the key's kernel reads the gradients where they lie too
                 return self._sent(memory, self._select_steps(memory, grads, scales))
@@ -217,6 +242,8 @@ class SparsePart:
                 got = memory.select_topk_tensors(self.key, grads, self.ks[0], wire_dtype=self.dtype)
             if got is not None:
                 return self._sent(memory, SelectionResult(got[0], got[1], self._counts()))
+            self.stage_grads(grads)
+            return self._sent(memory, self._select(memory))
         self.stage_grads(grads)
         return self.select(memory)
 
@@ -227,14 +254,26 @@ class SparsePart:
         staged dtype, contiguous, on the stage's device), without a staged copy."""
         if (flat.dtype == self.acc_dtype and flat.device == self.stage_device
                 and flat.is_contiguous() and flat.numel() == self.numel):
+            self._square(memory, [flat])
             return self._sent(memory, self._select(memory, flat))
         return self.select_grads(memory, grads)
 
     def _sent(self, memory: ResidualMemory, result: SelectionResult) -> SelectionResult:
-        """``result``, with this rank's wait per entry where the wire carries it."""
-        if self.waits:
+        """``result``, with this rank's wait and spread per entry where the wire carries
+        them (a spread needs the wait, which is then counted even where it does not
+        travel)."""
+        if self.waits or self.spread:
             result.waits = memory.sent_waits(self.key, result.indices)
+        if self.spread:
+            result.spreads = memory.sent_spreads(self.key, result.indices, result.values,
+                                                 result.waits)
         return result
+
+    def _square(self, memory: ResidualMemory, grads: Sequence[torch.Tensor]) -> None:
+        """This step's gradients into the sums of squares a spread reads (before the
+        selection that may send them)."""
+        if self.spread:
+            memory.add_squares(self.key, grads)
 
     def _group_k(self) -> Optional[int]:
         """The budget of a group part (its tensors' k summed; ``_ks`` holds the floors),
@@ -250,6 +289,7 @@ class SparsePart:
         """Error feedback around the selection: acc = grad + residual; what is not sent
         becomes the new residual (``ResidualMemory``: bit-exact bookkeeping). Exact top-k
         (segmented, or over the buffer) runs fused with the error feedback, one kernel."""
+        self._square(memory, [self.stage])
         return self._sent(memory, self._select(memory))
 
     def _select(self, memory: ResidualMemory, staged: Optional[torch.Tensor] = None) -> SelectionResult:
@@ -313,12 +353,14 @@ class SparsePart:
         if count > self.capacity:
             raise RuntimeError(f"part {self.key}: selection of {count} exceeds its capacity "
                                f"{self.capacity}")
-        waits = result.waits
+        waits, spreads = result.waits, result.spreads
         if count < self.capacity:
             values = torch.cat([values, values.new_zeros(self.capacity - count)])
             indices = torch.cat([indices, self._sink[count:]])
             if waits is not None:
                 waits = torch.cat([waits, waits.new_ones(self.capacity - count)])
+            if spreads is not None:
+                spreads = torch.cat([spreads, spreads.new_zeros(self.capacity - count)])
         if prescale != 1.0:
             values = values * prescale
         values, indices = values.to(send.device, send.dtype), indices.to(send.device)
@@ -327,12 +369,18 @@ class SparsePart:
             self._sent_indices = indices
             return
         end = ops.pack(values, indices, send, self.offset)
-        if self.waits:
+        if self.waits or self.spread:
             end = self._codes_at + self._code_span
             codes = send.view(torch.uint8)[self._codes_at * send.element_size():
                                            end * send.element_size()]
-            codes[:self.capacity].copy_(wait_codes(waits.to(send.device)))
-            codes[self.capacity:].zero_()
+            at = 0
+            if self.waits:
+                codes[:self.capacity].copy_(wait_codes(waits.to(send.device)))
+                at = self.capacity
+            if self.spread:
+                codes[at:at + self.capacity].copy_(spread_codes(spreads.to(send.device)))
+                at += self.capacity
+            codes[at:].zero_()
         if end != self.offset + self.length:
             raise RuntimeError(f"part {self.key}: record ends at {end}, its slot at "
                                f"{self.offset + self.length}")
@@ -350,10 +398,52 @@ class SparsePart:
         else:
             ops.scatter_add_chunks(self.out, gathered, nranks, self.offset, self.capacity,
                                    self.idx_dtype)
-            self._decode_shares(gathered, nranks, record_len)
+            self._decode_codes(gathered, nranks, record_len)
         return self.out[:self.numel]
 
-    def _decode_shares(self, gathered: torch.Tensor, nranks: int, record_len: int) -> None:
+    def _decode_codes(self, gathered: torch.Tensor, nranks: int, record_len: int) -> None:
+        """:attr:`share` and :attr:`noise` from the records' codes, where the wire carries
+        them. Reads the sums from ``out``, so it runs after the records were added into it
+        and before they are scaled or delivered."""
+        if not (self.waits and self.fresh is not None) and not self.spread:
+            return
+        rows = gathered.view(nranks, record_len)
+        vspan, ispan = ops.record_spans(self.capacity, self.dtype, self.idx_dtype)
+        values = rows[:, self.offset:self.offset + self.capacity]
+        at = self.offset + vspan
+        idx = rows[:, at:at + ispan].clone().view(self.idx_dtype)[:, :self.capacity].long()
+        codes = rows[:, self._codes_at:self._codes_at + self._code_span].contiguous()
+        codes = codes.view(torch.uint8)
+        flat = idx.reshape(-1)
+        sums = self.out.index_select(0, flat).float()
+        if self.waits:
+            self._decode_shares(values, idx, codes[:, :self.capacity].long(), flat, sums)
+        if self.spread:
+            at = self.capacity if self.waits else 0
+            self._decode_noise(values, idx, codes[:, at:at + self.capacity].long(), flat, sums,
+                               nranks)
+
+    def _decode_noise(self, values, idx, codes, flat, sums, nranks: int) -> None:
+        """:attr:`noise` at the positions the records touch: ``P · mean_r(σ_r²) / S²``, the
+        senders' variance ``σ_r² = spread_r · v_r²`` averaged over the ranks that sent an
+        entry there, over the arrived sum ``S = Σ_r v_r`` squared: what the averaged
+        gradient's variance over one step (``mean σ² / P`` in its units) is to its arrival
+        squared. A ratio, so the optimizer's step may rescale the gradient first (a loss
+        scale, clipping); scale-free on the wire too (a prescale cancels). 0 where the sum
+        is exactly 0 or the ratio is not finite (see :meth:`_decode_shares`). Summed one
+        rank at a time, in rank order: the same bits on every rank."""
+        var = self._spread_table[codes] * values.float().square()
+        ones = torch.ones_like(var[0])
+        self.noise.index_fill_(1, flat, 0.0)
+        for r in range(nranks):
+            self.noise[0].index_add_(0, idx[r], var[r])
+            self.noise[1].index_add_(0, idx[r], ones)
+        ratio = self.noise[0].index_select(0, flat).div_(
+            self.noise[1].index_select(0, flat)).mul_(float(nranks)).div_(sums.square())
+        keep = (sums != 0) & torch.isfinite(ratio)
+        self.noise[0].index_copy_(0, flat, torch.where(keep, ratio, torch.zeros_like(ratio)))
+
+    def _decode_shares(self, values, idx, codes, flat, sums) -> None:
         """:attr:`share` at the positions the records touch: per row of :attr:`fresh`
         (``w``: a sender's wait's weight), ``Σ_r v_r·w(a_r) / Σ_r v_r`` over the ranks'
         entries there; 0 where they sum to exactly 0 or the ratio is not finite (a step
@@ -366,27 +456,18 @@ class SparsePart:
         time (a record's indices are distinct), so the sums run in rank order and every
         rank gets the same bits, on a GPU too. Nothing without a :attr:`fresh` table
         (an SGD without momentum: no rule reads a share)."""
-        if not self.waits or self.fresh is None:
+        if self.fresh is None:
             return
         if self.fresh.shape[0] != self.waits:
             raise RuntimeError(f"part {self.key}: {self.fresh.shape[0]} share tables for "
                                f"{self.waits} shares")
-        rows = gathered.view(nranks, record_len)
-        vspan, ispan = ops.record_spans(self.capacity, self.dtype, self.idx_dtype)
-        values = rows[:, self.offset:self.offset + self.capacity]
-        at = self.offset + vspan
-        idx = rows[:, at:at + ispan].clone().view(self.idx_dtype)[:, :self.capacity].long()
-        codes = rows[:, self._codes_at:self._codes_at + self._code_span].contiguous()
-        # (shares, ranks, capacity)
-        weighted = self.fresh[:, codes.view(torch.uint8)[:, :self.capacity].long()] * values
-        self.share.index_fill_(1, idx.reshape(-1), 0.0)
-        for r in range(nranks):
+        weighted = self.fresh[:, codes] * values  # (shares, ranks, capacity)
+        self.share.index_fill_(1, flat, 0.0)
+        for r in range(idx.shape[0]):
             self.share.index_add_(1, idx[r], weighted[:, r])
-        idx = idx.reshape(-1)
-        sums = self.out.index_select(0, idx).float()
-        ratio = self.share.index_select(1, idx).div_(sums)
+        ratio = self.share.index_select(1, flat).div_(sums)
         keep = (sums != 0) & torch.isfinite(ratio)
-        self.share.index_copy_(1, idx, torch.where(keep, ratio, torch.zeros_like(ratio)))
+        self.share.index_copy_(1, flat, torch.where(keep, ratio, torch.zeros_like(ratio)))
 
     def _direct(self, grads: List[torch.Tensor], nranks: int) -> bool:
         """Whether the records are delivered straight into ``grads``: the part has indices,
@@ -422,7 +503,7 @@ class SparsePart:
             self._out_zero = False  # until the records are out of it again
             ops.scatter_add_chunks(self.out, gathered, nranks, self.offset, self.capacity,
                                    self.idx_dtype)
-            self._decode_shares(gathered, nranks, record_len)
+            self._decode_codes(gathered, nranks, record_len)
             count = ops.deliver_chunks(self.out, grads, gathered, nranks, self.offset,
                                        self.capacity, self.idx_dtype, postscale)
             self._out_zero = True

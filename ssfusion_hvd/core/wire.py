@@ -26,7 +26,8 @@ import torch
 from .. import ops
 
 __all__ = ["Sparse", "SPARSE_GRAD_DTYPES", "encode", "decode", "count_of", "record_bytes",
-           "wait_codes", "code_waits", "WAIT_EXACT", "WAIT_MAX"]
+           "wait_codes", "code_waits", "WAIT_EXACT", "WAIT_MAX", "spread_codes", "code_spreads",
+           "SPREAD_MIN", "SPREAD_MAX"]
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (values, indices)
 
@@ -112,3 +113,31 @@ def code_waits(device=None) -> torch.Tensor:
     c = torch.arange(256, dtype=torch.float64, device=device)
     far = WAIT_EXACT * torch.exp((c - WAIT_EXACT) * _WAIT_RATIO)
     return torch.where(c <= WAIT_EXACT, c.clamp(min=1), far)
+
+
+# ---------------------------------------------------------------------- spreads
+#: A sender's spread (``ResidualMemory.sent_spreads``: the variance of its gradient over
+#: the steps an entry waited, as a ratio to the entry's value squared, dimensionless)
+#: travels as one byte beside its entry: code 0 is 0 (an entry that waited one step has
+#: no spread), codes 1-255 geometric from SPREAD_MIN to SPREAD_MAX, a ratio of 1.15
+#: between codes, so a decoded spread is within 7 % of the true one (3.5 % in the square
+#: root Adam divides by). Below about SPREAD_MIN it reads as 0 (a variance a billionth of
+#: the value's square); above SPREAD_MAX it saturates (a value that is almost all
+#: cancellation, which a top-k rarely sends).
+SPREAD_MIN = 2.0 ** -30
+SPREAD_MAX = 2.0 ** 20
+_SPREAD_RATIO = math.log(SPREAD_MAX / SPREAD_MIN) / 254
+
+
+def spread_codes(spreads: torch.Tensor) -> torch.Tensor:
+    """The one-byte codes (uint8) of ``spreads`` (>= 0; NaN reads as 0)."""
+    s = torch.nan_to_num(spreads.float(), nan=0.0, posinf=SPREAD_MAX).clamp_(min=0.0)
+    c = torch.log(s / SPREAD_MIN).div_(_SPREAD_RATIO).round_().add_(1).clamp_(0, 255)
+    return torch.where(s > 0, c, torch.zeros_like(c)).to(torch.uint8)
+
+
+def code_spreads(device=None) -> torch.Tensor:
+    """The spread each of the 256 codes stands for (float64; code 0 is 0)."""
+    c = torch.arange(256, dtype=torch.float64, device=device)
+    return torch.where(c > 0, SPREAD_MIN * torch.exp((c - 1) * _SPREAD_RATIO),
+                       torch.zeros_like(c))

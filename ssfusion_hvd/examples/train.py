@@ -90,6 +90,10 @@ def parse_args(argv=None):
                    help="planned schemes: scheme_options['waits'], each sparse entry carries its "
                         "sender's wait for the shared moments (default: the scheme's, 'auto': "
                         "from 3 ranks)")
+    p.add_argument("--spread", choices=("on", "off", "auto"), default=None,
+                   help="planned schemes: scheme_options['spread'], each sparse entry carries its "
+                        "sender's spread for the shared Adam rule (default: the scheme's, "
+                        "'auto': with an Adam)")
     p.add_argument("--select-by", choices=("auto", "magnitude", "step"), default=None,
                    help="planned schemes, zen, spardl, exdyna: scheme_options['select_by'], what the "
                         "top-k (exdyna: its threshold) ranks: the "
@@ -217,6 +221,7 @@ def main(argv=None):
     # --min-k goes to the schemes that take it (the demo's dense comparison run does not)
     options = options_for(args.scheme, min_k=args.min_k, slack=args.slack,
                           waits={None: None, "auto": "auto", "on": True, "off": False}[args.waits],
+                          spread={None: None, "auto": "auto", "on": True, "off": False}[args.spread],
                           select_by=args.select_by)
     if args.floor is not None and options_for(args.scheme, floor=0.0):  # a scheme that takes it
         options = dict(options or {}, floor=None if args.floor == "none" else float(args.floor))

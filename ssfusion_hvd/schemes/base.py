@@ -161,6 +161,12 @@ class Scheme:
         (``moments.share_table``, ``SharedMoments.step``); empty for a scheme without them."""
         return {}
 
+    def noise(self) -> dict:
+        """Per sparsified parameter whose wire carried each sender's spread, the noise
+        ratio of what arrived in the last finished step (``SparsePart.noise``), which the
+        shared Adam rule adds to its second moment; empty for a scheme without them."""
+        return {}
+
     def reset(self) -> None:
         """Forget submitted-but-unfinished work (used by ``load_state_dict``)."""
 

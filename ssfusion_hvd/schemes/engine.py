@@ -50,7 +50,7 @@ class PlannedPhase:
 
     def __init__(self, plan: Plan, params: Sequence[torch.Tensor], config, transport: Transport,
                  sparsifier_for: Callable, iteration: int, name: str, waits: int = 0,
-                 by_step: bool = False):
+                 by_step: bool = False, spread: bool = False):
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
             raise ValueError(f"scheme {name!r} needs every gradient in one dtype on one "
@@ -76,6 +76,9 @@ class PlannedPhase:
         # sender's wait"): the decode computes `waits` shares, its tables follow the rule
         # and hyper-parameters in force (_set_fresh)
         self._waits = waits
+        # each sender's spread on the wire, for the shared Adam rule's second moment
+        # (docs/recipe.md, "The senders' variance")
+        self._spread = spread
         # select each exact top-k part by its pending steps in the optimizer's geometry
         # (Recipe.step_scales; docs/recipe.md, "Selecting by the step")
         self._by_step = by_step
@@ -83,6 +86,9 @@ class PlannedPhase:
         #: per sparsified parameter whose wire carried the senders' waits, the shares of
         #: what arrived in the last decode, (rows, *shape) (the shared moments' step reads them)
         self.shares: Dict[torch.Tensor, torch.Tensor] = {}
+        #: per sparsified parameter whose wire carried the senders' spreads, the noise
+        #: ratio of what arrived in the last decode, shaped like it
+        self.noise: Dict[torch.Tensor, torch.Tensor] = {}
         self.primed = False
         self._worker: Optional[OffloadWorker] = None
         self._stage: Optional[int] = None
@@ -112,7 +118,7 @@ class PlannedPhase:
                                    self._sparsifier_for,
                                    offload_device=torch.device("cpu") if offload else None,
                                    acc_dtype=self.memory.acc_dtype(self.dtype),
-                                   waits=self._waits)
+                                   waits=self._waits, spread=self._spread)
                        for gi in range(len(active.groups))]
         self._sparse = [part for gb in self.groups for part in gb.parts
                         if isinstance(part, SparsePart)]
@@ -120,6 +126,8 @@ class PlannedPhase:
         # (the scheme enters the next stage before step() has read the last one's)
         self._stage_shares = {self.params[i]: view for part in self._sparse if part.waits
                               for i, view in zip(part.tensors, part.share_views)}
+        self._stage_noise = {self.params[i]: view for part in self._sparse if part.spread
+                             for i, view in zip(part.tensors, part.noise_views)}
         for part in self._sparse:
             self.memory.register(part.key, [active.names[i] for i in part.tensors],
                                  [shapes[i] for i in part.tensors], part.stage_device)
@@ -240,6 +248,7 @@ class PlannedPhase:
                                           [self.params[i].grad for i in part.tensors],
                                           self._postscale))
         self.shares = self._stage_shares
+        self.noise = self._stage_noise
         stats = self._stats(iteration, outputs).timed(self._t_first, t_wait, time.perf_counter())
         self.reset()
         return stats

@@ -70,6 +70,11 @@ class PlannedScheme(Scheme):
         # for SGD and Adam; with 2 neutral for SGD at 8 % more bytes, worse on Adam's LM)
         "waits": Option("auto", lambda v: isinstance(v, bool) or v == "auto",
                         "'auto', True or False"),
+        # each sparse entry carries its sender's spread (1 byte), for the shared Adam
+        # rule's second moment; "auto": under shared moments with an Adam (docs/recipe.md,
+        # "The senders' variance")
+        "spread": Option("auto", lambda v: isinstance(v, bool) or v == "auto",
+                         "'auto', True or False"),
         "select_by": SELECT_BY,
     }
 
@@ -124,7 +129,8 @@ class PlannedScheme(Scheme):
         self._engine = PlannedPhase(plan, params, self.config, self.transport,
                                     self._sparsifier_for, self._iteration, self.name,
                                     waits=self._carries_waits(),
-                                    by_step=self.opts["select_by"] != "magnitude")
+                                    by_step=self.opts["select_by"] != "magnitude",
+                                    spread=self._carries_spread())
         if self.config.log_plan and self.transport.rank == 0:
             _print_plan(plan, self._engine.auto)
 
@@ -147,6 +153,16 @@ class PlannedScheme(Scheme):
             wanted = least is not None and self.transport.size >= least
         return rows if wanted and (recipe.options or {}).get("moments") == "shared" else 0
 
+    def _carries_spread(self) -> bool:
+        """Whether the sparse entries carry their sender's spread: ``scheme_options
+        ["spread"]`` (True, or "auto": an Adam) under ``moments="shared"``, whose Adam rule
+        alone reads it. Decided, like the waits, from what every rank agrees on."""
+        recipe = self.config.recipe
+        wanted = self.opts["spread"]
+        if wanted == "auto":
+            wanted = recipe.family == "adam"
+        return bool(wanted) and (recipe.options or {}).get("moments") == "shared"
+
     def _sparsifier_for(self, key: str):
         """The sparsifier of a tensor (its name) or a fusion buffer (its part key): one
         instance for the whole run of a plan. Random-k's and DGC's seeds come from the key:
@@ -161,9 +177,11 @@ class PlannedScheme(Scheme):
         """End of warm-up: measure, plan on rank 0, broadcast (all ranks call this together)."""
         cfg = self.config
         order, self.cost = self._warmup.measure()
-        if self._carries_waits():
-            # the plan prices the wire it will run on: a byte more per sparse entry
-            self.cost = dataclasses.replace(self.cost, entry_extra=1)
+        extra = bool(self._carries_waits()) + self._carries_spread()
+        if extra:
+            # the plan prices the wire it will run on: a byte more per sparse entry for
+            # each of the wait and the spread
+            self.cost = dataclasses.replace(self.cost, entry_extra=extra)
         text = None
         if self.transport.rank == 0:
             text = build_plan(self.name, [p.numel() for p in order], self.cost, cfg.density,
@@ -182,6 +200,9 @@ class PlannedScheme(Scheme):
 
     def shares(self) -> dict:
         return {} if self._engine is None or not self._last_sparse else self._engine.shares
+
+    def noise(self) -> dict:
+        return {} if self._engine is None or not self._last_sparse else self._engine.noise
 
     def submit(self, p: torch.Tensor) -> None:
         self._phase.submit(p)

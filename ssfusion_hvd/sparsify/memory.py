@@ -67,6 +67,9 @@ class ResidualMemory:
         #: this rank last sent it (int32; keys whose wire carries waits only)
         self.clock: Dict[str, int] = {}
         self.sent_at: Dict[str, torch.Tensor] = {}
+        #: per key, each element's sum of squared gradients since this rank last sent it
+        #: (keys whose wire carries spreads only: :meth:`add_squares`, :meth:`sent_spreads`)
+        self.squares: Dict[str, torch.Tensor] = {}
         self._saved = None  # checkpoint(): the state before the step in flight
         self._shadow: Dict[tuple, torch.Tensor] = {}  # checkpoint()'s copies, reused
 
@@ -290,12 +293,45 @@ class ResidualMemory:
         last.index_fill_(0, idx, clock)
         return waits
 
+    def add_squares(self, key: str, grads: Sequence[torch.Tensor]) -> None:
+        """Adds this step's ``grads`` (the key's tensors, or its flat gradient), squared,
+        to each element's sum since this rank last sent it: what :meth:`sent_spreads`
+        reads. One foreach pass; the sums live in float32 on the gradients' device."""
+        n = sum(g.numel() for g in grads)
+        sq = self.squares.get(key)
+        if sq is None or sq.numel() != n:
+            sq = self.squares[key] = torch.zeros(n, dtype=torch.float32, device=grads[0].device)
+        flats = [g.reshape(-1) for g in grads]
+        if any(g.dtype != torch.float32 for g in flats):
+            flats = [g.float() for g in flats]
+        parts = list(sq.split([g.numel() for g in flats])) if len(flats) > 1 else [sq]
+        torch._foreach_addcmul_(parts, flats, flats)
+
+    def sent_spreads(self, key: str, indices: torch.Tensor, values: torch.Tensor,
+                     waits: torch.Tensor) -> torch.Tensor:
+        """Per entry this rank sends (``values``, the sums of ``waits`` steps of its
+        gradient), the variance of that gradient over those steps as a ratio to the value
+        squared, ``Σg²/(w·S²) − 1/w²`` (0 where it waited one step or the value is 0;
+        float32); the sums of squares start again there. Call after :meth:`add_squares`
+        of this step and :meth:`sent_waits` of this selection. The shared moments add the
+        senders' variance to Adam's second moment (``docs/recipe.md``, "The senders'
+        variance")."""
+        idx = indices.long()
+        sq = self.squares[key]
+        q = sq.index_select(0, idx)
+        sq.index_fill_(0, idx, 0.0)
+        w = waits.to(q.device, torch.float32)
+        s2 = values.to(q.device, torch.float32).square()
+        spread = q.div_(w * s2).sub_(w.square().reciprocal()).clamp_(min=0.0)
+        return torch.where(s2 > 0, spread, torch.zeros_like(spread))
+
     # ------------------------------------------------------------------ step transaction
     def _live(self):
         """Every state tensor, keyed ``(store, key)``: residuals, the rule's buffers and the
         send clocks."""
         out = {("residual", k): t for k, t in self.residuals.items()}
         out.update({("sent_at", k): t for k, t in self.sent_at.items()})
+        out.update({("squares", k): t for k, t in self.squares.items()})
         for key, st in self.rule.state.items():
             out.update({(b, key): t for b, t in st.items()})
         return out
@@ -319,7 +355,8 @@ class ResidualMemory:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
         self._saved = (dict(self.residuals), {k: dict(st) for k, st in self.rule.state.items()},
-                       dict(self.rule.steps), dict(self.sent_at), dict(self.clock), live)
+                       dict(self.rule.steps), dict(self.sent_at), dict(self.clock),
+                       dict(self.squares), live)
 
     def restore(self) -> None:
         """Back to the last :meth:`checkpoint` (valid until the next one, so a step can
@@ -327,13 +364,13 @@ class ResidualMemory:
         some) holding the same values; keys a step created are gone."""
         if self._saved is None:
             return
-        residuals, state, steps, sent_at, clock, live = self._saved
+        residuals, state, steps, sent_at, clock, squares, live = self._saved
         names = list(live)
         if names:
             with torch.no_grad():
                 torch._foreach_copy_([live[n] for n in names], [self._shadow[n] for n in names])
         self.residuals, self.rule.state, self.rule.steps = residuals, state, steps
-        self.sent_at, self.clock = sent_at, clock
+        self.sent_at, self.clock, self.squares = sent_at, clock, squares
         self._saved = None  # (once: the shadows are the state now)
 
     def rescale(self, c) -> None:
@@ -342,7 +379,7 @@ class ResidualMemory:
         this is exact): each tensor times ``c ** power`` (:attr:`LocalRule.units`)."""
         by_power: Dict[int, List[torch.Tensor]] = {}
         for (store, _), t in self._live().items():
-            power = 0 if store == "sent_at" else self.rule.units.get(store, 1)
+            power = {"sent_at": 0, "squares": 2}.get(store, self.rule.units.get(store, 1))
             if power:
                 by_power.setdefault(power, []).append(t)
         with torch.no_grad():
@@ -353,8 +390,9 @@ class ResidualMemory:
     def named_state(self) -> dict:
         """Residuals and rule buffers split per parameter name (clones), plus the rule's
         step count per name, and where a key keeps them, each element's wait so far
-        (:meth:`sent_waits`); only keys given to :meth:`register` are saved."""
-        out = {"rule": self.rule.name, "residuals": {}, "steps": {}, "waits": {}}
+        (:meth:`sent_waits`) and sum of squares (:meth:`add_squares`); only keys given to
+        :meth:`register` are saved."""
+        out = {"rule": self.rule.name, "residuals": {}, "steps": {}, "waits": {}, "squares": {}}
         for b in self.rule.buffers:
             out[b] = {}
         for key, layout in self._layout.items():
@@ -362,7 +400,7 @@ class ResidualMemory:
                 waited = self.clock[key] - self.sent_at[key]
                 for name, lo, hi, shape in layout:
                     out["waits"][name] = waited[lo:hi].view(shape).clone()
-            stores = [("residuals", self.residuals.get(key))]
+            stores = [("residuals", self.residuals.get(key)), ("squares", self.squares.get(key))]
             stores += [(b, self.rule.state.get(key, {}).get(b)) for b in self.rule.buffers]
             for store, flat in stores:
                 if flat is None:
@@ -394,7 +432,7 @@ class ResidualMemory:
                              f"optimizer {self.rule.name!r} (see momentum_correction)")
         self.residuals = {}
         self.rule.state, self.rule.steps = {}, {}
-        self.sent_at, self.clock = {}, {}
+        self.sent_at, self.clock, self.squares = {}, {}, {}
         for key, layout in self._layout.items():
             names = [n for n, *_ in layout]
             dev = self._device.get(key) or device
@@ -417,6 +455,9 @@ class ResidualMemory:
                 if w is not None:
                     self.clock[key] = 0
                     self.sent_at[key] = w.to(dev, torch.int32).neg_()
+                q = joined("squares")
+                if q is not None:
+                    self.squares[key] = q.to(dev, torch.float32)
             bufs = {b: joined(b) for b in self.rule.buffers}
             if self.rule.buffers and all(v is not None for v in bufs.values()):
                 self.rule.state[key] = {b: v.to(dev, self.acc_dtype(v.dtype))
