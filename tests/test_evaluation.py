@@ -380,6 +380,22 @@ def test_accuracy_suite_labels_give_train_py_its_flags():
         accuracy_suite.scheme_of("ssfusion_oi/lr=1e-3+nope")
 
 
+def test_accuracy_suite_cells_at_a_rate_pass_it_unless_the_label_sets_one(monkeypatch):
+    """A cell with a learning rate (Adam at dense's best) names it and runs every label at
+    it; a label's own ``lr=`` wins."""
+    seen = []
+    monkeypatch.setattr(accuracy_suite, "run_one",
+                        lambda ns, task, scheme, seed, logs: seen.append(ns.extra) or {})
+    cell = ("mlp_deep", "adam", 0.01, 6, 2, 8e-3)
+    assert accuracy_suite.cell_name(cell) == "mlp_deep-adam-0.01-6-lr0.008"
+    assert cell in accuracy_suite.CELLS
+    args = accuracy_suite.parse_args([])
+    accuracy_suite.run_cell(args, cell, "ssfusion_oi/nospread", 0, None)
+    accuracy_suite.run_cell(args, cell, "dense/lr=1e-3", 0, None)
+    accuracy_suite.run_cell(args, ("mlp", "sgd", 0.01, 6, 2), "dense", 0, None)
+    assert seen == [["--lr", "0.008", "--spread", "off"], ["--lr", "1e-3"], []]
+
+
 @pytest.mark.multiworker
 def test_accuracy_suite_runs_cells_and_reports_against_dense(tmp_path):
     """One cell, dense and ssfusion_oi with the paper's per-tensor k, one seed, 2 epochs:
