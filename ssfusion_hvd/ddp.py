@@ -186,6 +186,14 @@ class SparseHook:
         #: the exact top-k ranks the pending steps in the optimizer's geometry (Adam under
         #: the shared moments; docs/recipe.md, "Selecting by the step"), not the magnitudes
         self.by_step = select_by != "magnitude"
+        #: each sparse entry carries its sender's spread, from which the shared Adam rule's
+        #: second moment takes the senders' variance (docs/recipe.md, "The senders'
+        #: variance"): under an Adam, decided by its class, as the Horovod engine decides it
+        self.spread = recipe.shared is not None and recipe.family == "adam"
+        #: per tensor the last synchronized step sparsified under :attr:`spread`, its noise
+        #: ratio (``SparsePart.noise``; the wrapped step's shared Adam rule reads it)
+        self.noise: Dict[torch.Tensor, torch.Tensor] = {}
+        self._noise: Dict[torch.Tensor, torch.Tensor] = {}
         #: the job's GradScaler: residuals kept unscaled, a skipped step undone
         self.scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         self._in_step = False  # between a step's first bucket and its last
@@ -208,7 +216,9 @@ class SparseHook:
         self._keys: Dict[Tuple[str, ...], str] = {}  # a bucket's tensor names -> residual key
         self._owner: Dict[str, str] = {}  # tensor name -> its residual key
         self._buckets: Dict[str, Tuple[float, _Bucket]] = {}  # key -> (density, buffers)
-        self._loaded: Optional[dict] = None  # a checkpoint's residuals, taken as keys appear
+        # a checkpoint's per-name state (residuals; under spread each element's wait and sum
+        # of squares), taken as keys appear
+        self._loaded: Optional[dict] = None
         self._saved_buckets: set = set()  # the checkpoint's buckets, until DDP's first differ
 
     # ------------------------------------------------------------------ the hook
@@ -268,6 +278,8 @@ class SparseHook:
             for wd, (gs, ps) in by_decay.items():
                 torch._foreach_add_(gs, ps, alpha=wd)
             self._sent_sparse.update(params)
+            if part.spread:
+                self._noise.update(zip(params, part.noise_views))
             if self.by_step and self.recipe.selects_by_step and not b.keyed:
                 part.step_scales = functools.partial(
                     self.recipe.step_scales, params, optimizer=self.optimizer)
@@ -321,6 +333,7 @@ class SparseHook:
             self._in_step = False
             self.bytes_sent, self._bytes = self._bytes, 0
             self.sparse_params, self._sent_sparse = frozenset(self._sent_sparse), set()
+            self.noise, self._noise = self._noise, {}
 
     def _bucket(self, bucket, density: float, nranks: int) -> _Bucket:
         params = bucket.parameters()
@@ -387,11 +400,22 @@ class SparseHook:
             return key
         self.memory.register(key, names, shapes, buffer.device)
         if self._loaded is not None:
-            have = self._loaded["residuals"]
-            if any(n in have for n in names):
-                self.memory.residuals[key] = torch.cat(
-                    [have.pop(n).reshape(-1) if n in have else torch.zeros(math.prod(s))
-                     for n, s in zip(names, shapes)]).to(buffer.device, self.memory.acc_dtype(buffer.dtype))
+            def joined(store):  # the names' saved values, zeros for those the save lacks
+                have = self._loaded.get(store, {})
+                if not any(n in have for n in names):
+                    return None
+                return torch.cat([have.pop(n).reshape(-1) if n in have else torch.zeros(math.prod(s))
+                                  for n, s in zip(names, shapes)]).to(buffer.device)
+
+            r = joined("residuals")
+            if r is not None:
+                self.memory.residuals[key] = r.to(self.memory.acc_dtype(buffer.dtype))
+            w, q = joined("waits"), joined("squares")
+            if w is not None:  # (as ResidualMemory.load_named_state keeps them)
+                self.memory.clock[key] = 0
+                self.memory.sent_at[key] = w.to(torch.int32).neg_()
+            if q is not None:
+                self.memory.squares[key] = q.float()
         return key
 
     def _part(self, key: str, names, shapes, density: float, buffer: torch.Tensor) -> SparsePart:
@@ -417,7 +441,8 @@ class SparseHook:
             mode = "per_tensor"  # one call per tensor, any sparsifier
         return SparsePart(key, list(range(len(shapes))), shapes, ks, mode, sps, 0,
                           buffer.dtype, buffer.device,
-                          acc_dtype=self.recipe.accumulation_dtype(buffer.dtype), floors=floors)
+                          acc_dtype=self.recipe.accumulation_dtype(buffer.dtype), floors=floors,
+                          spread=self.spread)
 
     def _regroup(self) -> None:
         """Every residual, split by parameter, waits for its tensor's new bucket (the
@@ -425,7 +450,7 @@ class SparseHook:
         among those split). DDP rebuilds from a step's first bucket, before anything of the
         step changed them; a rebuild later in a step would leave that step, if a
         GradScaler then skips it, not undone (the new memory has no checkpoint)."""
-        self._loaded = {"residuals": self.state_dict()["residuals"]}
+        self._loaded = {k: v for k, v in self.state_dict().items() if k in _PER_NAME}
         self.memory, self._keys, self._owner, self._buckets = None, {}, {}, {}
 
     def bucket_names(self) -> List[Tuple[str, ...]]:
@@ -435,12 +460,14 @@ class SparseHook:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """This rank's residuals by parameter name, and the step count."""
-        named = self.memory.named_state() if self.memory is not None else {"residuals": {}}
-        if self._loaded is not None:  # keys not seen since the load keep the loaded values
-            named["residuals"] = {**self._loaded.get("residuals", {}), **named["residuals"]}
+        """This rank's residuals by parameter name (under :attr:`spread` also each
+        element's wait and sum of squares), and the step count."""
+        named = self.memory.named_state() if self.memory is not None else {}
+        for store in _PER_NAME:  # keys not seen since the load keep the loaded values
+            named[store] = {**(self._loaded or {}).get(store, {}), **named.get(store, {})}
         out = {"scheme": self.scheme, "density": self.recipe.density, "step": self.step,
-               "residuals": named["residuals"], "buckets": [list(b) for b in self._keys],
+               **{store: named[store] for store in _PER_NAME},
+               "buckets": [list(b) for b in self._keys],
                "plan": None if self.plan is None else self.plan.to_json()}
         if self.recipe.shared is not None:
             out["ages"] = self.recipe.shared.state_dict(self.names)
@@ -458,10 +485,14 @@ class SparseHook:
         self.step = int(state["step"])
         self.memory, self._keys, self._owner, self._buckets = None, {}, {}, {}
         self._in_step = self._undo_last = False
-        self._loaded = {"residuals": dict(state.get("residuals", {}))}
+        self._loaded = {store: dict(state.get(store) or {}) for store in _PER_NAME}
         self._saved_buckets = {frozenset(b) for b in state.get("buckets", ())}
         if self.recipe.shared is not None:
             self.recipe.shared.load_state_dict(state.get("ages"), self.names)
+
+
+#: what the hook's state keeps per parameter name (ResidualMemory.named_state's stores)
+_PER_NAME = ("residuals", "waits", "squares")
 
 
 def make_plan(model, cost, scheme: str = "ssfusion", density: float = 0.01,
@@ -758,7 +789,7 @@ def _wrap_step(optimizer, hook: SparseHook) -> None:
     @functools.wraps(inner)
     def step(*args, **kwargs):
         hook._undo_last = False
-        with hook.recipe.step_dense_only(optimizer, hook.sparse_params):
+        with hook.recipe.step_dense_only(optimizer, hook.sparse_params, None, hook.noise):
             return inner(*args, **kwargs)
 
     optimizer.step = step

@@ -268,6 +268,25 @@ def test_resume_is_bit_identical(scheme, cap, dense):
                 assert torch.equal(a[n], b[n]), n
 
 
+@pytest.mark.parametrize("scheme,cap", [("ssfusion", 25), ("per_tensor", 0.004)])
+def test_adam_resume_is_bit_identical_with_the_senders_spreads(scheme, cap):
+    """Under Adam the hook's entries carry their senders' spreads; each element's wait and
+    sum of squares go into the checkpoint with the residuals, so a resumed job steps
+    exactly as the uninterrupted one (ssfusion in one bucket, as in the gradients' resume
+    test: DDP's first buckets after a load differ from its rebuilt ones)."""
+    ranks = run_ddp(workers_ddp.resume_adam, np=2, scheme=scheme, density=DENSITY,
+                    bucket_cap_mb=cap)
+    for rec in ranks:
+        assert rec["spread"] and rec["noise"] > 0
+        assert any(v > 0 for v in rec["squares"].values()) and max(rec["waits"].values()) > 1
+        assert len(rec["through"]) == len(rec["resumed"]) == 6
+        for a, b in zip(rec["through"], rec["resumed"]):
+            for n in a:
+                assert torch.equal(a[n], b[n]), n
+    for n, w in ranks[0]["through"][-1].items():
+        assert torch.equal(w, ranks[1]["through"][-1][n])
+
+
 def test_bad_input_raises_on_every_rank_before_any_collective():
     ranks = run_ddp(workers_ddp.bad_input, np=2)
     for rec in ranks:

@@ -312,3 +312,42 @@ def adam_selection(rank, world, select_by, steps=5, density=0.1):
         before["buckets"] = hook.bucket_names()
         out.append(before)
     return {"steps": out, "group": {k: v for k, v in opt.param_groups[0].items() if k != "params"}}
+
+
+def resume_adam(rank, world, scheme, density, bucket_cap_mb, steps=6, split=3):
+    """Adam under the hook (shared moments, each sender's spread on the wire): the
+    parameters after each of ``steps`` steps run through, and run as ``split`` steps, a
+    checkpoint (model, optimizer, hook), and the rest on a new model, DDP, optimizer and
+    hook that load it."""
+    def build():
+        model = _model()
+        ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+        opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+        hook = ssfusion_hvd.ddp.register(ddp, scheme=scheme, density=density,
+                                         density_warmup_steps=0, optimizer=opt)
+        return ddp, opt, hook
+
+    def train(ddp, opt, span, out):
+        for step in span:
+            opt.zero_grad()
+            x, y = _batch(rank, step)
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            out.append({n: p.detach().clone() for n, p in ddp.module.named_parameters()})
+
+    through, resumed = [], []
+    ddp, opt, hook = build()
+    train(ddp, opt, range(steps), through)
+    ddp, opt, hook = build()
+    train(ddp, opt, range(split), resumed)
+    saved = copy.deepcopy({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
+                           "hook": hook.state_dict()})
+    ddp, opt, hook = build()
+    ddp.module.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    hook.load_state_dict(saved["hook"])
+    train(ddp, opt, range(split, steps), resumed)
+    return {"through": through, "resumed": resumed, "spread": hook.spread,
+            "squares": {n: float(t.abs().sum()) for n, t in saved["hook"]["squares"].items()},
+            "waits": {n: int(t.max()) for n, t in saved["hook"]["waits"].items()},
+            "noise": sum(float(r.abs().sum()) for r in hook.noise.values())}
