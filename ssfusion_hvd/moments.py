@@ -38,6 +38,14 @@ schemes carry each sender's own wait beside its entry (one byte) and their decod
 union's age: SGD the velocity's share ``Σ_r v_r·ψ(a_r) / Σ_r v_r``; Adam the same at β1
 for its first moment and the mean rate ``Σ_r v_r/a_r / Σ_r v_r`` for its second
 (``docs/design.md``, "Each sender's wait").
+
+A sum tells the rule the mean of the steps it waited, not how much the gradient moved
+around it, so Adam's second moment would see the mean's square alone and step too far on
+coordinates whose gradient is mostly noise (it diverged at dense's tuned learning rate).
+With ``scheme_options["spread"]`` (Adam's default) each sender also carries the variance
+of its gradient over its wait, and :meth:`SharedMoments.step` adds the senders' mean
+variance over P to ``v`` at an arrival: Adam's ``v`` of an average is ``mean² + σ²/P``
+(``docs/recipe.md``, "The senders' variance").
 """
 from __future__ import annotations
 
