@@ -126,8 +126,7 @@ def test_waits_auto_carries_them_from_three_ranks(limit_runs, sparse_runs):
 
 
 def test_spread_auto_carries_them_under_adam(limit_runs, sparse_runs):
-    carried = {name: run["carried"]["spread"] for name, run in sparse_runs[0].items()
-               if name.startswith(("planned", "per_tensor", "multi_tensor"))}
+    carried = {name: run["carried"]["spread"] for name, run in sparse_runs[0].items()}
     assert carried == {name: "adam" in name and "nospread" not in name for name in carried}
     assert limit_runs[0]["planned_adam"]["carried"]["spread"]
 
@@ -222,15 +221,20 @@ def _senders(ranks, s, n, group):
     return out
 
 
-def _noise(ranks, s, n, group):
-    """The senders' variance of tensor ``n`` at step ``s``, over P: per rank that sent an
-    element, its gradient's variance over the steps it waited (its recorded sum of squares
-    plus this step's gradient squared, its sum ``acc`` and wait ``w``:
-    ``Σg²/w − (acc/w)²``), as the wire carries it (a ratio to ``acc²``, one byte), averaged
-    over the ranks that sent it, over P."""
+def _noise(ranks, s, n, group, pulled=False):
+    """What the senders' variance adds to Adam's second moment of tensor ``n`` at step
+    ``s`` (before the gain): per rank that sent an element, its gradient's variance over
+    the steps it waited (its recorded sum of squares plus this step's gradient squared,
+    its sum ``acc`` and wait ``w``: ``Σg²/w − (acc/w)²``) as the wire carries it (a ratio
+    to ``acc²``, one byte); their mean over the senders, times P, over the arrived sum
+    squared, is the noise ratio ``R`` (in float32 as the decode computes it, the sums in
+    rank order), and ``R`` times the synchronized gradient squared is the term (in
+    gradient units the senders' mean variance over P). ``pulled``: ``R`` travels as one
+    byte too (ZEN's owner to every rank)."""
     from ssfusion_hvd.core.wire import code_spreads, spread_codes
+    table = code_spreads().float()
     coupled = 0.0 if group.get("decoupled_weight_decay") else group["weight_decay"]
-    total = count = 0
+    var = count = total = 0
     for r in ranks:
         st, nxt = r["steps"][s], r["steps"][s + 1]
         g = st["local"][n] + coupled * st["before"][n]  # what the memory saw
@@ -239,10 +243,14 @@ def _noise(ranks, s, n, group):
         w = (st["waits"].get(n, torch.zeros_like(g, dtype=torch.int32)) + 1).float()
         q = st["squares"].get(n, torch.zeros_like(g)) + g * g
         spread = (q / (w * (acc * acc)) - 1 / (w * w)).clamp(min=0)
-        spread = code_spreads()[spread_codes(torch.where(sent, spread, 0.0)).long()]
-        total = total + torch.where(sent, spread * acc.double() ** 2, 0.0)
-        count = count + sent.double()
-    return torch.where(count > 0, total / count.clamp(min=1), 0.0) / len(ranks)
+        spread = table[spread_codes(torch.where(sent, spread, 0.0)).long()]
+        var = var + torch.where(sent, spread * acc.square(), 0.0)
+        count = count + sent.float()
+        total = total + torch.where(sent, acc, 0.0)
+    ratio = var / count * float(len(ranks)) / total.square()
+    ratio = torch.where((count > 0) & (total != 0) & torch.isfinite(ratio), ratio, 0.0)
+    ratio = code_spreads()[spread_codes(ratio).long()] if pulled else ratio.double()
+    return ratio * ranks[0]["steps"][s]["synced"][n].double() ** 2
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +279,8 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
             break
         nxt = steps[s + 1]
         for n in st0["sparse"]:
-            noise = _noise(ranks, s, n, group) if ranks[0]["carried"]["spread"] else None
+            noise = (_noise(ranks, s, n, group, pulled=name.startswith("zen"))
+                     if ranks[0]["carried"]["spread"] else None)
             noisy += 0 if noise is None else int((noise > 0).sum())
             if "waits" in name:  # each sender's own burst
                 senders = _senders(ranks, s, n, group)

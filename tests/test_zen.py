@@ -86,13 +86,13 @@ def test_bitmap_round_trip():
 
 def test_options():
     assert ZenScheme.parse_options({}) == {"seed": 0x5A454E, "rounds": 3, "table_size": None,
-                                           "select_by": "auto"}
+                                           "select_by": "auto", "spread": "auto"}
     assert ZenScheme.parse_options({"seed": 7, "rounds": 0, "table_size": 64,
-                                    "select_by": "magnitude"}) == \
-        {"seed": 7, "rounds": 0, "table_size": 64, "select_by": "magnitude"}
+                                    "select_by": "magnitude", "spread": False}) == \
+        {"seed": 7, "rounds": 0, "table_size": 64, "select_by": "magnitude", "spread": False}
     for key, bad in (("seed", -1), ("seed", 2**64), ("rounds", 65), ("rounds", 1.0),
                      ("table_size", 0), ("table_size", 2**31), ("table_size", "64"),
-                     ("select_by", "gradient")):
+                     ("select_by", "gradient"), ("spread", "yes")):
         with pytest.raises(ValueError, match=key):
             ZenScheme.parse_options({key: bad})
 

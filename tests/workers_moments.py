@@ -75,7 +75,8 @@ def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=
                     "after": {n: p.detach().clone() for n, p in named}})
     group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
     engine = getattr(opt._scheme, "_engine", None)  # what the planned schemes' wire carried
-    carried = {"waits": bool(engine and engine._waits), "spread": bool(engine and engine._spread)}
+    carried = {"waits": bool(engine and engine._waits),
+               "spread": bool(engine._spread if engine else getattr(opt._scheme, "spread", False))}
     return {"steps": out, "names": [n for n, _ in named], "group": group,
             "moments": opt.recipe.moments, "kind": opt.recipe.kind, "carried": carried}
 

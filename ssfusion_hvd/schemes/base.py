@@ -82,6 +82,23 @@ def is_real(lo: float, hi: float = float("inf"), *, open_low: bool = False) -> C
 SELECT_BY = Option("auto", lambda v: v in ("auto", "magnitude", "step"),
                    "'auto', 'magnitude' or 'step'")
 
+#: ``scheme_options["spread"]`` of the schemes that carry each sender's spread: "auto"
+#: (under shared moments with an Adam), True or False (docs/recipe.md, "The senders'
+#: variance")
+SPREAD = Option("auto", lambda v: isinstance(v, bool) or v == "auto", "'auto', True or False")
+
+
+def carries_spread(config, wanted) -> bool:
+    """Whether a scheme's sparse entries carry their senders' spreads: ``wanted`` (the
+    ``spread`` option; "auto": the wrapped optimizer is an Adam) under ``moments="shared"``,
+    whose Adam rule alone reads them. Decided from what every rank agrees on (the options,
+    the optimizer's class, the ``moments`` argument: ``check_same_model``'s setup), not from
+    hyper-parameters a broadcast may still replace: it shapes the collectives."""
+    recipe = config.recipe
+    if wanted == "auto":
+        wanted = recipe.family == "adam"
+    return bool(wanted) and (recipe.options or {}).get("moments") == "shared"
+
 
 #: (class, scheme name) -> the subclass ``Scheme.named`` made
 _NAMED: Dict[tuple, type] = {}

@@ -26,7 +26,7 @@ from ..core.transport import Transport, elastic
 from ..moments import SHARE_ROWS
 from ..plan import CostModel, Plan, build_plan
 from ..sparsify import make_sparsifier
-from .base import SELECT_BY, Option, Scheme, SyncConfig
+from .base import SELECT_BY, SPREAD, Option, Scheme, SyncConfig, carries_spread
 from .engine import PlannedPhase
 from .warmup import WarmupPhase
 
@@ -71,10 +71,8 @@ class PlannedScheme(Scheme):
         "waits": Option("auto", lambda v: isinstance(v, bool) or v == "auto",
                         "'auto', True or False"),
         # each sparse entry carries its sender's spread (1 byte), for the shared Adam
-        # rule's second moment; "auto": under shared moments with an Adam (docs/recipe.md,
-        # "The senders' variance")
-        "spread": Option("auto", lambda v: isinstance(v, bool) or v == "auto",
-                         "'auto', True or False"),
+        # rule's second moment
+        "spread": SPREAD,
         "select_by": SELECT_BY,
     }
 
@@ -154,14 +152,7 @@ class PlannedScheme(Scheme):
         return rows if wanted and (recipe.options or {}).get("moments") == "shared" else 0
 
     def _carries_spread(self) -> bool:
-        """Whether the sparse entries carry their sender's spread: ``scheme_options
-        ["spread"]`` (True, or "auto": an Adam) under ``moments="shared"``, whose Adam rule
-        alone reads it. Decided, like the waits, from what every rank agrees on."""
-        recipe = self.config.recipe
-        wanted = self.opts["spread"]
-        if wanted == "auto":
-            wanted = recipe.family == "adam"
-        return bool(wanted) and (recipe.options or {}).get("moments") == "shared"
+        return carries_spread(self.config, self.opts["spread"])
 
     def _sparsifier_for(self, key: str):
         """The sparsifier of a tensor (its name) or a fusion buffer (its part key): one

@@ -76,9 +76,10 @@ import torch
 
 from .. import ops
 from ..core import wire
+from ..core.wire import code_spreads, spread_codes
 from ..plan.cost import nominal_k
 from ..sparsify import make_sparsifier
-from .base import SELECT_BY, Option, SyncConfig, is_int
+from .base import SELECT_BY, SPREAD, Option, SyncConfig, carries_spread, is_int
 from .whole import WholeGradientScheme
 
 __all__ = ["ZenScheme", "imbalance_ratio", "pack_bitmap", "unpack_bitmap"]
@@ -131,7 +132,11 @@ class ZenScheme(WholeGradientScheme):
       partition load, :func:`ssfusion_hvd.ops.default_table_size`);
     * ``select_by``: what each rank's top-k ranks, as the planned schemes' (``"auto"`` =
       ``"step"``: under Adam with shared moments the step the rule would take, ``|acc| /
-      (sqrt(v-hat) + eps)``; else, and with ``"magnitude"``, the accumulated magnitude).
+      (sqrt(v-hat) + eps)``; else, and with ``"magnitude"``, the accumulated magnitude);
+    * ``spread``: each pushed entry carries its sender's spread (a second alltoall, one
+      byte per entry); the owner turns its senders' spreads into the noise ratio of each
+      aggregated entry, pulled as one byte beside its value (``"auto"``: under Adam with
+      shared moments; docs/recipe.md, "The senders' variance").
     """
 
     name = "zen"
@@ -142,6 +147,7 @@ class ZenScheme(WholeGradientScheme):
         "table_size": Option(None, _optional_int(1, 2**31 - 1),
                              "None or an int in [1, 2**31 - 1]"),
         "select_by": SELECT_BY,
+        "spread": SPREAD,
     }
 
     def __init__(self, config: SyncConfig):
@@ -156,6 +162,10 @@ class ZenScheme(WholeGradientScheme):
         self._sparsifier = make_sparsifier(config.sparsifier, **kwargs)
         self._sets = None  # built on first use: _build_sets()
         self._key = None  # the selection key's buffer (by the pending step), allocated once
+        #: each sender's spread rides the push, the owners' noise ratios the pull
+        self.spread = carries_spread(config, opts["spread"])
+        self._noise_table = code_spreads(self._device).float() if self.spread else None
+        self._noise = None  # per element, the noise ratio of its last arrival (flat)
         self.reset()
 
     # ------------------------------------------------------------------ index sets
@@ -187,6 +197,11 @@ class ZenScheme(WholeGradientScheme):
         self._touched = torch.zeros(n, dtype=torch.bool, device=dev)
         self._out = torch.zeros(n, dtype=self._dtype, device=dev)
         self._gathered = None  # _gather()'s buffer, allocated when first needed
+        if self.spread:  # the owner's sums of its senders' variances and their counts
+            self._agg_var = torch.zeros(n, dtype=torch.float32, device=dev)
+            self._agg_cnt = torch.zeros(n, dtype=torch.float32, device=dev)
+            self._noise = torch.zeros(n, dtype=torch.float32, device=dev)
+            self._noise_views = dict(zip(self._trainable, self.flat.views(self._noise)))
 
     # ------------------------------------------------------------------ sparsify, hash, push
     def _gather(self, grads) -> torch.Tensor:
@@ -203,6 +218,8 @@ class ZenScheme(WholeGradientScheme):
         t0 = time.perf_counter()
         self._step_density = self._density()
         k = int(nominal_k(self._n, self._step_density)) if self._n else 0
+        if self.spread:  # this step's gradients into the sums of squares a spread reads
+            self._memory.add_squares(self._KEY, [self._grad(p) for p in self._trainable])
         scales = self._step_scales() if self._sparsifier.exact_topk else None
         if scales is not None:  # by the pending step (docs/recipe.md, "Selecting by the step")
             if self._key is None:
@@ -221,6 +238,10 @@ class ZenScheme(WholeGradientScheme):
                 [self._grad(p) for p in self._trainable]))
             values, indices = self._sparsifier.select(acc, k)
             self._memory.update(self._KEY, acc, indices, self._dtype)
+        spreads = None
+        if self.spread:
+            spreads = self._memory.sent_spreads(
+                self._KEY, indices, values, self._memory.sent_waits(self._KEY, indices))
         values = values.to(self._dtype)  # the wire dtype; the rounding stays in the residual
         order, counts, overflow = ops.hash_partition(indices, self._nranks, self.seed,
                                                      table_size=self.table_size,
@@ -236,6 +257,10 @@ class ZenScheme(WholeGradientScheme):
                                for c in per_owner], dtype=torch.int32)
         self._sparsify_s = time.perf_counter() - t0
         self._push = self.transport.alltoall(push.view(torch.uint8), splits, "push")
+        if self.spread:  # one byte per entry, in the push's order (splits: its counts)
+            self._push_spread = self.transport.alltoall(
+                spread_codes(spreads[order]), torch.tensor(per_owner, dtype=torch.int32),
+                "spread")
         self._sent = {"indices": indices, "counts": counts, "overflow": overflow}
 
     # ------------------------------------------------------------------ aggregate, pull
@@ -259,13 +284,17 @@ class ZenScheme(WholeGradientScheme):
         bits = self._touched[S["own"]]
         touched = S["own"][bits]
         own_values = self._agg[touched].to(self._dtype)
+        own_noise = self._owner_noise(rvals, ridx, touched) if self.spread else None
         self._agg[ridx] = 0  # ready for the next step, at the touched positions only
         self._touched[ridx] = False
         h_bits = tr.allgather(pack_bitmap(bits), "bitmap")
         # values travel as bytes: Horovod's allgather takes no bfloat16
         h_vals = tr.allgather(own_values.view(torch.uint8), "values")
+        h_noise = tr.allgather(spread_codes(own_noise), "noise") if self.spread else None
         pos = unpack_bitmap(tr.wait(h_bits)).nonzero().flatten()
         gathered = tr.wait(h_vals).view(self._dtype)
+        if h_noise is not None:  # (elsewhere the gradient is 0: no pass over the rest)
+            self._noise[S["bit_index"][pos]] = self._noise_table[tr.wait(h_noise).long()]
         if self._postscale != 1.0:  # only the pulled entries are non-zero: scale just them
             gathered = gathered * self._postscale
         out = self._out.zero_()
@@ -275,6 +304,26 @@ class ZenScheme(WholeGradientScheme):
         self._finished()
         self._record_stats(pos, gathered, ridx.numel(), t_wait, t_end)
         self.reset()
+
+    def _owner_noise(self, rvals, ridx, touched) -> torch.Tensor:
+        """Per aggregated entry of this owner (``touched``), the noise ratio of what
+        arrived, ``P · mean_r(spread_r·v_r²) / (Σ_r v_r)²`` over the ranks that pushed it
+        (as ``SparsePart.noise``; the sums in source-rank order: the same bits wherever
+        it is computed); 0 where the sum is exactly 0 or the ratio is not finite. Clears
+        the sums at ``ridx`` for the next step."""
+        codes, _ = self.transport.wait(self._push_spread)
+        var = self._noise_table[codes.long()] * rvals.float().square()
+        ops.scatter_add(self._agg_var, var, ridx)
+        ops.scatter_add(self._agg_cnt, torch.ones_like(var), ridx)
+        total = self._agg[touched].float()
+        ratio = self._agg_var[touched].div(self._agg_cnt[touched]).mul_(
+            float(self._nranks)).div_(total.square())
+        self._agg_var[ridx] = 0
+        self._agg_cnt[ridx] = 0
+        return torch.where((total != 0) & torch.isfinite(ratio), ratio, torch.zeros_like(ratio))
+
+    def noise(self) -> dict:
+        return self._noise_views if self._noise is not None and self._last_sparse else {}
 
     def _record_stats(self, pos, pulled, received, t_wait, t_end) -> None:
         sent, tr = self._sent, self.transport
@@ -302,7 +351,7 @@ class ZenScheme(WholeGradientScheme):
 
     def reset(self) -> None:
         super().reset()
-        self._push = self._sent = None
+        self._push = self._sent = self._push_spread = None
 
     # ------------------------------------------------------------------ state
     def _step_state(self) -> dict:
