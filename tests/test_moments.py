@@ -71,6 +71,9 @@ SPARSE = {
     "zen_adam": dict(scheme="zen", optimizer="adam", density=0.05, steps=8),
     "zen_adam_magnitude": dict(scheme="zen", optimizer="adam", density=0.05, steps=8,
                                select_by="magnitude"),
+    # ExDyna: every rank sends every selected element; the variances ride the values'
+    # allreduce as floats
+    "exdyna_adam": dict(scheme="exdyna", optimizer="adam", density=0.05, steps=8),
 }
 
 
@@ -221,7 +224,7 @@ def _senders(ranks, s, n, group):
     return out
 
 
-def _noise(ranks, s, n, group, pulled=False):
+def _noise(ranks, s, n, group, pulled=False, coded=True):
     """What the senders' variance adds to Adam's second moment of tensor ``n`` at step
     ``s`` (before the gain): per rank that sent an element, its gradient's variance over
     the steps it waited (its recorded sum of squares plus this step's gradient squared,
@@ -230,7 +233,8 @@ def _noise(ranks, s, n, group, pulled=False):
     squared, is the noise ratio ``R`` (in float32 as the decode computes it, the sums in
     rank order), and ``R`` times the synchronized gradient squared is the term (in
     gradient units the senders' mean variance over P). ``pulled``: ``R`` travels as one
-    byte too (ZEN's owner to every rank)."""
+    byte too (ZEN's owner to every rank); ``coded=False``: the variances travel as floats
+    (ExDyna's allreduce)."""
     from ssfusion_hvd.core.wire import code_spreads, spread_codes
     table = code_spreads().float()
     coupled = 0.0 if group.get("decoupled_weight_decay") else group["weight_decay"]
@@ -243,7 +247,8 @@ def _noise(ranks, s, n, group, pulled=False):
         w = (st["waits"].get(n, torch.zeros_like(g, dtype=torch.int32)) + 1).float()
         q = st["squares"].get(n, torch.zeros_like(g)) + g * g
         spread = (q / (w * (acc * acc)) - 1 / (w * w)).clamp(min=0)
-        spread = table[spread_codes(torch.where(sent, spread, 0.0)).long()]
+        if coded:
+            spread = table[spread_codes(torch.where(sent, spread, 0.0)).long()]
         var = var + torch.where(sent, spread * acc.square(), 0.0)
         count = count + sent.float()
         total = total + torch.where(sent, acc, 0.0)
@@ -279,7 +284,8 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
             break
         nxt = steps[s + 1]
         for n in st0["sparse"]:
-            noise = (_noise(ranks, s, n, group, pulled=name.startswith("zen"))
+            noise = (_noise(ranks, s, n, group, pulled=name.startswith("zen"),
+                            coded=not name.startswith("exdyna"))
                      if ranks[0]["carried"]["spread"] else None)
             noisy += 0 if noise is None else int((noise > 0).sum())
             if "waits" in name:  # each sender's own burst

@@ -285,9 +285,10 @@ class ResidualMemory:
         that every receiver can compute is the shortest of them."""
         clock = self.clock[key] = self.clock.get(key, 0) + 1
         last = self.sent_at.get(key)
-        if last is None:
-            last = self.sent_at[key] = torch.zeros(self.residuals[key].numel(), dtype=torch.int32,
-                                                   device=indices.device)
+        if last is None:  # (the key's size: its layout, or its residual)
+            layout = self._layout.get(key)
+            n = layout[-1][2] if layout else self.residuals[key].numel()
+            last = self.sent_at[key] = torch.zeros(n, dtype=torch.int32, device=indices.device)
         idx = indices.long()
         waits = clock - last.index_select(0, idx)
         last.index_fill_(0, idx, clock)

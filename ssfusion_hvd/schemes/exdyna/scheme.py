@@ -11,7 +11,7 @@ import torch
 
 from ... import ops
 from ...sparsify.base import trim
-from ..base import SELECT_BY, Option, SyncConfig, is_int, is_real
+from ..base import SELECT_BY, SPREAD, Option, SyncConfig, carries_spread, is_int, is_real
 from ..whole import WholeGradientScheme
 from .state import ExDynaState
 
@@ -34,6 +34,10 @@ class ExDynaScheme(WholeGradientScheme):
         # the threshold on Adam's pending step instead of the magnitude, as the other
         # schemes' top-k (docs/recipe.md, "Selecting by the step")
         "select_by": SELECT_BY,
+        # each rank's variance beside its values in their allreduce (docs/recipe.md, "The
+        # senders' variance"): every rank sends every selected element, so the sum of the
+        # ranks' variances is an allreduce too
+        "spread": SPREAD,
     }
 
     def __init__(self, config: SyncConfig):
@@ -42,7 +46,14 @@ class ExDynaScheme(WholeGradientScheme):
         self._nranks, self._rank = self.transport.size, self.transport.rank
         self._idx_dtype = ops.index_dtype(self._numel)
         self.state = ExDynaState(self._numel, self._nranks, self._density(),
-                                 **{k: v for k, v in self.opts.items() if k != "select_by"})
+                                 **{k: v for k, v in self.opts.items()
+                                    if k not in ("select_by", "spread")})
+        self.spread = carries_spread(config, self.opts["spread"])
+        # per element, the noise ratio of its last arrival (flat), and its views per tensor
+        self._noise = (torch.zeros(self._numel, dtype=torch.float32, device=self._device)
+                       if self.spread else None)
+        self._noise_views = (dict(zip(self._trainable, self.flat.views(self._noise)))
+                             if self.spread else {})
         self._den = None  # Adam's denominators, then the keys (by step), allocated once
         self._flat = torch.empty(self._numel, dtype=self._dtype, device=self._device)
         self._out = torch.empty(self._numel, dtype=self._acc_dtype(), device=self._device)
@@ -56,6 +67,8 @@ class ExDynaScheme(WholeGradientScheme):
         st = self.state
         if self._numel:
             self._flat_grad(out=self._flat)
+        if self.spread:  # this step's gradients into the sums of squares a spread reads
+            self._memory.add_squares(self._KEY, [self._flat])
         acc = self._memory.compensate(self._KEY, self._flat)
         st.set_density(self._density())  # density warm-up: the target of this step
         scales = self._step_scales()  # every rank alike: the optimizer's state is shared
@@ -117,11 +130,28 @@ class ExDynaScheme(WholeGradientScheme):
         for r, d in enumerate(demand):
             wanted[st.allocation(r)] = d
         kth = tr.wait(self._kth).tolist() if self._calibrating else None
-        values = self._acc.index_select(0, gathered.long()).to(self._dtype)  # the wire dtype
+        values = self._acc.index_select(0, gathered.long())
+        union = values.numel()
+        if self.spread:
+            # every rank sends every gathered element: its variance over its wait,
+            # spread·acc², rides the values' allreduce (summed, then the ratio below)
+            spreads = self._memory.sent_spreads(
+                self._KEY, gathered, values, self._memory.sent_waits(self._KEY, gathered))
+            values = torch.cat([values, spreads.mul_(values.float().square()).to(values.dtype)])
+        values = values.to(self._dtype)  # the wire dtype
         compressed, ctx = cfg.compression.compress(values)
         pre, post = tr.horovod_scales()
         handle = tr.allreduce(compressed, "val", prescale=pre, postscale=post)
         reduced = cfg.compression.decompress(tr.wait(handle), ctx).to(self._out.dtype)
+        if self.spread:
+            reduced, var = reduced[:union], reduced[union:].float()
+            # the noise ratio Σ_r σ_r² / (Σ_r v_r)² (every rank sent: P·mean σ² over the
+            # sum squared, as SparsePart.noise): the allreduce scaled both sums by the same
+            # c (1/P for an average), so it is c·var / reduced²
+            pre, post = tr.scales()
+            ratio = var.div(reduced.float().square()).mul_(pre * post)
+            self._noise[gathered.long()] = torch.where(
+                (reduced != 0) & torch.isfinite(ratio), ratio, torch.zeros_like(ratio))
         self._out.zero_()
         ops.scatter_add(self._out, reduced, gathered)
         self._deliver(self._out)
@@ -143,6 +173,9 @@ class ExDynaScheme(WholeGradientScheme):
                    "imbalance": self._nranks * max(counts) / total if total else 1.0})
         st.observe(wanted, kth)
         self.reset()
+
+    def noise(self) -> dict:
+        return self._noise_views if self._last_sparse else {}
 
     def pending(self) -> bool:
         return self._submitted > 0 or self._ag is not None
