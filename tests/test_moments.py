@@ -74,6 +74,8 @@ SPARSE = {
     # ExDyna: every rank sends every selected element; the variances ride the values'
     # allreduce as floats
     "exdyna_adam": dict(scheme="exdyna", optimizer="adam", density=0.05, steps=8),
+    # SparDL: merged partial sums; each rank's variance since the last delivery, summed
+    "spardl_adam": dict(scheme="spardl", optimizer="adam", density=0.05, steps=8),
 }
 
 
@@ -258,6 +260,24 @@ def _noise(ranks, s, n, group, pulled=False, coded=True):
     return ratio * ranks[0]["steps"][s]["synced"][n].double() ** 2
 
 
+def _window_noise(ranks, s, n, group):
+    """SparDL's term: per rank, its gradient's variance over the steps since the element
+    was last delivered (its recorded sums of gradients and squares plus this step's, and
+    that wait: ``Σg²/w − (Σg/w)²``), summed over the ranks, times the average's scale
+    squared (1/P²), where the element is delivered (the same everywhere)."""
+    coupled = 0.0 if group.get("decoupled_weight_decay") else group["weight_decay"]
+    total = 0
+    for r in ranks:
+        st, nxt = r["steps"][s], r["steps"][s + 1]
+        g = st["local"][n] + coupled * st["before"][n]
+        w = (st["waits"].get(n, torch.zeros_like(g, dtype=torch.int32)) + 1).double()
+        q = st["squares"].get(n, torch.zeros_like(g)).double() + g.double() ** 2
+        m = (st["sums"].get(n, torch.zeros_like(g)).double() + g.double()) / w
+        total = total + (q / w - m * m).clamp(min=0)
+    delivered = ranks[0]["steps"][s + 1]["waits"][n] == 0
+    return torch.where(delivered, total / len(ranks) ** 2, 0.0)
+
+
 @pytest.fixture(scope="module")
 def sparse_runs():
     return run_workers(workers_moments.record_all, np=2, timeout=300, cases=SPARSE)
@@ -284,9 +304,10 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
             break
         nxt = steps[s + 1]
         for n in st0["sparse"]:
-            noise = (_noise(ranks, s, n, group, pulled=name.startswith("zen"),
-                            coded=not name.startswith("exdyna"))
-                     if ranks[0]["carried"]["spread"] else None)
+            noise = (None if not ranks[0]["carried"]["spread"] else
+                     _window_noise(ranks, s, n, group) if name.startswith("spardl") else
+                     _noise(ranks, s, n, group, pulled=name.startswith("zen"),
+                            coded=not name.startswith("exdyna")))
             noisy += 0 if noise is None else int((noise > 0).sum())
             if "waits" in name:  # each sender's own burst
                 senders = _senders(ranks, s, n, group)

@@ -219,11 +219,14 @@ def test_bsag_adjustment_moves_h_toward_the_target():
 def test_teams_option():
     """Teams are a scheme option: a positive int (checked without Horovod), dividing P
     (checked when the layout is built: the live case is in the launches above)."""
-    assert SparDLScheme.parse_options(None) == {"teams": 1, "select_by": "auto"}
-    assert SparDLScheme.parse_options({"teams": 3, "select_by": "magnitude"}) == \
-        {"teams": 3, "select_by": "magnitude"}
+    assert SparDLScheme.parse_options(None) == {"teams": 1, "select_by": "auto",
+                                                "spread": "auto"}
+    assert SparDLScheme.parse_options({"teams": 3, "select_by": "magnitude", "spread": False}) == \
+        {"teams": 3, "select_by": "magnitude", "spread": False}
     with pytest.raises(ValueError, match="select_by"):
         SparDLScheme.parse_options({"select_by": "velocity"})
+    with pytest.raises(ValueError, match="spread"):
+        SparDLScheme.parse_options({"spread": 1})
     for bad in (0, -2, "2", 1.5, True, None):
         with pytest.raises(ValueError, match="teams"):
             SparDLScheme.parse_options({"teams": bad})

@@ -58,7 +58,8 @@ def record(scheme, optimizer, density, steps=6, density_warmup=0, plan=None, wd=
         ages = _clone(ours.get("ages", {}))
         # this rank's residuals, each element's wait since it last sent it and its sum of
         # squared gradients over that wait
-        mine = {k: _clone(ours["state"].get(k, {})) for k in ("residuals", "waits", "squares")}
+        mine = {k: _clone(ours["state"].get(k, {}))
+                for k in ("residuals", "waits", "squares", "sums")}
         own = {name_of[p]: _clone(dict(s)) for p, s in opt.state.items()}
         before = {n: p.detach().clone() for n, p in named}
         # the gradient before the hooks: they fold coupled weight decay into p.grad

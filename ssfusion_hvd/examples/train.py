@@ -306,7 +306,8 @@ def main(argv=None):
                 sent += int(st.get("elements_sent", 0))
                 elements += int(st.get("elements", 0))
                 sent_bytes += int(st.get("bytes_sent", st.get("allreduce_bytes", 0)
-                                         + st.get("allgather_bytes", 0)))
+                                         + st.get("allgather_bytes", 0)
+                                         + st.get("alltoall_bytes", 0)))  # (ZEN's push)
             if bar is not None:
                 bar.update(1)
         elapsed = time.perf_counter() - start

@@ -70,6 +70,9 @@ class ResidualMemory:
         #: per key, each element's sum of squared gradients since this rank last sent it
         #: (keys whose wire carries spreads only: :meth:`add_squares`, :meth:`sent_spreads`)
         self.squares: Dict[str, torch.Tensor] = {}
+        #: per key, each element's sum of gradients over the same window, where a scheme
+        #: reads the window's variance itself (:meth:`window_variances`)
+        self.sums: Dict[str, torch.Tensor] = {}
         self._saved = None  # checkpoint(): the state before the step in flight
         self._shadow: Dict[tuple, torch.Tensor] = {}  # checkpoint()'s copies, reused
 
@@ -294,19 +297,39 @@ class ResidualMemory:
         last.index_fill_(0, idx, clock)
         return waits
 
-    def add_squares(self, key: str, grads: Sequence[torch.Tensor]) -> None:
+    def add_squares(self, key: str, grads: Sequence[torch.Tensor], sums: bool = False) -> None:
         """Adds this step's ``grads`` (the key's tensors, or its flat gradient), squared,
         to each element's sum since this rank last sent it: what :meth:`sent_spreads`
-        reads. One foreach pass; the sums live in float32 on the gradients' device."""
+        reads (``sums``: the gradients too, for :meth:`window_variances`). One foreach
+        pass each; the sums live in float32 on the gradients' device."""
         n = sum(g.numel() for g in grads)
-        sq = self.squares.get(key)
-        if sq is None or sq.numel() != n:
-            sq = self.squares[key] = torch.zeros(n, dtype=torch.float32, device=grads[0].device)
         flats = [g.reshape(-1) for g in grads]
         if any(g.dtype != torch.float32 for g in flats):
             flats = [g.float() for g in flats]
-        parts = list(sq.split([g.numel() for g in flats])) if len(flats) > 1 else [sq]
-        torch._foreach_addcmul_(parts, flats, flats)
+        for store, on in ((self.squares, True), (self.sums, sums)):
+            if not on:
+                continue
+            acc = store.get(key)
+            if acc is None or acc.numel() != n:
+                acc = store[key] = torch.zeros(n, dtype=torch.float32, device=grads[0].device)
+            parts = list(acc.split([g.numel() for g in flats])) if len(flats) > 1 else [acc]
+            if store is self.squares:
+                torch._foreach_addcmul_(parts, flats, flats)
+            else:
+                torch._foreach_add_(parts, flats)
+
+    def window_variances(self, key: str, indices: torch.Tensor, waits: torch.Tensor) -> torch.Tensor:
+        """Per element of ``indices``, the variance of this rank's gradient over the ``waits``
+        steps of its window, ``Σg²/w − (Σg/w)²`` (float32; the sums of :meth:`add_squares`
+        with ``sums``), for a scheme whose arrivals are not one rank's sums (SparDL's
+        merged partial sums); the window starts again there."""
+        idx = indices.long()
+        q = self.squares[key].index_select(0, idx)
+        s = self.sums[key].index_select(0, idx)
+        self.squares[key].index_fill_(0, idx, 0.0)
+        self.sums[key].index_fill_(0, idx, 0.0)
+        w = waits.to(q.device, torch.float32)
+        return q.div_(w).sub_(s.div_(w).square_()).clamp_(min=0.0)
 
     def sent_spreads(self, key: str, indices: torch.Tensor, values: torch.Tensor,
                      waits: torch.Tensor) -> torch.Tensor:
@@ -333,6 +356,7 @@ class ResidualMemory:
         out = {("residual", k): t for k, t in self.residuals.items()}
         out.update({("sent_at", k): t for k, t in self.sent_at.items()})
         out.update({("squares", k): t for k, t in self.squares.items()})
+        out.update({("sums", k): t for k, t in self.sums.items()})
         for key, st in self.rule.state.items():
             out.update({(b, key): t for b, t in st.items()})
         return out
@@ -357,7 +381,7 @@ class ResidualMemory:
                 torch._foreach_copy_(dst, src)
         self._saved = (dict(self.residuals), {k: dict(st) for k, st in self.rule.state.items()},
                        dict(self.rule.steps), dict(self.sent_at), dict(self.clock),
-                       dict(self.squares), live)
+                       dict(self.squares), dict(self.sums), live)
 
     def restore(self) -> None:
         """Back to the last :meth:`checkpoint` (valid until the next one, so a step can
@@ -365,13 +389,13 @@ class ResidualMemory:
         some) holding the same values; keys a step created are gone."""
         if self._saved is None:
             return
-        residuals, state, steps, sent_at, clock, squares, live = self._saved
+        residuals, state, steps, sent_at, clock, squares, sums, live = self._saved
         names = list(live)
         if names:
             with torch.no_grad():
                 torch._foreach_copy_([live[n] for n in names], [self._shadow[n] for n in names])
         self.residuals, self.rule.state, self.rule.steps = residuals, state, steps
-        self.sent_at, self.clock, self.squares = sent_at, clock, squares
+        self.sent_at, self.clock, self.squares, self.sums = sent_at, clock, squares, sums
         self._saved = None  # (once: the shadows are the state now)
 
     def rescale(self, c) -> None:
@@ -380,7 +404,7 @@ class ResidualMemory:
         this is exact): each tensor times ``c ** power`` (:attr:`LocalRule.units`)."""
         by_power: Dict[int, List[torch.Tensor]] = {}
         for (store, _), t in self._live().items():
-            power = {"sent_at": 0, "squares": 2}.get(store, self.rule.units.get(store, 1))
+            power = {"sent_at": 0, "squares": 2, "sums": 1}.get(store, self.rule.units.get(store, 1))
             if power:
                 by_power.setdefault(power, []).append(t)
         with torch.no_grad():
@@ -393,7 +417,8 @@ class ResidualMemory:
         step count per name, and where a key keeps them, each element's wait so far
         (:meth:`sent_waits`) and sum of squares (:meth:`add_squares`); only keys given to
         :meth:`register` are saved."""
-        out = {"rule": self.rule.name, "residuals": {}, "steps": {}, "waits": {}, "squares": {}}
+        out = {"rule": self.rule.name, "residuals": {}, "steps": {}, "waits": {}, "squares": {},
+               "sums": {}}
         for b in self.rule.buffers:
             out[b] = {}
         for key, layout in self._layout.items():
@@ -401,7 +426,8 @@ class ResidualMemory:
                 waited = self.clock[key] - self.sent_at[key]
                 for name, lo, hi, shape in layout:
                     out["waits"][name] = waited[lo:hi].view(shape).clone()
-            stores = [("residuals", self.residuals.get(key)), ("squares", self.squares.get(key))]
+            stores = [("residuals", self.residuals.get(key)), ("squares", self.squares.get(key)),
+                      ("sums", self.sums.get(key))]
             stores += [(b, self.rule.state.get(key, {}).get(b)) for b in self.rule.buffers]
             for store, flat in stores:
                 if flat is None:
@@ -433,7 +459,7 @@ class ResidualMemory:
                              f"optimizer {self.rule.name!r} (see momentum_correction)")
         self.residuals = {}
         self.rule.state, self.rule.steps = {}, {}
-        self.sent_at, self.clock, self.squares = {}, {}, {}
+        self.sent_at, self.clock, self.squares, self.sums = {}, {}, {}, {}
         for key, layout in self._layout.items():
             names = [n for n, *_ in layout]
             dev = self._device.get(key) or device
@@ -456,9 +482,10 @@ class ResidualMemory:
                 if w is not None:
                     self.clock[key] = 0
                     self.sent_at[key] = w.to(dev, torch.int32).neg_()
-                q = joined("squares")
-                if q is not None:
-                    self.squares[key] = q.to(dev, torch.float32)
+                for store, into in (("squares", self.squares), ("sums", self.sums)):
+                    q = joined(store)
+                    if q is not None:
+                        into[key] = q.to(dev, torch.float32)
             bufs = {b: joined(b) for b in self.rule.buffers}
             if self.rule.buffers and all(v is not None for v in bufs.values()):
                 self.rule.state[key] = {b: v.to(dev, self.acc_dtype(v.dtype))

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from ... import ops
-from ..base import SELECT_BY, Option, SyncConfig, is_int
+from ...core.transport import Sum
+from ..base import SELECT_BY, SPREAD, Option, SyncConfig, carries_spread, is_int
 from ..whole import WholeGradientScheme
 from .algorithm import BSAGState, Gather, Layout, RankResult, output_scale, run_rank
 
@@ -28,7 +29,10 @@ class SparDLScheme(WholeGradientScheme):
     options = {"teams": Option(1, is_int(1), "a positive int dividing the number of workers"),
                # every selection (blocks, the own block, the merges' cuts) by the pending
                # step under Adam with shared moments, as the planned schemes' top-k
-               "select_by": SELECT_BY}
+               "select_by": SELECT_BY,
+               # the ranks' gradient variance at the delivered elements, for the shared
+               # Adam rule's second moment (docs/recipe.md, "The senders' variance")
+               "spread": SPREAD}
 
     def __init__(self, config: SyncConfig):
         super().__init__(config)
@@ -46,6 +50,16 @@ class SparDLScheme(WholeGradientScheme):
         self._flat = torch.empty(self.flat.numel, dtype=self._dtype, device=self._device)
         self._scratch = None  # run_rank's working copy and output, allocated at the first step
         self._den = None  # Adam's denominators, where the selection is by step (allocated once)
+        # An arrival here is a merge of partial sums, some of them dropped on the way and
+        # kept by another rank, so no rank's value is its own sum over its own wait: each
+        # rank keeps its gradient's sum and sum of squares since an element was last
+        # delivered, and at a delivery the ranks' variances over that window are summed by
+        # one small allreduce over the delivered elements (the same on every rank)
+        self.spread = carries_spread(config, self.opts["spread"])
+        self._noise = (torch.zeros(self.flat.numel, dtype=torch.float32, device=self._device)
+                       if self.spread else None)
+        self._noise_views = (dict(zip(self._trainable, self.flat.views(self._noise)))
+                             if self.spread else {})
         self.reset()
 
     def _set_layout(self) -> None:
@@ -66,7 +80,10 @@ class SparDLScheme(WholeGradientScheme):
 
     def _launch(self) -> None:
         self._set_layout()
-        acc = self._memory.compensate(self._KEY, self._flat_grad(out=self._flat))
+        flat = self._flat_grad(out=self._flat)
+        if self.spread:  # this step's gradients into the window's sums
+            self._memory.add_squares(self._KEY, [flat], sums=True)
+        acc = self._memory.compensate(self._KEY, flat)
         if self._scratch is None or self._scratch[0].dtype != acc.dtype:
             self._scratch = (torch.empty_like(acc), torch.empty_like(acc))
         den, scales = None, self._step_scales()
@@ -118,6 +135,8 @@ class SparDLScheme(WholeGradientScheme):
         flat = result.delivered
         if self._scale != 1.0:
             flat.mul_(self._scale)
+        if self.spread:
+            self._window_noise(result.final, flat)
         self._deliver(flat)
         self._memory.set_residual(self._KEY, result.residual, result.final)
         t_end = time.perf_counter()
@@ -129,6 +148,7 @@ class SparDLScheme(WholeGradientScheme):
         lay = self.layout
         self.last_stats = self._step_stats(
             t_wait, t_end, allgather_bytes=sum(result.bytes.values()),
+            allreduce_bytes=self.transport.sent["allreduce"],  # (the spread's variances)
             elements_sent=result.elements_sent, density_target=lay.density,
             tensors_missing=self.flat.missing(result.final),
             # only the delivered entries can be non-finite (the rest is 0): count those
@@ -140,6 +160,24 @@ class SparDLScheme(WholeGradientScheme):
                    "gather_bytes": result.bytes["gather"],
                    "delivered": int(result.final.numel()),
                    "bsag_h": result.h, "bsag_count": result.count})
+
+    def _window_noise(self, final: torch.Tensor, flat: torch.Tensor) -> None:
+        """The noise ratio at the delivered elements ``final`` (the same on every rank):
+        the synchronized gradient is ``c·Σ_r g_r`` (``c`` its scale), whose variance per
+        step is ``c²·Σ_r σ_r²``, over the delivered value ``flat`` squared; ``σ_r²`` each
+        rank's gradient variance over the steps since the element was last delivered
+        (``ResidualMemory.window_variances``), summed by an allreduce."""
+        idx = final.long()
+        var = self._memory.window_variances(self._KEY, final,
+                                            self._memory.sent_waits(self._KEY, final))
+        total = self.transport.wait(self.transport.allreduce(var, "var", op=Sum))
+        value = flat.index_select(0, idx).float()
+        ratio = total.mul_(self._scale ** 2).div_(value.square())
+        self._noise[idx] = torch.where((value != 0) & torch.isfinite(ratio), ratio,
+                                       torch.zeros_like(ratio))
+
+    def noise(self) -> dict:
+        return self._noise_views if self._last_sparse else {}
 
     def pending(self) -> bool:
         return self._submitted > 0 or self._gen is not None
