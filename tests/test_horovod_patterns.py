@@ -424,9 +424,10 @@ def test_broadcast_between_different_schemes_fails_on_every_rank():
     errors = run_workers(workers_horovod.scheme_mismatch, np=2, timeout=120)
     assert all(e is not None and "setup differs across ranks" in e
                # each scheme's options with their defaults, the optimizer's family, moments
-               and "('per_tensor', [('select_by', 'auto'), ('waits', 'auto')], 'sgd', 'shared')" in e
+               and ("('per_tensor', [('select_by', 'auto'), ('spread', 'auto'), "
+                    "('waits', 'auto')], 'sgd', 'shared')") in e
                and ("('ssfusion_oi', [('floor', 0.0), ('min_k', 0), ('select_by', 'auto'), "
-                    "('slack', 0.2), ('waits', 'auto')], 'sgd', 'shared')") in e
+                    "('slack', 0.2), ('spread', 'auto'), ('waits', 'auto')], 'sgd', 'shared')") in e
                for e in errors), errors
 
 
