@@ -94,11 +94,11 @@ def parse_args(argv=None):
                    help="planned schemes: scheme_options['spread'], each sparse entry carries its "
                         "sender's spread for the shared Adam rule (default: the scheme's, "
                         "'auto': with an Adam)")
-    p.add_argument("--select-by", choices=("auto", "magnitude", "step"), default=None,
+    p.add_argument("--select-by", choices=("auto", "magnitude", "step", "gain"), default=None,
                    help="planned schemes, zen, spardl, exdyna: scheme_options['select_by'], what the "
-                        "top-k (exdyna: its threshold) ranks: the "
-                        "accumulated gradient or the optimizer's step with it (Adam; default: "
-                        "the scheme's)")
+                        "top-k (exdyna: its threshold) ranks: the accumulated gradient, the "
+                        "optimizer's step with it or their product (Adam; default: the "
+                        "scheme's)")
     p.add_argument("--plan", default=None,
                    help="a Plan JSON (opt.plan.save) the sparse scheme runs from the first step "
                         "instead of profiling and planning")
@@ -117,6 +117,8 @@ def parse_args(argv=None):
                    help="cuda: each rank on GPU local_rank %% the GPUs visible (ranks may share "
                         "one); the data set is moved there whole")
     p.add_argument("--json", default=None, help="write per-epoch metrics here (rank 0)")
+    p.add_argument("--step-losses", action="store_true",
+                   help="also write each step's training loss (rank 0's batch) into --json")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p.parse_args(argv)
 
@@ -277,6 +279,7 @@ def main(argv=None):
 
         bar = tqdm(total=args.epochs * steps, unit="step", file=sys.stderr, mininterval=1.0, leave=False)
     history = []
+    step_log = [] if args.step_losses else None
     for epoch in range(1, args.epochs + 1):
         loss_sum = torch.zeros(1, device=device)
         missing = sent = elements = sent_bytes = 0
@@ -300,6 +303,8 @@ def main(argv=None):
                         scaler.step(opt)
                 scaler.update()
             loss_sum += loss.detach().float()
+            if step_log is not None:
+                step_log.append(loss.item())
             if measure:
                 st = stats()
                 missing += int(st.get("tensors_missing", 0))
@@ -348,7 +353,8 @@ def main(argv=None):
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "workers": size, "metric": task.metric,
-                       "held_out": task.held_out, "history": history, "stats": final}, f,
+                       "held_out": task.held_out, "history": history, "stats": final,
+                       **({"step_losses": step_log} if step_log is not None else {})}, f,
                       indent=1)
     return history
 
