@@ -65,15 +65,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("wire_dtype"), py::arg("velocity") = py::none(), py::arg("momentum") = 0.0,
         py::arg("mask_velocity") = false, nogil);
   m.def("ef_step_key_cpu", &ssf::ef_step_key_cpu, py::arg("grads"), py::arg("residual"),
-        py::arg("exp_avg_sqs"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("key"), nogil);
+        py::arg("exp_avg_sqs"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("key"),
+        py::arg("root") = false, nogil);
   m.def("step_denominator_cpu", &ssf::step_denominator_cpu, py::arg("exp_avg_sqs"),
-        py::arg("bias2_sqrt"), py::arg("eps"), py::arg("out"), nogil);
+        py::arg("bias2_sqrt"), py::arg("eps"), py::arg("out"), py::arg("root") = false, nogil);
 #ifdef SSF_WITH_CUDA
   SSF_BIND_DEVICE_OPS(cuda)
   m.def("ef_step_key_cuda", &ssf::ef_step_key_cuda, py::arg("grads"), py::arg("residual"),
-        py::arg("exp_avg_sqs"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("key"), nogil);
+        py::arg("exp_avg_sqs"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("key"),
+        py::arg("root") = false, nogil);
   m.def("step_denominator_cuda", &ssf::step_denominator_cuda, py::arg("exp_avg_sqs"),
-        py::arg("bias2_sqrt"), py::arg("eps"), py::arg("out"), nogil);
+        py::arg("bias2_sqrt"), py::arg("eps"), py::arg("out"), py::arg("root") = false, nogil);
 #endif
 #undef SSF_BIND_DEVICE_OPS
   m.def("record_spans", &ssf::record_spans, py::arg("k"), py::arg("value_dtype"),

@@ -144,11 +144,15 @@ namespace ssf {
 //       residual = residual + grad;  key = |residual| / (sqrt(v) / bias2_sqrt[s] + eps),
 //     the denominator of moments.h's adam_element (bias2_sqrt[s] = (1 - beta2^t)^(1/2) at
 //     tensor s's step count t). The keys are >= 0 (NaN where the sum or v is NaN), so the
-//     magnitude top-k of `key` is the top-k by the pending step.
+//     magnitude top-k of `key` is the top-k by the pending step. With `root`, the
+//     denominator's square root is taken (one more correctly rounded operation): key =
+//     |residual| / sqrt(sqrt(v) / bias2_sqrt[s] + eps), whose order is that of
+//     residual^2 / (sqrt(v) / bias2_sqrt[s] + eps), the pending sum times the step it would
+//     take: the first-order decrease of the loss (docs/recipe.md, "Selecting by the gain").
 //   step_denominator (step_denominator_cpu, step_denominator_cuda): the denominator alone,
-//     sqrt(v) / bias2_sqrt[s] + eps per element of exp_avg_sqs laid back to back, into
-//     `out` (float32, contiguous), rounded as ef_step_key rounds it (for the schemes that
-//     divide partial sums by it: SparDL, ExDyna).
+//     sqrt(v) / bias2_sqrt[s] + eps per element of exp_avg_sqs laid back to back (with
+//     `root`, its square root), into `out` (float32, contiguous), rounded as ef_step_key
+//     rounds it (for the schemes that divide partial sums by it: SparDL, ExDyna).
 // Shared moments (ssfusion_hvd/moments.py, moments="shared" without senders' waits): the
 // step of the sparsified tensors, one pass per tensor over parameter, synchronized
 // gradient, optimizer state and ages, in place; float32 contiguous tensors, lists of one
@@ -221,9 +225,11 @@ std::tuple<at::Tensor, at::Tensor> group_ef_topk_cpu(
     const std::optional<at::Tensor>& velocity, double momentum, bool mask_velocity);
 void ef_step_key_cpu(const std::vector<at::Tensor>& grads, at::Tensor& residual,
                      const std::vector<at::Tensor>& exp_avg_sqs,
-                     const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key);
+                     const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key,
+                     bool root);
 void step_denominator_cpu(const std::vector<at::Tensor>& exp_avg_sqs,
-                          const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out);
+                          const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out,
+                          bool root);
 std::tuple<at::Tensor, at::Tensor> group_ef_topk_tensors_cpu(
     const std::vector<at::Tensor>& grads, at::Tensor& residual, const at::Tensor& offsets,
     const at::Tensor& floors, int64_t k, at::ScalarType wire_dtype,
@@ -232,9 +238,11 @@ std::tuple<at::Tensor, at::Tensor> group_ef_topk_tensors_cpu(
 SSF_DEVICE_OPS(cuda)
 void ef_step_key_cuda(const std::vector<at::Tensor>& grads, at::Tensor& residual,
                       const std::vector<at::Tensor>& exp_avg_sqs,
-                      const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key);
+                      const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key,
+                      bool root);
 void step_denominator_cuda(const std::vector<at::Tensor>& exp_avg_sqs,
-                           const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out);
+                           const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out,
+                           bool root);
 #endif
 
 // Elements of a buffer of dtype `value_dtype` taken by the values (padded) and by the

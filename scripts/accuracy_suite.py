@@ -69,7 +69,7 @@ VARIANTS = {"uniform": ["--floor", "none"], "shared": ["--moments", "shared"],
             "local": ["--moments", "local"], "waits": ["--waits", "on"],
             "nowaits": ["--waits", "off"], "spread": ["--spread", "on"],
             "nospread": ["--spread", "off"], "bystep": ["--select-by", "step"],
-            "bymagnitude": ["--select-by", "magnitude"]}
+            "bymagnitude": ["--select-by", "magnitude"], "bygain": ["--select-by", "gain"]}
 
 
 def cell_name(cell) -> str:

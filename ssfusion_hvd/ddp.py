@@ -67,6 +67,7 @@ from .plan.cost import nominal_k
 from .plan.selective import DEFAULT_ACCURACY_SLACK
 from .recipe import DEFAULT_WARMUP_STEPS, Recipe, resolve_recipe
 from .sparsify import SPARSIFIERS, ResidualMemory, make_sparsifier
+from .schemes.base import SELECT_BY_CHOICES, selection_key
 
 __all__ = ["SCHEMES", "SparseHook", "ddp_kwargs", "make_plan", "measure_cost", "register"]
 
@@ -185,7 +186,8 @@ class SparseHook:
         self.optimizer = optimizer
         #: the exact top-k ranks the pending steps in the optimizer's geometry (Adam under
         #: the shared moments; docs/recipe.md, "Selecting by the step"), not the magnitudes
-        self.by_step = select_by != "magnitude"
+        #: None (by magnitude), or the key's root (True: by the gain, False: by the step)
+        self.key_root = selection_key(select_by)
         #: each sparse entry carries its sender's spread, from which the shared Adam rule's
         #: second moment takes the senders' variance (docs/recipe.md, "The senders'
         #: variance"): under an Adam, decided by its class, as the Horovod engine decides it
@@ -280,9 +282,10 @@ class SparseHook:
             self._sent_sparse.update(params)
             if part.spread:
                 self._noise.update(zip(params, part.noise_views))
-            if self.by_step and self.recipe.selects_by_step and not b.keyed:
+            if self.key_root is not None and self.recipe.selects_by_step and not b.keyed:
                 part.step_scales = functools.partial(
-                    self.recipe.step_scales, params, optimizer=self.optimizer)
+                    self.recipe.step_scales, params, optimizer=self.optimizer,
+                    root=self.key_root)
                 b.keyed = True
         # 0 * (a sum that is finite exactly when every term is) is 0, or NaN
         g = b.gather
@@ -699,8 +702,9 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
     bucket go dense by allreduce and each sparsified tensor's k (build the DDP model
     with :func:`ddp_kwargs` of the same plan, so its buckets are the plan's groups);
     ``select_by``: what the exact top-k ranks, as the planned schemes'
-    ``scheme_options["select_by"]``: ``"auto"`` or ``"step"`` (Adam given as ``optimizer``:
-    the pending steps; otherwise the magnitudes), ``"magnitude"``. Call
+    ``scheme_options["select_by"]``: ``"auto"`` or ``"gain"`` (Adam given as ``optimizer``:
+    the pending sums times their steps; otherwise the magnitudes), ``"step"`` (the pending
+    steps), ``"magnitude"``. Call
     ``optimizer.step()`` (or ``scaler.step(optimizer)``) as usual: the
     hook wraps it. Bad arguments raise ``ValueError`` on every rank before any collective (nothing
     in the checks depends on the rank)."""
@@ -718,8 +722,8 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
     if sparsifier not in SPARSIFIERS:
         raise ValueError(f"unknown sparsifier {sparsifier!r}; choose one of {tuple(SPARSIFIERS)}")
     _check_density(density)
-    if select_by not in ("auto", "magnitude", "step"):
-        raise ValueError(f"select_by must be 'auto', 'magnitude' or 'step', got {select_by!r}")
+    if select_by not in SELECT_BY_CHOICES:
+        raise ValueError(f"select_by must be one of {SELECT_BY_CHOICES}, got {select_by!r}")
     if scheme == "ssfusion" and not make_sparsifier(sparsifier).exact_topk:
         raise ValueError(f"scheme 'ssfusion' shares a bucket's budget by magnitude, which "
                          f"needs an exact top-k sparsifier, got {sparsifier!r}")

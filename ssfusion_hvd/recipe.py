@@ -93,6 +93,9 @@ class StepScales(NamedTuple):
     #: ``(1 - beta2^step)^(1/2)`` per tensor: host floats, or 0-d tensors on the device
     bias2_sqrt: Union[List[float], List[torch.Tensor]]
     eps: float
+    #: the key divides by the denominator's square root (by the gain) rather than by it
+    #: (by the step): ``ops.ef_step_key``'s ``root``
+    root: bool = False
 
 
 class Recipe:
@@ -222,7 +225,8 @@ class Recipe:
         largest pending gradients: the fused kernels' magnitude.)"""
         return self.shared is not None and self.kind == "adam"
 
-    def step_scales(self, params: Sequence[torch.Tensor], optimizer=None) -> Optional["StepScales"]:
+    def step_scales(self, params: Sequence[torch.Tensor], optimizer=None,
+                    root: bool = False) -> Optional["StepScales"]:
         """What selects a sparse part holding ``params`` back to back in the optimizer's
         geometry (``SparsePart.step_scales``): the shared Adam rule's denominator per tensor,
         ``sqrt(v) / bias2_sqrt + eps`` (``ops.ef_step_key``), from ``optimizer``'s (default
@@ -247,7 +251,7 @@ class Recipe:
             torch._foreach_neg_(bias2_sqrt)
             torch._foreach_add_(bias2_sqrt, 1.0)
             torch._foreach_sqrt_(bias2_sqrt)
-        return StepScales([st["exp_avg_sq"] for st in states], bias2_sqrt, eps)
+        return StepScales([st["exp_avg_sq"] for st in states], bias2_sqrt, eps, bool(root))
 
     def undo_takes(self, entries) -> None:
         """Puts back the wrapped optimizer's state that :meth:`take_state` replaced with

@@ -393,14 +393,15 @@ def test_make_plan_checks_its_input_and_ddp_kwargs_cover_the_model():
 
 
 
-@pytest.mark.parametrize("select_by", ["auto", "magnitude"])
-def test_adam_buckets_select_the_largest_pending_steps(select_by):
+@pytest.mark.parametrize("select_by", ["auto", "step", "magnitude"])
+def test_adam_buckets_select_the_largest_pending_gains(select_by):
     """With Adam given as ``optimizer``, each bucket's budget (one element per tensor, the
-    rest shared) goes by default to the elements whose pending sum would move their
-    parameter most, |acc| / (sqrt(v-hat) + eps) from the optimizer's state, as the
-    Horovod planned schemes select (tests/test_moments.py); ``select_by="magnitude"`` to
-    the largest |acc|. Each rank's sent set (where its residual was zeroed) equals the
-    reference on every step after Adam's first, and the two keys differ on them."""
+    rest shared) goes by default to the elements whose pending sum times its step is
+    largest, ranked as |acc| / sqrt(sqrt(v-hat) + eps) from the optimizer's state, as the
+    Horovod planned schemes select (tests/test_moments.py); ``select_by="step"`` to those
+    whose step |acc| / (sqrt(v-hat) + eps) is, ``"magnitude"`` to the largest |acc|. Each
+    rank's sent set (where its residual was zeroed) equals the reference on every step
+    after Adam's first, and the keys differ from the magnitude's on them."""
     from ssfusion_hvd.plan.cost import nominal_k
     from test_schemes import group_select
 
@@ -417,11 +418,13 @@ def test_adam_buckets_select_the_largest_pending_steps(select_by):
                     acc = (st["residuals"].get(n, torch.zeros_like(st["local"][n]))
                            + st["local"][n] + wd * st["params"][n]).reshape(-1)
                     accs.append(acc)
-                    if stateful and select_by == "auto":
+                    if stateful and select_by != "magnitude":
                         s = st["state"][n]
                         # the rule's denominator, the square root correctly rounded (numpy's)
                         b2s = math.sqrt(1.0 - b2 ** float(s["step"]))
                         denom = torch.from_numpy(np.sqrt(s["exp_avg_sq"].reshape(-1).numpy())) / b2s + eps
+                        if select_by == "auto":  # the gain's: its square root
+                            denom = torch.from_numpy(np.sqrt(denom.numpy()))
                         keys.append((acc / denom).abs())
                     else:
                         keys.append(acc.abs())
@@ -435,4 +438,4 @@ def test_adam_buckets_select_the_largest_pending_steps(select_by):
                 assert got == {j for j in want if acc[j] != 0}, (select_by, bucket)
                 checked += stateful
     assert checked >= 8
-    assert (differ > 0) == (select_by == "auto"), differ
+    assert (differ > 0) == (select_by != "magnitude"), differ

@@ -48,8 +48,9 @@ SPARSE = {
                                   plan="all_sparse", steps=8, spread=False),
     "planned_adam_waits": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
                                plan="all_sparse", steps=8, waits=True),
+    # (12 steps: by the gain, 8 had no element that two senders sent after different waits)
     "per_tensor_adamw_waits": dict(scheme="per_tensor", optimizer="adamw", density=0.05,
-                                   steps=8, density_warmup=3, waits=True),
+                                   steps=12, density_warmup=3, waits=True),
     "planned_sgd_damp": dict(scheme="ssfusion_oi", optimizer="sgd_damp", density=0.05,
                              plan="all_sparse", steps=8, waits=False),
     # the default, waits="auto", carries no waits on 2 ranks: the union's age, exactly
@@ -62,12 +63,15 @@ SPARSE = {
                               plan="all_sparse", steps=8, waits=True),
     "multi_tensor_sgd_waits": dict(scheme="multi_tensor", optimizer="sgd_damp", density=0.05,
                                    steps=8, waits=True, density_warmup=3),
-    # the group budget (floors, the rest shared), selected by the pending steps (the default)
+    # the group budget (floors, the rest shared), selected by the gain (the default)
     "planned_adam_group": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
                                plan="all_sparse", steps=8, group_floor=0.0),
+    "planned_adam_group_step": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
+                                    plan="all_sparse", steps=8, group_floor=0.0,
+                                    select_by="step"),
     "planned_adam_magnitude": dict(scheme="ssfusion_oi", optimizer="adam", density=0.05,
                                    plan="all_sparse", steps=8, select_by="magnitude"),
-    # ZEN's one top-k over the whole gradient, by the pending step (its default) and not
+    # ZEN's one top-k over the whole gradient, by the gain (its default) and not
     "zen_adam": dict(scheme="zen", optimizer="adam", density=0.05, steps=8),
     "zen_adam_magnitude": dict(scheme="zen", optimizer="adam", density=0.05, steps=8,
                                select_by="magnitude"),
@@ -343,25 +347,29 @@ def test_sparse_steps_match_the_elementwise_reference(sparse_runs, name):
 
 
 
-@pytest.mark.parametrize("name", ["planned_adam", "planned_adam_group", "planned_adam_magnitude",
-                                  "zen_adam", "zen_adam_magnitude"])
-def test_adam_selects_the_largest_pending_steps(sparse_runs, name):
+@pytest.mark.parametrize("name", ["planned_adam", "planned_adam_group", "planned_adam_group_step",
+                                  "planned_adam_magnitude", "zen_adam", "zen_adam_magnitude"])
+def test_adam_selects_the_largest_pending_gains(sparse_runs, name):
     """Under Adam with shared moments each rank sends, by default, the elements whose
-    pending sum would move their parameter most, |acc| / (sqrt(v-hat) + eps) from the
+    pending sum times the step it would take is largest, acc² / (sqrt(v-hat) + eps) (the
+    first-order decrease of the loss; ranked as |acc| / sqrt(sqrt(v-hat) + eps)), from the
     optimizer's state before the step (per tensor, under the group budget: floors, then
-    the rest by that key, or ZEN's one k over the whole gradient); ``select_by=
-    "magnitude"`` the largest |acc|. Each rank's
-    sent set (where its residual was zeroed) equals that reference, and the two keys
-    choose differently on these steps (so the check tells them apart)."""
+    the rest by that key, or ZEN's one k over the whole gradient); ``select_by="step"``
+    those whose step is largest, |acc| / (sqrt(v-hat) + eps); ``"magnitude"`` the largest
+    |acc|. Each rank's sent set (where its residual was zeroed) equals that reference, and
+    the key chooses differently from the magnitude on these steps and, under the group
+    budget, the gain from the step (so the check tells all three apart)."""
     from ssfusion_hvd.plan.cost import nominal_k
     from test_schemes import group_select
 
-    by_step = not name.endswith("_magnitude")
+    mode = ("magnitude" if name.endswith("_magnitude") else
+            "step" if name.endswith("_step") else "gain")
+    by_step = mode != "magnitude"
     runs = [r[name] for r in sparse_runs]
     names, group = runs[0]["names"], runs[0]["group"]
     b2, eps = group["betas"][1], group["eps"]
     coupled = 0.0 if group.get("decoupled_weight_decay") else group["weight_decay"]
-    checked = differ = 0
+    checked = differ = other = 0
     for run in runs:
         steps = run["steps"]
         for s in range(len(steps) - 1):
@@ -370,7 +378,7 @@ def test_adam_selects_the_largest_pending_steps(sparse_runs, name):
                 continue
             # (before Adam's first step there is no state: magnitude, for the whole part)
             stateful = by_step and all("exp_avg_sq" in st["own"].get(n, {}) for n in names)
-            accs, keys = [], []
+            accs, keys, others = [], [], []
             for n in names:
                 local = st["local"][n] + coupled * st["before"][n]
                 acc = (st["residuals"].get(n, torch.zeros_like(local)) + local).reshape(-1)
@@ -382,22 +390,31 @@ def test_adam_selects_the_largest_pending_steps(sparse_runs, name):
                     # correctly rounded (numpy's; torch's CPU one is not)
                     b2s = math.sqrt(1.0 - b2 ** max(float(own["step"]), 1.0))
                     denom = torch.from_numpy(np.sqrt(v.numpy())) / b2s + eps
-                    keys.append((acc / denom).abs())
+                    root = torch.from_numpy(np.sqrt(denom.numpy()))  # the gain's
+                    step, gain = (acc / denom).abs(), (acc / root).abs()
+                    keys.append(gain if mode == "gain" else step)
+                    others.append(step if mode == "gain" else gain)
                 else:
                     keys.append(acc.abs())
+                    others.append(acc.abs())
             sizes = [a.numel() for a in accs]
             ks = [nominal_k(n, 0.05) for n in sizes]
             k = sum(ks)
             # the group budget's floors (share 0: one element each), or each tensor its k
-            floors = [1] * len(ks) if name == "planned_adam_group" else ks
+            floors = [1] * len(ks) if "group" in name else ks
             if name.startswith("zen"):  # one k over the whole gradient, no floor
                 k, floors = nominal_k(sum(sizes), 0.05), [0] * len(ks)
             acc = torch.cat(accs)
             want = set(group_select(torch.cat(keys), sizes, k, floors)[1].tolist())
             differ += want != set(group_select(acc, sizes, k, floors)[1].tolist())
+            other += want != set(group_select(torch.cat(others), sizes, k, floors)[1].tolist())
             sent = torch.cat([nxt["residuals"][n].reshape(-1) for n in names]) == 0
             got = set((sent & (acc != 0)).nonzero().flatten().tolist())
             assert got == {j for j in want if acc[j] != 0}, (name, s)
             checked += 1
     assert checked >= 8, name
     assert (differ > 0) == by_step, (name, differ)
+    # under the group budget the gain and the step choose differently here (per tensor, and
+    # ZEN's one k, their orders agreed on these steps)
+    if "group" in name:
+        assert (other > 0) == by_step, (name, other)

@@ -525,7 +525,8 @@ def _same_nan(a, b):
 @pytest.mark.parametrize("sizes", [[70_001], [16, 15, 17], [0, 5, 0, 3000, 1],
                                    [(i * 37) % 500 for i in range(70)]])  # > one launch's batch
 @pytest.mark.parametrize("backend", ["native", "torch"])
-def test_step_key_cuda_equals_cpu(sizes, backend):
+@pytest.mark.parametrize("root", [False, True])
+def test_step_key_cuda_equals_cpu(sizes, backend, root):
     """ops.ef_step_key and ops.step_denominator on CUDA (the kernel, and the torch
     composition the dispatcher falls back to) against the CPU kernel, itself held to a
     numpy brute force by tests/test_ops_group.py: residual, key and denominator bit for bit
@@ -533,13 +534,14 @@ def test_step_key_cuda_equals_cpu(sizes, backend):
     from test_ops_group import _step_key_case
     grads, vs, b2s, residual = _step_key_case(sizes, sum(sizes))
     r_cpu, key_cpu, den_cpu = residual.clone(), torch.empty_like(residual), torch.empty_like(residual)
-    ops.ef_step_key(grads, r_cpu, vs, b2s, 1e-8, key_cpu, backend="native")
-    ops.step_denominator(vs, b2s, 1e-8, den_cpu, backend="native")
+    ops.ef_step_key(grads, r_cpu, vs, b2s, 1e-8, key_cpu, root=root, backend="native")
+    ops.step_denominator(vs, b2s, 1e-8, den_cpu, root=root, backend="native")
     r_gpu, key_gpu = residual.to(DEV), torch.empty_like(residual, device=DEV)
     den_gpu = torch.empty_like(residual, device=DEV)
     g_gpu, v_gpu = [x.to(DEV) for x in grads], [v.to(DEV) for v in vs]
-    assert ops.ef_step_key(g_gpu, r_gpu, v_gpu, b2s, 1e-8, key_gpu, backend=backend) is key_gpu
-    assert ops.step_denominator(v_gpu, b2s, 1e-8, den_gpu, backend=backend) is den_gpu
+    assert ops.ef_step_key(g_gpu, r_gpu, v_gpu, b2s, 1e-8, key_gpu, root=root,
+                           backend=backend) is key_gpu
+    assert ops.step_denominator(v_gpu, b2s, 1e-8, den_gpu, root=root, backend=backend) is den_gpu
     _same_nan(r_gpu.cpu(), r_cpu)
     _same_nan(key_gpu.cpu(), key_cpu)
     _same_nan(den_gpu.cpu(), den_cpu)

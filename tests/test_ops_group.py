@@ -206,14 +206,16 @@ def _step_key_case(sizes, seed):
     return grads, vs, b2s, residual
 
 
+@pytest.mark.parametrize("root", [False, True])
 @pytest.mark.parametrize("sizes", LAYOUTS + [[70_001], [16, 15, 17]])
 @pytest.mark.parametrize("isa", ["native", "baseline"])
-def test_step_key_is_the_rules_denominator(sizes, isa, monkeypatch):
+def test_step_key_is_the_rules_denominator(sizes, isa, root, monkeypatch):
     """ops.ef_step_key: the residual's sum and |sum| / (sqrt(v) / bias2_sqrt + eps) per
-    element (and ops.step_denominator: the denominator alone), against a numpy brute force (float32, each operation rounded once, numpy's
-    correctly rounded square root), bit for bit, NaN where v or the sum is: the native
-    kernel (its AVX-512 loop, and the SSE2 one with SSF_CPU_ISA=baseline) and the torch
-    composition alike."""
+    element, with ``root`` |sum| / sqrt(sqrt(v) / bias2_sqrt + eps) (the gain's key; and
+    ops.step_denominator: the denominator alone), against a numpy brute force (float32,
+    each operation rounded once, numpy's correctly rounded square root), bit for bit, NaN
+    where v or the sum is: the native kernel (its AVX-512 loop, and the SSE2 one with
+    SSF_CPU_ISA=baseline) and the torch composition alike."""
     np = pytest.importorskip("numpy")
     if isa == "baseline":
         monkeypatch.setenv("SSF_CPU_ISA", "baseline")
@@ -222,17 +224,19 @@ def test_step_key_is_the_rules_denominator(sizes, isa, monkeypatch):
     acc = residual.numpy() + np.concatenate([x.numpy() for x in grads])
     den = np.concatenate([np.sqrt(v.numpy()) / np.float32(b) for v, b in zip(vs, b2s)])
     den_want = den + np.float32(eps)
+    if root:
+        den_want = np.sqrt(den_want)
     want = np.abs(acc) / den_want
     backends = ["torch"] + (["native"] if ops.has_native("ef_step_key", residual) else [])
     for backend in backends:
         r, key = residual.clone(), torch.empty_like(residual)
-        out = ops.ef_step_key(grads, r, vs, b2s, eps, key, backend=backend)
+        out = ops.ef_step_key(grads, r, vs, b2s, eps, key, root=root, backend=backend)
         assert out is key
         assert _bits(r).tolist() == _bits(torch.from_numpy(acc)).tolist(), backend
         assert _bits(key).tolist() == _bits(torch.from_numpy(want)).tolist(), backend
         # the denominator alone (SparDL, ExDyna), rounded alike
         den = torch.empty_like(residual)
-        assert ops.step_denominator(vs, b2s, eps, den, backend=backend) is den
+        assert ops.step_denominator(vs, b2s, eps, den, root=root, backend=backend) is den
         assert _bits(den).tolist() == _bits(torch.from_numpy(den_want)).tolist(), backend
 
 
@@ -261,12 +265,13 @@ def test_step_key_takes_what_the_native_kernel_does_not():
     assert torch.equal(residual, before)
 
 
+@pytest.mark.parametrize("root", [False, True])
 @pytest.mark.parametrize("mode", ["group", "segmented", "buffer"])
-def test_sparse_part_selects_by_step_natively_and_in_torch_alike(mode, monkeypatch):
-    """SparsePart's selection by the pending step (gradients read where they lie, with the
-    native key; staged, with the torch one) over three steps: the same values, indices and
-    residuals, and the indices are the brute-force top of |acc| / denominator under the
-    part's budget."""
+def test_sparse_part_selects_by_step_natively_and_in_torch_alike(mode, root, monkeypatch):
+    """SparsePart's selection by the pending step or gain (gradients read where they lie,
+    with the native key; staged, with the torch one) over three steps: the same values,
+    indices and residuals, and the indices are the brute-force top of |acc| / denominator
+    (the gain: its square root) under the part's budget."""
     from ssfusion_hvd.kernels import dispatch
     from ssfusion_hvd.recipe import StepScales
 
@@ -286,7 +291,7 @@ def test_sparse_part_selects_by_step_natively_and_in_torch_alike(mode, monkeypat
                           torch.device("cpu"), floors=floors)
         grads, vs, b2s, _ = _step_key_case(sizes, 3)
         vs = [v.nan_to_num(0.5) for v in vs]
-        part.step_scales = lambda: StepScales(vs, b2s, 1e-8)
+        part.step_scales = lambda: StepScales(vs, b2s, 1e-8, root)
         memory, got = ResidualMemory(), []
         for step in range(3):
             gs = [x * (step + 1) for x in grads]
@@ -295,7 +300,8 @@ def test_sparse_part_selects_by_step_natively_and_in_torch_alike(mode, monkeypat
             res = part.select_grads(memory, gs) if native else (part.stage_grads(gs) or part.select(memory))
             acc = before + torch.cat(gs)
             den = np.concatenate([np.sqrt(v.numpy()) / np.float32(b) for v, b in zip(vs, b2s)])
-            key = torch.from_numpy(np.abs(acc.numpy()) / (den + np.float32(1e-8)))
+            den = den + np.float32(1e-8)
+            key = torch.from_numpy(np.abs(acc.numpy()) / (np.sqrt(den) if root else den))
             if mode == "group":
                 want = group_select(key, sizes, sum(ks), floors)[1]
             elif mode == "segmented":

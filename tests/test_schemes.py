@@ -25,11 +25,12 @@ pytestmark = pytest.mark.multiworker
 SCHEMES = ["per_tensor", "multi_tensor", "ssfusion", "ssfusion_o", "ssfusion_i", "ssfusion_oi"]
 
 
-def adam_denominator(adam, names):
+def adam_denominator(adam, names, root=True):
     """The shared Adam rule's denominators from a recorded state ``{name: (step,
     exp_avg_sq)}``: sqrt(v) / sqrt(1 - 0.999^t) + 1e-8 (torch's defaults), flat in
     ``names``' order, the square root correctly rounded (numpy's; torch's CPU one is not);
-    None where a tensor has no state yet (before Adam's first step; SGD)."""
+    None where a tensor has no state yet (before Adam's first step; SGD). ``root`` (the
+    default's key, by the gain): their square roots, what the selection divides by."""
     if not adam or set(adam) != set(names):
         return None
     parts = []
@@ -37,7 +38,8 @@ def adam_denominator(adam, names):
         t, v = adam[n]
         b2s = math.sqrt(1.0 - 0.999 ** max(t, 1.0))
         parts.append(torch.from_numpy(np.sqrt(v.reshape(-1).float().numpy())) / b2s + 1e-8)
-    return torch.cat(parts)
+    den = torch.cat(parts)
+    return torch.from_numpy(np.sqrt(den.numpy())) if root else den
 
 
 def group_select(acc, sizes, k, floors):

@@ -24,12 +24,13 @@ namespace {
 
 // One tensor's range [0, n): with KEY, r += g and out = |r| / (sqrt(v) / b + e); without,
 // out = sqrt(v) / b + e, the denominator alone (SparDL's and ExDyna's selections divide
-// partial sums by it). Each operation rounds once, in moments.h's order for the
+// partial sums by it). With ROOT the denominator is square-rooted first (the key by the
+// gain, ops.h). Each operation rounds once, in moments.h's order for the
 // denominator (the module is built with -ffp-contract=off). The square root is the
 // instruction's, correctly rounded; written with intrinsics because std::sqrt keeps
 // errno's semantics, which stops the compiler from vectorizing the loop (it ran at a fifth
 // of the memory's speed).
-template <bool KEY>
+template <bool KEY, bool ROOT>
 void range_scalar(float* r, const float* g, const float* v, float* out, int64_t n, float b,
                   float e) {
   int64_t i = 0;
@@ -37,7 +38,8 @@ void range_scalar(float* r, const float* g, const float* v, float* out, int64_t 
   const __m128 bv = _mm_set1_ps(b), ev = _mm_set1_ps(e);
   const __m128 sign = _mm_set1_ps(-0.0f);
   for (; i + 4 <= n; i += 4) {
-    const __m128 den = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(_mm_loadu_ps(v + i)), bv), ev);
+    __m128 den = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(_mm_loadu_ps(v + i)), bv), ev);
+    if constexpr (ROOT) den = _mm_sqrt_ps(den);
     if constexpr (KEY) {
       const __m128 acc = _mm_add_ps(_mm_loadu_ps(r + i), _mm_loadu_ps(g + i));
       _mm_storeu_ps(r + i, acc);
@@ -48,7 +50,8 @@ void range_scalar(float* r, const float* g, const float* v, float* out, int64_t 
   }
 #endif
   for (; i < n; ++i) {
-    const float den = std::sqrt(v[i]) / b + e;
+    float den = std::sqrt(v[i]) / b + e;
+    if constexpr (ROOT) den = std::sqrt(den);
     if constexpr (KEY) {
       const float acc = r[i] + g[i];
       r[i] = acc;
@@ -60,14 +63,15 @@ void range_scalar(float* r, const float* g, const float* v, float* out, int64_t 
 }
 
 #ifdef SSF_X86_DISPATCH
-template <bool KEY>
+template <bool KEY, bool ROOT>
 __attribute__((target("avx512f"))) void range_avx512(float* r, const float* g, const float* v,
                                                      float* out, int64_t n, float b, float e) {
   const __m512 bv = _mm512_set1_ps(b), ev = _mm512_set1_ps(e);
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(_mm512_loadu_ps(v + i)), bv), ev);
+    __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(_mm512_loadu_ps(v + i)), bv), ev);
+    if constexpr (ROOT) den = _mm512_sqrt_ps(den);
     if constexpr (KEY) {
       const __m512 acc = _mm512_add_ps(_mm512_loadu_ps(r + i), _mm512_loadu_ps(g + i));
       _mm512_storeu_ps(r + i, acc);
@@ -77,24 +81,25 @@ __attribute__((target("avx512f"))) void range_avx512(float* r, const float* g, c
       _mm512_storeu_ps(out + i, den);
     }
   }
-  range_scalar<KEY>(KEY ? r + i : r, KEY ? g + i : g, v + i, out + i, n - i, b, e);
+  range_scalar<KEY, ROOT>(KEY ? r + i : r, KEY ? g + i : g, v + i, out + i, n - i, b, e);
 }
 #endif
 
-template <bool KEY>
+template <bool KEY, bool ROOT>
 void range(float* r, const float* g, const float* v, float* out, int64_t n, float b, float e) {
 #ifdef SSF_X86_DISPATCH
-  if (cpu::use_avx512()) return range_avx512<KEY>(r, g, v, out, n, b, e);
+  if (cpu::use_avx512()) return range_avx512<KEY, ROOT>(r, g, v, out, n, b, e);
 #endif
-  range_scalar<KEY>(r, g, v, out, n, b, e);
+  range_scalar<KEY, ROOT>(r, g, v, out, n, b, e);
 }
 
 // The checked tiling of exp_avg_sqs (with KEY, grads alike) over `out` (and the residual),
-// then range<KEY> over it in parallel, each thread's span split at the tensors' bounds.
+// then range<KEY, root> over it in parallel, each thread's span split at the tensors' bounds.
 template <bool KEY>
 void over_tensors(const char* op, const std::vector<at::Tensor>* grads, at::Tensor* residual,
                   const std::vector<at::Tensor>& exp_avg_sqs,
-                  const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out) {
+                  const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out,
+                  bool root) {
   const std::vector<int64_t> off =
       check_step_key(op, grads, residual, exp_avg_sqs, bias2_sqrt, out, at::kCPU);
   const size_t nseg = exp_avg_sqs.size();
@@ -114,8 +119,12 @@ void over_tensors(const char* op, const std::vector<at::Tensor>* grads, at::Tens
     for (int64_t s = std::upper_bound(off.begin(), off.end(), lo) - off.begin() - 1;
          s < int64_t(nseg) && off[s] < hi; ++s) {
       const int64_t b0 = std::max(lo, off[s]), b1 = std::min(hi, off[s + 1]);
-      range<KEY>(KEY ? r + b0 : nullptr, KEY ? g[s] + (b0 - off[s]) : nullptr,
-                 v[s] + (b0 - off[s]), o + b0, b1 - b0, b[s], e);
+      float* rs = KEY ? r + b0 : nullptr;
+      const float* gs = KEY ? g[s] + (b0 - off[s]) : nullptr;
+      if (root)
+        range<KEY, true>(rs, gs, v[s] + (b0 - off[s]), o + b0, b1 - b0, b[s], e);
+      else
+        range<KEY, false>(rs, gs, v[s] + (b0 - off[s]), o + b0, b1 - b0, b[s], e);
     }
   });
 }
@@ -125,13 +134,16 @@ void over_tensors(const char* op, const std::vector<at::Tensor>* grads, at::Tens
 
 void ef_step_key_cpu(const std::vector<at::Tensor>& grads, at::Tensor& residual,
                      const std::vector<at::Tensor>& exp_avg_sqs,
-                     const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key) {
-  over_tensors<true>("ef_step_key", &grads, &residual, exp_avg_sqs, bias2_sqrt, eps, key);
+                     const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key,
+                     bool root) {
+  over_tensors<true>("ef_step_key", &grads, &residual, exp_avg_sqs, bias2_sqrt, eps, key, root);
 }
 
 void step_denominator_cpu(const std::vector<at::Tensor>& exp_avg_sqs,
-                          const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out) {
-  over_tensors<false>("step_denominator", nullptr, nullptr, exp_avg_sqs, bias2_sqrt, eps, out);
+                          const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out,
+                          bool root) {
+  over_tensors<false>("step_denominator", nullptr, nullptr, exp_avg_sqs, bias2_sqrt, eps, out,
+                      root);
 }
 
 }  // namespace ssf

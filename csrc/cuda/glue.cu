@@ -462,7 +462,8 @@ namespace {
 // one launch per kKeyBatch tensors; empty tensors are skipped (no block row for them).
 void step_key_launch(const char* op, const std::vector<at::Tensor>* grads, at::Tensor* residual,
                      const std::vector<at::Tensor>& exp_avg_sqs,
-                     const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out) {
+                     const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out,
+                     bool root) {
   const std::vector<int64_t> off =
       check_step_key(op, grads, residual, exp_avg_sqs, bias2_sqrt, out, at::kCUDA);
   const OnDevice on(out);
@@ -478,23 +479,25 @@ void step_key_launch(const char* op, const std::vector<at::Tensor>* grads, at::T
     batch.n[i] = exp_avg_sqs[s].numel();
     batch.bias2_sqrt[i] = float(bias2_sqrt[s]);
     if (batch.count == cuda::kKeyBatch) {
-      cuda::step_key(batch, r, out.data_ptr<float>(), float(eps), on.stream);
+      cuda::step_key(batch, r, out.data_ptr<float>(), float(eps), root, on.stream);
       batch.count = 0;
     }
   }
-  cuda::step_key(batch, r, out.data_ptr<float>(), float(eps), on.stream);
+  cuda::step_key(batch, r, out.data_ptr<float>(), float(eps), root, on.stream);
 }
 }  // namespace
 
 void ef_step_key_cuda(const std::vector<at::Tensor>& grads, at::Tensor& residual,
                       const std::vector<at::Tensor>& exp_avg_sqs,
-                      const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key) {
-  step_key_launch("ef_step_key", &grads, &residual, exp_avg_sqs, bias2_sqrt, eps, key);
+                      const std::vector<double>& bias2_sqrt, double eps, at::Tensor& key,
+                      bool root) {
+  step_key_launch("ef_step_key", &grads, &residual, exp_avg_sqs, bias2_sqrt, eps, key, root);
 }
 
 void step_denominator_cuda(const std::vector<at::Tensor>& exp_avg_sqs,
-                           const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out) {
-  step_key_launch("step_denominator", nullptr, nullptr, exp_avg_sqs, bias2_sqrt, eps, out);
+                           const std::vector<double>& bias2_sqrt, double eps, at::Tensor& out,
+                           bool root) {
+  step_key_launch("step_denominator", nullptr, nullptr, exp_avg_sqs, bias2_sqrt, eps, out, root);
 }
 
 // Every CUDA op that ops.h declares is defined above with the declared signature: a

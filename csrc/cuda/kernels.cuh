@@ -230,8 +230,10 @@ struct KeyBatch {
   float bias2_sqrt[kKeyBatch];
 };
 // With `residual`: residual += g, out = |residual| / (sqrt(v) / b + eps); without (nullptr):
-// out = sqrt(v) / b + eps. Each operation rounded once, IEEE division and square root.
-void step_key(const KeyBatch& batch, float* residual, float* out, float eps, cudaStream_t stream);
+// out = sqrt(v) / b + eps. With `root` the denominator's square root (the key by the gain).
+// Each operation rounded once, IEEE division and square root.
+void step_key(const KeyBatch& batch, float* residual, float* out, float eps, bool root,
+              cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace ssf

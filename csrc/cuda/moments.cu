@@ -57,8 +57,9 @@ __global__ void adam_kernel(const MomentBatch batch, const float lr, const float
 // sqrt(v) / bias2_sqrt + eps, and the key divides the error feedback's sum by it. Plain
 // float operations, each rounded once: nvcc's defaults keep division and square root IEEE
 // (-prec-div, -prec-sqrt) and there is no product to contract, so the bits are the CPU
-// kernel's (csrc/cpu/step_key.cpp) and the torch composition's.
-template <bool KEY>
+// kernel's (csrc/cpu/step_key.cpp) and the torch composition's. ROOT: the denominator's
+// square root (the key by the gain).
+template <bool KEY, bool ROOT>
 __global__ void step_key_kernel(const KeyBatch batch, float* residual, float* out,
                                 const float eps) {
   const int t = blockIdx.y;
@@ -70,7 +71,8 @@ __global__ void step_key_kernel(const KeyBatch batch, float* residual, float* ou
   float* o = out + batch.off[t];
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += int64_t(gridDim.x) * blockDim.x) {
-    const float den = sqrtf(v[j]) / b + eps;
+    float den = sqrtf(v[j]) / b + eps;
+    if (ROOT) den = sqrtf(den);
     if (KEY) {
       const float acc = r[j] + g[j];
       r[j] = acc;
@@ -106,13 +108,18 @@ void shared_adam(const MomentBatch& batch, float lr, float beta1, float beta2, f
   SSF_CUDA_CHECK_LAUNCH();
 }
 
-void step_key(const KeyBatch& batch, float* residual, float* out, float eps,
+void step_key(const KeyBatch& batch, float* residual, float* out, float eps, bool root,
               cudaStream_t stream) {
   if (batch.count == 0) return;
-  if (residual != nullptr)
-    step_key_kernel<true><<<grid_of(batch), kThreads, 0, stream>>>(batch, residual, out, eps);
+  const dim3 grid = grid_of(batch);
+  if (residual != nullptr && root)
+    step_key_kernel<true, true><<<grid, kThreads, 0, stream>>>(batch, residual, out, eps);
+  else if (residual != nullptr)
+    step_key_kernel<true, false><<<grid, kThreads, 0, stream>>>(batch, residual, out, eps);
+  else if (root)
+    step_key_kernel<false, true><<<grid, kThreads, 0, stream>>>(batch, nullptr, out, eps);
   else
-    step_key_kernel<false><<<grid_of(batch), kThreads, 0, stream>>>(batch, nullptr, out, eps);
+    step_key_kernel<false, false><<<grid, kThreads, 0, stream>>>(batch, nullptr, out, eps);
   SSF_CUDA_CHECK_LAUNCH();
 }
 

@@ -335,7 +335,8 @@ def _concat_tiles(grads, bounds, residual: torch.Tensor, op: str) -> torch.Tenso
 
 
 def ef_step_key(grads, residual: torch.Tensor, exp_avg_sqs, bias2_sqrt, eps: float,
-                key: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+                key: torch.Tensor, *, root: bool = False,
+                backend: Optional[str] = None) -> torch.Tensor:
     """A fusion group's error-feedback sum and the size of the step the shared Adam rule
     would take with it, the key that selects by the pending step (``docs/recipe.md``,
     "Selecting by the step"): ``residual += grads`` (the tensors laid back to back tile
@@ -346,6 +347,12 @@ def ef_step_key(grads, residual: torch.Tensor, exp_avg_sqs, bias2_sqrt, eps: flo
     dtype, the key's operations in float32, each rounded once in that order, the square
     root correctly rounded. Returns
     ``key``; its magnitude top-k is the top-k by the pending step.
+
+    ``root``: the denominator's square root is taken (once more correctly rounded), ``key =
+    |residual| / sqrt(sqrt(v) / bias2_sqrt[s] + eps)``, whose order is that of
+    ``residual² / (sqrt(v) / bias2_sqrt[s] + eps)``: the pending sum times the step it
+    would take, the first-order decrease of the loss (``docs/recipe.md``, "Selecting by the
+    gain").
 
     The native kernels (``csrc/cpu/step_key.cpp``; on CUDA, ``csrc/cuda/moments.cu``) read
     gradients and ``v`` where they lie, one pass; they take float32 tensors on the
@@ -369,23 +376,32 @@ def ef_step_key(grads, residual: torch.Tensor, exp_avg_sqs, bias2_sqrt, eps: flo
     if fn is not None and all(t.dtype == torch.float32 and t.device == residual.device
                               for t in [residual, *grads, *vs]):
         fn([g.contiguous() for g in grads], residual, [v.contiguous() for v in vs],
-           [float(b) for b in bias2_sqrt], float(eps), key)
+           [float(b) for b in bias2_sqrt], float(eps), key, bool(root))
         return key
     if backend == "native":
         raise RuntimeError("ef_step_key: the native kernel takes float32 tensors on the residual's "
                            "device and host bias corrections")
     flat = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
     residual.add_(flat.to(residual.device, residual.dtype))
-    step_denominator(vs, bias2_sqrt, eps, key, backend=backend)
+    step_denominator(vs, bias2_sqrt, eps, key, root=root, backend=backend)
     return torch.div(residual.float(), key, out=key).abs_()
 
 
+def _exact_sqrt_(x: torch.Tensor) -> None:
+    """``x``'s float32 square roots in place, correctly rounded as the native kernels'."""
+    if x.is_cuda:  # IEEE's square root on the GPU; torch's CPU one is not correctly rounded
+        x.sqrt_()
+    else:  # (a float32 square root through float64 is, as the native kernel's)
+        x.copy_(x.double().sqrt_())
+
+
 def step_denominator(exp_avg_sqs, bias2_sqrt, eps: float, out: torch.Tensor, *,
-                     backend: Optional[str] = None) -> torch.Tensor:
+                     root: bool = False, backend: Optional[str] = None) -> torch.Tensor:
     """What the shared Adam rule divides each element's step by, ``sqrt(v) / bias2_sqrt[s]
     + eps`` for the tensors of ``exp_avg_sqs`` laid back to back, into ``out`` (float32,
     contiguous), bit for bit as :func:`ef_step_key` divides by it (each operation rounded
     once, the square root correctly rounded); ``bias2_sqrt`` host floats or 0-d tensors.
+    ``root``: its square root, as :func:`ef_step_key` with ``root`` divides by.
     For the schemes whose selections run on partial sums (SparDL's merges), which divide
     by it themselves. Returns ``out``. The native kernels (CPU and CUDA, as
     :func:`ef_step_key`'s) read ``v`` where it lies, one pass, for float32 states on
@@ -395,7 +411,8 @@ def step_denominator(exp_avg_sqs, bias2_sqrt, eps: float, out: torch.Tensor, *,
     fn = _native(out, "step_denominator", backend) if host else None
     if fn is not None and out.dtype == torch.float32 and all(
             v.dtype == torch.float32 and v.device == out.device for v in vs):
-        fn([v.contiguous() for v in vs], [float(b) for b in bias2_sqrt], float(eps), out)
+        fn([v.contiguous() for v in vs], [float(b) for b in bias2_sqrt], float(eps), out,
+           bool(root))
         return out
     if backend == "native":
         raise RuntimeError("step_denominator: the native kernel takes float32 tensors on the "
@@ -406,15 +423,14 @@ def step_denominator(exp_avg_sqs, bias2_sqrt, eps: float, out: torch.Tensor, *,
         den = torch.cat([v.reshape(-1) for v in vs], out=out)
     else:
         den = torch.cat([v.reshape(-1).float() for v in vs])
-    if den.is_cuda:  # IEEE's square root on the GPU; torch's CPU one is not correctly rounded
-        den.sqrt_()
-    else:  # (a float32 square root through float64 is, as the native kernel's)
-        den.copy_(den.double().sqrt_())
+    _exact_sqrt_(den)
     if any(isinstance(b, torch.Tensor) for b in bias2_sqrt):  # where capturable Adam keeps steps
         bias2_sqrt = torch.stack([torch.as_tensor(b).reshape(()).float() for b in bias2_sqrt]
                                  ).to(den.device).unbind()
     torch._foreach_div_(list(den.split([v.numel() for v in vs])), list(bias2_sqrt))
     den.add_(float(eps))
+    if root:
+        _exact_sqrt_(den)
     if den is not out:
         out.copy_(den)
     return out

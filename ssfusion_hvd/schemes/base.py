@@ -76,11 +76,23 @@ def is_real(lo: float, hi: float = float("inf"), *, open_low: bool = False) -> C
     return check
 
 
-#: what an exact top-k ranks (planned schemes and ZEN): "magnitude" (the accumulated
-#: gradient), "step" (the step the optimizer would take with it: Adam's under shared
-#: moments; SGD's is the magnitude's), "auto": "step" (docs/recipe.md, "Selecting by the step")
-SELECT_BY = Option("auto", lambda v: v in ("auto", "magnitude", "step"),
-                   "'auto', 'magnitude' or 'step'")
+#: what an exact top-k ranks (planned schemes, ZEN, SparDL's cuts, ExDyna's threshold):
+#: "magnitude" (the accumulated gradient), "step" (the step the optimizer would take with
+#: it: Adam's under shared moments; SGD's is the magnitude's), "gain" (the accumulated
+#: gradient times that step: the first-order decrease of the loss), "auto": "gain"
+#: (docs/recipe.md, "Selecting by the step", "Selecting by the gain")
+SELECT_BY_CHOICES = ("auto", "magnitude", "step", "gain")
+SELECT_BY = Option("auto", lambda v: v in SELECT_BY_CHOICES,
+                   "'auto', 'magnitude', 'step' or 'gain'")
+
+
+def selection_key(select_by: str):
+    """What ``select_by`` keys an exact top-k by under Adam's shared moments: None (the
+    magnitude), or whether the key by the pending step takes its denominator's square root
+    (``Recipe.step_scales(root=...)``: True for the gain, False for the step)."""
+    if select_by == "magnitude":
+        return None
+    return select_by != "step"
 
 #: ``scheme_options["spread"]`` of the schemes that carry each sender's spread: "auto"
 #: (under shared moments with an Adam), True or False (docs/recipe.md, "The senders'

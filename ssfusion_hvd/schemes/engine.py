@@ -50,7 +50,7 @@ class PlannedPhase:
 
     def __init__(self, plan: Plan, params: Sequence[torch.Tensor], config, transport: Transport,
                  sparsifier_for: Callable, iteration: int, name: str, waits: int = 0,
-                 by_step: bool = False, spread: bool = False):
+                 key: Optional[bool] = None, spread: bool = False):
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
             raise ValueError(f"scheme {name!r} needs every gradient in one dtype on one "
@@ -80,8 +80,9 @@ class PlannedPhase:
         # (docs/recipe.md, "The senders' variance")
         self._spread = spread
         # select each exact top-k part by its pending steps in the optimizer's geometry
-        # (Recipe.step_scales; docs/recipe.md, "Selecting by the step")
-        self._by_step = by_step
+        # (Recipe.step_scales; docs/recipe.md, "Selecting by the step"): None (by
+        # magnitude), or the key's root (True: by the gain, False: by the step)
+        self._key = key
         self._fresh: Optional[tuple] = None  # (rule, hyper-parameters, their tables)
         #: per sparsified parameter whose wire carried the senders' waits, the shares of
         #: what arrived in the last decode, (rows, *shape) (the shared moments' step reads them)
@@ -131,7 +132,7 @@ class PlannedPhase:
         for part in self._sparse:
             self.memory.register(part.key, [active.names[i] for i in part.tensors],
                                  [shapes[i] for i in part.tensors], part.stage_device)
-            if self._by_step and recipe.selects_by_step:
+            if self._key is not None and recipe.selects_by_step:
                 part.step_scales = functools.partial(
                     self._step_scales, [self.params[i] for i in part.tensors])
         self._offload_part = {part.tensors[0]: part for gb in self.groups for part in gb.offloaded}
@@ -141,7 +142,7 @@ class PlannedPhase:
 
     def _step_scales(self, params):
         # the recipe in force: a broadcast that replaces the hyper-parameters re-resolves it
-        return self.config.recipe.step_scales(params)
+        return self.config.recipe.step_scales(params, root=self._key)
 
     def close(self) -> None:
         if self._worker is not None:

@@ -26,7 +26,7 @@ from ..core.transport import Transport, elastic
 from ..moments import SHARE_ROWS
 from ..plan import CostModel, Plan, build_plan
 from ..sparsify import make_sparsifier
-from .base import SELECT_BY, SPREAD, Option, Scheme, SyncConfig, carries_spread
+from .base import SELECT_BY, SPREAD, Option, Scheme, SyncConfig, carries_spread, selection_key
 from .engine import PlannedPhase
 from .warmup import WarmupPhase
 
@@ -127,7 +127,7 @@ class PlannedScheme(Scheme):
         self._engine = PlannedPhase(plan, params, self.config, self.transport,
                                     self._sparsifier_for, self._iteration, self.name,
                                     waits=self._carries_waits(),
-                                    by_step=self.opts["select_by"] != "magnitude",
+                                    key=selection_key(self.opts["select_by"]),
                                     spread=self._carries_spread())
         if self.config.log_plan and self.transport.rank == 0:
             _print_plan(plan, self._engine.auto)

@@ -12,7 +12,7 @@ from ..core.layout import FlatLayout
 from ..core.stats import StepStats
 from ..core.transport import Transport
 from ..core.wire import SPARSE_GRAD_DTYPES
-from .base import Scheme, SyncConfig
+from .base import Scheme, SyncConfig, selection_key
 
 __all__ = ["WholeGradientScheme"]
 
@@ -117,9 +117,10 @@ class WholeGradientScheme(Scheme):
         ZEN's top-k, SparDL's cuts, ExDyna's threshold; docs/recipe.md, "Selecting by the
         step"), else None.
         The recipe in force: a broadcast that replaces the hyper-parameters re-resolves it."""
-        if self.opts.get("select_by", "magnitude") == "magnitude":
+        root = selection_key(self.opts.get("select_by", "magnitude"))
+        if root is None:
             return None
-        return self.config.recipe.step_scales(self._trainable)
+        return self.config.recipe.step_scales(self._trainable, root=root)
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad.is_sparse:  # sparse gradients travel densely in these schemes

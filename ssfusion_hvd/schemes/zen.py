@@ -131,8 +131,10 @@ class ZenScheme(WholeGradientScheme):
     * ``table_size``: slots of each partition's parallel memory r1 (None: twice the mean
       partition load, :func:`ssfusion_hvd.ops.default_table_size`);
     * ``select_by``: what each rank's top-k ranks, as the planned schemes' (``"auto"`` =
-      ``"step"``: under Adam with shared moments the step the rule would take, ``|acc| /
-      (sqrt(v-hat) + eps)``; else, and with ``"magnitude"``, the accumulated magnitude);
+      ``"gain"``: under Adam with shared moments the accumulated gradient times the step
+      the rule would take with it, ``acc² / (sqrt(v-hat) + eps)``; ``"step"`` the step,
+      ``|acc| / (sqrt(v-hat) + eps)``; else, and with ``"magnitude"``, the accumulated
+      magnitude);
     * ``spread``: each pushed entry carries its sender's spread (a second alltoall, one
       byte per entry); the owner turns its senders' spreads into the noise ratio of each
       aggregated entry, pulled as one byte beside its value (``"auto"``: under Adam with

@@ -155,7 +155,8 @@ class ResidualMemory:
             grads = list(self.rule.apply(key, flat).split([g.numel() for g in grads]))
         if r is None:  # -0.0: adding it changes nothing, so the first sum is the input, bit for bit
             r = self.residuals[key] = torch.full((n,), -0.0, dtype=want, device=out.device)
-        ops.ef_step_key(grads, r, scales.exp_avg_sqs, scales.bias2_sqrt, scales.eps, out)
+        ops.ef_step_key(grads, r, scales.exp_avg_sqs, scales.bias2_sqrt, scales.eps, out,
+                        root=scales.root)
         return r
 
     def select_steps(self, key: str, grads: Sequence[torch.Tensor], scales, out: torch.Tensor,

@@ -87,7 +87,7 @@ class ExDynaScheme(WholeGradientScheme):
             # the denominators of this rank's partition only (1/P of the model's)
             vs, which = self.flat.window(scales.exp_avg_sqs, lo, hi)
             den = ops.step_denominator(vs, [scales.bias2_sqrt[i] for i in which], scales.eps,
-                                       self._den[:hi - lo])
+                                       self._den[:hi - lo], root=scales.root)
             part = torch.div(part, den, out=den).abs_()
         self._calibrating = st.threshold is None
         if self._calibrating:

@@ -86,9 +86,10 @@ Options and limits:
   paper's advice is to time one epoch per ``d`` and keep the fastest.
 * Selection is always exact top-k (the paper's operator): ``sparsifier=`` other
   than ``"topk"`` is ignored with a warning. By magnitude, except under Adam with shared
-  moments, where ``scheme_options["select_by"]`` (``"auto"``, the default, or ``"step"``)
-  ranks every cut by the step the shared rule would take, ``|x| / (sqrt(v-hat) + eps)``,
-  the same denominators on every rank (``"magnitude"`` keeps the paper's); ``compression=`` is ignored (nothing is
+  moments, where ``scheme_options["select_by"]`` (``"auto"``, the default, or ``"gain"``)
+  ranks every cut by the partial sum times the step the shared rule would take, ordered
+  as ``|x| / sqrt(sqrt(v-hat) + eps)`` (``"step"``: by the step, ``|x| / (sqrt(v-hat) +
+  eps)``), the same denominators on every rank (``"magnitude"`` keeps the paper's); ``compression=`` is ignored (nothing is
   allreduced); ``warmup_steps``/``plan``/``profile`` are ignored (SparDL needs no plan).
 * The first SRS step starts when the last gradient is submitted; the remaining steps are
   sequential (each needs the previous one's data) and run in ``finish()``. Nothing overlaps

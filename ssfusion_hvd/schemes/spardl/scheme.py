@@ -90,7 +90,8 @@ class SparDLScheme(WholeGradientScheme):
         if scales is not None:
             if self._den is None:
                 self._den = torch.empty(acc.numel(), dtype=torch.float32, device=acc.device)
-            den = ops.step_denominator(scales.exp_avg_sqs, scales.bias2_sqrt, scales.eps, self._den)
+            den = ops.step_denominator(scales.exp_avg_sqs, scales.bias2_sqrt, scales.eps, self._den,
+                                       root=scales.root)
         self._gen = run_rank(self.layout, self._rank, acc, self._bsag, self._scratch, den)
         self._advance(None)
 
