@@ -67,7 +67,7 @@ from .plan.cost import nominal_k
 from .plan.selective import DEFAULT_ACCURACY_SLACK
 from .recipe import DEFAULT_WARMUP_STEPS, Recipe, resolve_recipe
 from .sparsify import SPARSIFIERS, ResidualMemory, make_sparsifier
-from .schemes.base import SELECT_BY_CHOICES, selection_key
+from .moments import SELECT_BY_CHOICES, selection_key
 
 __all__ = ["SCHEMES", "SparseHook", "ddp_kwargs", "make_plan", "measure_cost", "register"]
 

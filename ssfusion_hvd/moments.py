@@ -55,7 +55,23 @@ import torch
 
 from .ops import native_op
 
-__all__ = ["SharedMoments", "fresh_share", "share_table", "SHARE_ROWS"]
+__all__ = ["SharedMoments", "fresh_share", "share_table", "SHARE_ROWS", "SELECT_BY_CHOICES",
+           "selection_key"]
+
+#: ``select_by`` (the schemes' option, the DDP hook's keyword): what an exact top-k ranks
+#: under Adam's shared moments (docs/recipe.md, "Selecting by the gain"). Here, below the
+#: schemes and the DDP hook, so that the hook needs no Horovod.
+SELECT_BY_CHOICES = ("auto", "magnitude", "step", "gain")
+
+
+def selection_key(select_by: str) -> Optional[bool]:
+    """What ``select_by`` keys an exact top-k by under Adam's shared moments: None (the
+    magnitude), or whether the key by the pending step takes its denominator's square root
+    (``Recipe.step_scales(root=...)``: True for the gain and ``"auto"``, False for the
+    step)."""
+    if select_by == "magnitude":
+        return None
+    return select_by != "step"
 
 #: The native step on CUDA tensors too (else they take the foreach path). On since its GPU
 #: test (``tests/test_moments_native.py -k gpu``) passed on an H100 (2026-11-27: the CUDA

@@ -439,3 +439,15 @@ def test_adam_buckets_select_the_largest_pending_gains(select_by):
                 checked += stateful
     assert checked >= 8
     assert (differ > 0) == (select_by != "magnitude"), differ
+
+
+def test_the_hook_imports_without_horovod():
+    """``ssfusion_hvd.ddp`` is the face for jobs without Horovod: importing it (and its
+    ``select_by`` choices) loads no Horovod module."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "import ssfusion_hvd.ddp\n"
+            "assert not [k for k in sys.modules if k.startswith('horovod')], "
+            "sorted(k for k in sys.modules if k.startswith('horovod'))\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

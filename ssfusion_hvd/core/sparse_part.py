@@ -188,10 +188,11 @@ class SparsePart:
         self._stage: Optional[torch.Tensor] = None  # allocated at its first use (:attr:`stage`)
         #: the selection in the optimizer's geometry, where its owner sets it
         #: (``Recipe.step_scales``): ``fn()`` returns what the step divides each of the
-        #: part's tensors by (Adam: ``StepScales``, sqrt(v-hat) + eps), or None (no state
-        #: yet: magnitude this step). The top-k then takes the largest pending *steps*,
-        #: |acc| / denominator, instead of the largest pending gradients (docs/recipe.md,
-        #: "Selecting by the step"). Exact top-k parts only.
+        #: part's tensors by (Adam: ``StepScales``, sqrt(v-hat) + eps, or its square root
+        #: for the gain), or None (no state yet: magnitude this step). The top-k then takes
+        #: the largest pending gains (or steps), |acc| / denominator, instead of the largest
+        #: pending gradients (docs/recipe.md, "Selecting by the gain"). Exact top-k parts
+        #: only.
         self.step_scales = None
         self._key: Optional[torch.Tensor] = None  # its buffer, allocated at first use
         # decode target: the part's tensors plus the sink that padding entries point into;

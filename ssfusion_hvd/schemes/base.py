@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, NamedTuple
 import torch
 
 from ..core.stats import StepStats
+from ..moments import SELECT_BY_CHOICES, selection_key  # noqa: F401 (the schemes' names)
 
 
 @dataclass
@@ -81,18 +82,8 @@ def is_real(lo: float, hi: float = float("inf"), *, open_low: bool = False) -> C
 #: it: Adam's under shared moments; SGD's is the magnitude's), "gain" (the accumulated
 #: gradient times that step: the first-order decrease of the loss), "auto": "gain"
 #: (docs/recipe.md, "Selecting by the step", "Selecting by the gain")
-SELECT_BY_CHOICES = ("auto", "magnitude", "step", "gain")
 SELECT_BY = Option("auto", lambda v: v in SELECT_BY_CHOICES,
                    "'auto', 'magnitude', 'step' or 'gain'")
-
-
-def selection_key(select_by: str):
-    """What ``select_by`` keys an exact top-k by under Adam's shared moments: None (the
-    magnitude), or whether the key by the pending step takes its denominator's square root
-    (``Recipe.step_scales(root=...)``: True for the gain, False for the step)."""
-    if select_by == "magnitude":
-        return None
-    return select_by != "step"
 
 #: ``scheme_options["spread"]`` of the schemes that carry each sender's spread: "auto"
 #: (under shared moments with an Adam), True or False (docs/recipe.md, "The senders'

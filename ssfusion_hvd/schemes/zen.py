@@ -223,7 +223,7 @@ class ZenScheme(WholeGradientScheme):
         if self.spread:  # this step's gradients into the sums of squares a spread reads
             self._memory.add_squares(self._KEY, [self._grad(p) for p in self._trainable])
         scales = self._step_scales() if self._sparsifier.exact_topk else None
-        if scales is not None:  # by the pending step (docs/recipe.md, "Selecting by the step")
+        if scales is not None:  # by the pending gain or step (docs/recipe.md, "Selecting by the gain")
             if self._key is None:
                 self._key = torch.empty(self._n, dtype=torch.float32, device=self._device)
             values, indices = self._memory.select_steps(

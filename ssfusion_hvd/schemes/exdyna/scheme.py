@@ -31,8 +31,8 @@ class ExDynaScheme(WholeGradientScheme):
         "beta": Option(1.2, is_real(1.0, open_low=True), "a number > 1"),
         "gamma": Option(0.05, is_real(0.0, 1.0, open_low=True), "a number in (0, 1]"),
         "cap": Option(1.2, is_real(1.0), "a number >= 1"),
-        # the threshold on Adam's pending step instead of the magnitude, as the other
-        # schemes' top-k (docs/recipe.md, "Selecting by the step")
+        # the threshold on Adam's pending gain (or step) instead of the magnitude, as the
+        # other schemes' top-k (docs/recipe.md, "Selecting by the gain")
         "select_by": SELECT_BY,
         # each rank's variance beside its values in their allreduce (docs/recipe.md, "The
         # senders' variance"): every rank sends every selected element, so the sum of the
