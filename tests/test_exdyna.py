@@ -136,7 +136,8 @@ def reference_step(ranks, density, op="average"):
     # recalibrated at a change of unit and, on the key, every step of the density warm-up
     den = adam_denominator(ranks[0]["state"].get("adam"), names)
     keyed = den is not None
-    threshold = s["threshold"] if (s["density"] == density and s.get("keyed", False) == keyed
+    threshold = s["threshold"] if (s["density"] == density
+                                   and s.get("keyed", False) == (keyed and "gain")
                                    and not (keyed and density > final)) else None
     k = max(1, math.ceil(s["numel"] * density - 1e-9))
     wire = ranks[0]["synced"][names[0]].dtype
@@ -237,7 +238,7 @@ def test_matches_reference(results):
         if case == "net_adam":  # thresholds on the pending step, which select otherwise
             steps = [[run["steps"][s] for run in runs] for s in range(len(runs[0]["steps"]))]
             keyed = [st[0]["state"]["exdyna"].get("keyed") for st in steps[1:]]
-            assert keyed[-1] and sum(keyed) >= 3, keyed
+            assert keyed[-1] == "gain" and sum(map(bool, keyed)) >= 3, keyed
             phases = [st[0]["stats"]["phase"] for st in steps]
             assert phases[:9] == ["calibration"] * 9 and phases[9:] == ["sparse"] * 2, phases
             differ = 0  # keyed steps where rank 0's selection is not its largest |acc|
@@ -358,3 +359,25 @@ def test_ranks_on_different_units_raise_alike(results):
         got = r["keyed_disagreement"]
         assert got["step"] == 2, got
         assert "different plans or optimizer states" in got["error"], got["error"]
+
+
+def test_a_change_of_key_recalibrates_and_old_checkpoints_read_as_the_step():
+    """The threshold's unit is the key it was tuned on: the magnitude, Adam's step or its
+    gain. Switching from one key to another drops the threshold (the next step
+    recalibrates by exact top-k), and a checkpoint from before the gain (``keyed: True``)
+    loads as the step's, so resuming it under the gain's default recalibrates too."""
+    st = ExDynaState(3041, 2, 0.05)
+    st.set_keyed("step")
+    st.threshold = 0.5
+    st.set_keyed("step")
+    assert st.threshold == 0.5  # same unit: kept
+    st.set_keyed("gain")
+    assert st.threshold is None and st.keyed == "gain"
+    old = dict(st.state_dict(), keyed=True, threshold=0.5)
+    fresh = ExDynaState(3041, 2, 0.05)
+    fresh.load_state_dict(old)
+    assert fresh.keyed == "step" and fresh.threshold == 0.5
+    fresh.set_keyed("gain")
+    assert fresh.threshold is None
+    fresh.set_keyed(False)
+    assert fresh.keyed is False

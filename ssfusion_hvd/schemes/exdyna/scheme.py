@@ -72,7 +72,7 @@ class ExDynaScheme(WholeGradientScheme):
         acc = self._memory.compensate(self._KEY, self._flat)
         st.set_density(self._density())  # density warm-up: the target of this step
         scales = self._step_scales()  # every rank alike: the optimizer's state is shared
-        st.set_keyed(scales is not None)
+        st.set_keyed(scales is not None and ("gain" if scales.root else "step"))
         if scales is not None and st.density > self.config.recipe.density:
             # the density warm-up on the key: Adam's first steps move v-hat, and with it the
             # key's scale, faster than Algorithm 5 follows (the threshold sent 0.04 of the

@@ -41,8 +41,9 @@ class ExDynaState:
         self.cap = float(cap)
         self._scaler = Threshold(beta=beta, gamma=gamma)  # Algorithm 5's scale factor
         self.threshold: Optional[float] = None
-        #: the threshold's unit: the accumulated magnitude, or (True) Adam's pending step
-        #: ``|acc| / (sqrt(v-hat) + eps)`` (``scheme_options["select_by"]``)
+        #: the threshold's unit: the accumulated magnitude (False), or Adam's key,
+        #: ``"gain"`` (``|acc| / sqrt(sqrt(v-hat) + eps)``) or ``"step"`` (``|acc| /
+        #: (sqrt(v-hat) + eps)``) (``scheme_options["select_by"]``)
         self.keyed = False
         self.iteration = 0
         self.partition_blocks()
@@ -56,12 +57,15 @@ class ExDynaState:
             self.k = _k_of(self.numel, self.density)
             self.threshold = None
 
-    def set_keyed(self, keyed: bool) -> None:
-        """What the threshold is compared with this iteration: the magnitude, or Adam's
-        pending step (from the step after Adam's first, when the optimizer has ``v``). A
-        change of unit recalibrates, as a new density does."""
-        if bool(keyed) != self.keyed:
-            self.keyed = bool(keyed)
+    def set_keyed(self, keyed) -> None:
+        """What the threshold is compared with this iteration: the magnitude (False), or
+        Adam's key, ``"gain"`` or ``"step"`` (from the step after Adam's first, when the
+        optimizer has ``v``). A change of unit recalibrates, as a new density does: also
+        from one key to the other (a checkpoint of the step's default resumed under the
+        gain's)."""
+        keyed = keyed or False
+        if keyed != self.keyed:
+            self.keyed = keyed
             self.threshold = None
 
     # ------------------------------------------------------------------ Algorithm 2
@@ -165,7 +169,8 @@ class ExDynaState:
             raise ValueError(f"checkpoint has {state['numel']} gradient elements, the model "
                              f"has {self.numel}")
         self.threshold = state["threshold"]
-        self.keyed = bool(state.get("keyed", False))  # (checkpoints before it: the magnitude)
+        keyed = state.get("keyed", False)  # (checkpoints before it: the magnitude)
+        self.keyed = "step" if keyed is True else (keyed or False)  # (True: the step's era)
         self.iteration = int(state["iteration"])
         if "density" in state:  # the density the threshold was tuned to (density warm-up)
             self.density = float(state["density"])
