@@ -239,12 +239,12 @@ def _noise(ranks, s, n, group, pulled=False, coded=True):
     squared, is the noise ratio ``R`` (in float32 as the decode computes it, the sums in
     rank order), and ``R`` times the synchronized gradient squared is the term (in
     gradient units the senders' mean variance over P). ``pulled``: ``R`` travels as one
-    byte too (ZEN's owner to every rank); ``coded=False``: the variances travel as floats
-    (ExDyna's allreduce)."""
+    byte too (ZEN's owner to every rank); ``coded=False``: every rank sends its variance
+    as its share of ``R`` in float16 (ExDyna's second allreduce), ``R`` their sum."""
     from ssfusion_hvd.core.wire import code_spreads, spread_codes
     table = code_spreads().float()
     coupled = 0.0 if group.get("decoupled_weight_decay") else group["weight_decay"]
-    var = count = total = 0
+    variances, count, total = [], 0, 0
     for r in ranks:
         st, nxt = r["steps"][s], r["steps"][s + 1]
         g = st["local"][n] + coupled * st["before"][n]  # what the memory saw
@@ -255,10 +255,13 @@ def _noise(ranks, s, n, group, pulled=False, coded=True):
         spread = (q / (w * (acc * acc)) - 1 / (w * w)).clamp(min=0)
         if coded:
             spread = table[spread_codes(torch.where(sent, spread, 0.0)).long()]
-        var = var + torch.where(sent, spread * acc.square(), 0.0)
+        variances.append(torch.where(sent, spread * acc.square(), 0.0))
         count = count + sent.float()
         total = total + torch.where(sent, acc, 0.0)
-    ratio = var / count * float(len(ranks)) / total.square()
+    if coded:
+        ratio = sum(variances) / count * float(len(ranks)) / total.square()
+    else:  # every rank sent (count is P): the float16 shares of Σ_r σ_r² / total²
+        ratio = sum(_float16_share(v, total) for v in variances).half().float()
     ratio = torch.where((count > 0) & (total != 0) & torch.isfinite(ratio), ratio, 0.0)
     ratio = code_spreads()[spread_codes(ratio).long()] if pulled else ratio.double()
     return ratio * ranks[0]["steps"][s]["synced"][n].double() ** 2
@@ -267,19 +270,31 @@ def _noise(ranks, s, n, group, pulled=False, coded=True):
 def _window_noise(ranks, s, n, group):
     """SparDL's term: per rank, its gradient's variance over the steps since the element
     was last delivered (its recorded sums of gradients and squares plus this step's, and
-    that wait: ``Σg²/w − (Σg/w)²``), summed over the ranks, times the average's scale
-    squared (1/P²), where the element is delivered (the same everywhere)."""
+    that wait: ``Σg²/w − (Σg/w)²``) times the average's scale squared (1/P²), over the
+    delivered value squared (the same everywhere) as a float16 share, the shares summed in
+    float16, times the value squared, where the element is delivered."""
     coupled = 0.0 if group.get("decoupled_weight_decay") else group["weight_decay"]
-    total = 0
+    variances = []
     for r in ranks:
         st, nxt = r["steps"][s], r["steps"][s + 1]
         g = st["local"][n] + coupled * st["before"][n]
         w = (st["waits"].get(n, torch.zeros_like(g, dtype=torch.int32)) + 1).double()
         q = st["squares"].get(n, torch.zeros_like(g)).double() + g.double() ** 2
         m = (st["sums"].get(n, torch.zeros_like(g)).double() + g.double()) / w
-        total = total + (q / w - m * m).clamp(min=0)
+        variances.append((q / w - m * m).clamp(min=0) / len(ranks) ** 2)
     delivered = ranks[0]["steps"][s + 1]["waits"][n] == 0
-    return torch.where(delivered, total / len(ranks) ** 2, 0.0)
+    value = ranks[0]["steps"][s]["synced"][n].double()
+    ratio = sum(_float16_share(v, value) for v in variances).half().double()
+    return torch.where(delivered, ratio * value ** 2, 0.0)
+
+
+def _float16_share(variance, value):
+    """One rank's share of a noise ratio as it travels (``wire.noise_shares``, its own
+    reference): ``variance / value²`` rounded to float16, 0 where the value is 0, and
+    clamped so that 2 ranks' shares cannot overflow (these runs have 2 ranks)."""
+    ratio = variance.double() / value.double() ** 2
+    ratio = torch.where((value != 0) & torch.isfinite(ratio), ratio, 0.0)
+    return ratio.clamp(0, torch.finfo(torch.float16).max / 2).half().double()
 
 
 @pytest.fixture(scope="module")

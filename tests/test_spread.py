@@ -1,7 +1,7 @@
 """Each sender's spread on the wire (``scheme_options["spread"]``, Adam's default under
 shared moments; docs/recipe.md, "The senders' variance"), piece by piece in one process:
 
-* the one-byte code of a spread;
+* the one-byte code of a spread, and the float16 share of a noise ratio (SparDL, ExDyna);
 * the spread a rank's memory computes per sent element (its gradient's variance over the
   steps the element waited, over the value squared), through an undone step, a
   checkpoint and a loss scale's change;
@@ -19,7 +19,7 @@ import torch
 
 from ssfusion_hvd.core import sparse_part
 from ssfusion_hvd.core.buffers import SelectionResult, SparsePart, fresh_table, unpack
-from ssfusion_hvd.core.wire import SPREAD_MAX, SPREAD_MIN, code_spreads, spread_codes
+from ssfusion_hvd.core.wire import SPREAD_MAX, SPREAD_MIN, code_spreads, noise_shares, spread_codes
 from ssfusion_hvd.moments import SHARE_ROWS, SharedMoments
 from ssfusion_hvd.sparsify import ResidualMemory, make_sparsifier
 
@@ -41,6 +41,30 @@ def test_spread_codes_are_within_7_percent_zero_below_and_saturate_above():
     edge = torch.tensor([0.0, SPREAD_MIN / 4, float("nan"), -1.0])
     assert spread_codes(edge).tolist() == [0, 0, 0, 0]  # nothing to add
     assert code_spreads()[0] == 0
+
+
+def test_noise_shares_sum_to_the_ratio_in_16_bits_and_cannot_overflow():
+    """Each rank's share ``scale² σ_r² / value²`` in float16: within float16's rounding
+    of the float64 ratio over its range, 0 where the value is 0 or the ratio not finite,
+    and P shares at the clamp sum to a finite float16."""
+    torch.manual_seed(0)
+    value = torch.randn(4000, dtype=torch.float64) * 1e-3  # gradient-sized, squares ~1e-6
+    ratio = torch.logspace(-7, 3, 4000, dtype=torch.float64)  # noise up to 30x the value
+    var = ratio * value.square() / 0.25 ** 2  # so that scale 0.25 gives ``ratio`` back
+    got = noise_shares(var.float(), value.float(), 0.25, nranks=4)
+    assert got.dtype == torch.float16
+    rel = ((got.double() - ratio) / ratio).abs()
+    assert float(rel[ratio >= 2 ** -14].max()) < 2 ** -10  # normal float16: 11 bits
+    assert float((got.double() - ratio).abs()[ratio < 2 ** -14].max()) <= 2 ** -25  # subnormal
+    # a variance a gradient squared would underflow in float16; its ratio does not
+    assert bool((var.half() == 0).any()) and bool((got[ratio >= 2 ** -14] > 0).all())
+    # a value of 0 (or one whose square underflows), NaN, a negative variance: no noise;
+    # noise far above the value saturates at float16's largest over the ranks
+    edge = noise_shares(torch.tensor([1.0, 1.0, float("nan"), -1.0, 1e30, 1e-1]),
+                        torch.tensor([0.0, 1e-30, 1.0, 1.0, 1.0, 1e-3]), 1.0, nranks=4)
+    top = float(torch.tensor(torch.finfo(torch.float16).max / 4).half())
+    assert edge.tolist() == [0.0, 0.0, 0.0, 0.0, top, top]
+    assert bool(torch.isfinite(edge.repeat(4, 1).float().sum(0).half()).all())
 
 
 def test_sent_spreads_are_each_elements_variance_over_its_wait():

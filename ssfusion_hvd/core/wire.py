@@ -27,7 +27,7 @@ from .. import ops
 
 __all__ = ["Sparse", "SPARSE_GRAD_DTYPES", "encode", "decode", "count_of", "record_bytes",
            "wait_codes", "code_waits", "WAIT_EXACT", "WAIT_MAX", "spread_codes", "code_spreads",
-           "SPREAD_MIN", "SPREAD_MAX"]
+           "SPREAD_MIN", "SPREAD_MAX", "noise_shares"]
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (values, indices)
 
@@ -141,3 +141,22 @@ def code_spreads(device=None) -> torch.Tensor:
     c = torch.arange(256, dtype=torch.float64, device=device)
     return torch.where(c > 0, SPREAD_MIN * torch.exp((c - 1) * _SPREAD_RATIO),
                        torch.zeros_like(c))
+
+
+def noise_shares(variances: torch.Tensor, values: torch.Tensor, scale: float,
+                 nranks: int) -> torch.Tensor:
+    """This rank's share of a noise ratio ``scale² · Σ_r σ_r² / value²``, as float16 for a
+    Sum allreduce: ``scale² · variances / values²`` (``values`` the synchronized values,
+    the same on every rank; ``scale`` the average's, 1/P). Where a scheme sums every
+    rank's variance at elements whose value every rank already holds (SparDL after its
+    gathers, ExDyna after its values' allreduce), the ratio is what the optimizer reads,
+    and dimensionless, so 16 bits carry it where a variance (a gradient squared) would
+    underflow: float16 keeps 11 bits of it from 6e-8 up (a share below reads as 0: noise
+    a ten-millionth of the value's square). Each share is clamped to float16's largest
+    over ``nranks``, so the sum cannot overflow; a ratio that large (noise hundreds of
+    times the value) saturates, as the planned schemes' one-byte spread code does at
+    SPREAD_MAX. A zero or non-finite ratio (a value of 0) reads as no noise."""
+    ratio = variances.float().mul(scale * scale).div_(values.float().square())
+    ok = (values != 0) & torch.isfinite(ratio)
+    top = torch.finfo(torch.float16).max / max(1, nranks)
+    return torch.where(ok, ratio, torch.zeros_like(ratio)).clamp_(0.0, top).to(torch.float16)

@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 
 from ... import ops
+from ...core.transport import Sum
+from ...core.wire import noise_shares
 from ...sparsify.base import trim
 from ..base import SELECT_BY, SPREAD, Option, SyncConfig, carries_spread, is_int, is_real
 from ..whole import WholeGradientScheme
@@ -131,27 +133,25 @@ class ExDynaScheme(WholeGradientScheme):
             wanted[st.allocation(r)] = d
         kth = tr.wait(self._kth).tolist() if self._calibrating else None
         values = self._acc.index_select(0, gathered.long())
-        union = values.numel()
         if self.spread:
-            # every rank sends every gathered element: its variance over its wait,
-            # spread·acc², rides the values' allreduce (summed, then the ratio below)
-            spreads = self._memory.sent_spreads(
-                self._KEY, gathered, values, self._memory.sent_waits(self._KEY, gathered))
-            values = torch.cat([values, spreads.mul_(values.float().square()).to(values.dtype)])
-        values = values.to(self._dtype)  # the wire dtype
-        compressed, ctx = cfg.compression.compress(values)
+            # every rank sends every gathered element: its variance over its wait, to go
+            # as its share of the noise ratio once the values are summed (below)
+            variances = self._memory.sent_spreads(
+                self._KEY, gathered, values, self._memory.sent_waits(self._KEY, gathered)
+            ).mul_(values.float().square())
+        # (the allreduce is in place: ``values`` itself where no cast or compression copies)
+        compressed, ctx = cfg.compression.compress(values.to(self._dtype))  # the wire dtype
         pre, post = tr.horovod_scales()
         handle = tr.allreduce(compressed, "val", prescale=pre, postscale=post)
         reduced = cfg.compression.decompress(tr.wait(handle), ctx).to(self._out.dtype)
         if self.spread:
-            reduced, var = reduced[:union], reduced[union:].float()
-            # the noise ratio Σ_r σ_r² / (Σ_r v_r)² (every rank sent: P·mean σ² over the
-            # sum squared, as SparsePart.noise): the allreduce scaled both sums by the same
-            # c (1/P for an average), so it is c·var / reduced²
+            # the noise ratio Σ_r σ_r² / (Σ_r v_r)², ``reduced`` being c·Σ_r v_r (c the
+            # allreduce's scale): each rank's share in 16 bits, summed by a second, small
+            # allreduce (riding the values' one as a variance took 4 bytes an element, and
+            # a float16 wire underflowed it)
             pre, post = tr.scales()
-            ratio = var.div(reduced.float().square()).mul_(pre * post)
-            self._noise[gathered.long()] = torch.where(
-                (reduced != 0) & torch.isfinite(ratio), ratio, torch.zeros_like(ratio))
+            shares = noise_shares(variances, reduced, pre * post, self._nranks)
+            self._noise[gathered.long()] = tr.wait(tr.allreduce(shares, "var", op=Sum)).float()
         self._out.zero_()
         ops.scatter_add(self._out, reduced, gathered)
         self._deliver(self._out)

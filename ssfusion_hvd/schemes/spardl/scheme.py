@@ -14,6 +14,7 @@ import torch
 
 from ... import ops
 from ...core.transport import Sum
+from ...core.wire import noise_shares
 from ..base import SELECT_BY, SPREAD, Option, SyncConfig, carries_spread, is_int
 from ..whole import WholeGradientScheme
 from .algorithm import BSAGState, Gather, Layout, RankResult, output_scale, run_rank
@@ -167,15 +168,15 @@ class SparDLScheme(WholeGradientScheme):
         the synchronized gradient is ``c·Σ_r g_r`` (``c`` its scale), whose variance per
         step is ``c²·Σ_r σ_r²``, over the delivered value ``flat`` squared; ``σ_r²`` each
         rank's gradient variance over the steps since the element was last delivered
-        (``ResidualMemory.window_variances``), summed by an allreduce."""
+        (``ResidualMemory.window_variances``). Every rank holds the delivered values, so
+        each sends its share of the ratio (``wire.noise_shares``, 16 bits) and an
+        allreduce sums them."""
         idx = final.long()
         var = self._memory.window_variances(self._KEY, final,
                                             self._memory.sent_waits(self._KEY, final))
-        total = self.transport.wait(self.transport.allreduce(var, "var", op=Sum))
-        value = flat.index_select(0, idx).float()
-        ratio = total.mul_(self._scale ** 2).div_(value.square())
-        self._noise[idx] = torch.where((value != 0) & torch.isfinite(ratio), ratio,
-                                       torch.zeros_like(ratio))
+        shares = noise_shares(var, flat.index_select(0, idx), self._scale, self._nranks)
+        self._noise[idx] = self.transport.wait(
+            self.transport.allreduce(shares, "var", op=Sum)).float()
 
     def noise(self) -> dict:
         return self._noise_views if self._last_sparse else {}
