@@ -1,13 +1,14 @@
 """The selection of one fusion group under the group budget, by magnitude (the fused
-error-feedback kernel) and by the pending step (``scheme_options["select_by"]``: Adam's
-``|acc| / (sqrt(v-hat) + eps)``, ``SparsePart._select_steps``; ``step`` with the native
-key kernel where the device has one, ``step-torch`` with the torch composition), on a
-model's gradients.
+error-feedback kernel), by the gain (``scheme_options["select_by"]``'s default under Adam:
+``|acc| / sqrt(sqrt(v-hat) + eps)``, which orders as ``acc² / (sqrt(v-hat) + eps)``) and
+by the pending step (``|acc| / (sqrt(v-hat) + eps)``), each key with the native kernel
+where the device has one and, as ``*-torch``, with the torch composition
+(``SparsePart._select_steps``), on a model's gradients.
 
     python scripts/bench_select_key.py [--model gpt2] [--device cpu|cuda] [--reps 7]
 
-The three alternate, repetition by repetition, on the same inputs; prints each one's median
-and range over the repetitions after the first two, and the ratio of the medians."""
+The five alternate, repetition by repetition, on the same inputs; prints each one's median
+and range over the repetitions after the first two, and the ratios of the medians."""
 from __future__ import annotations
 
 import argparse
@@ -41,22 +42,23 @@ def main() -> None:
     ks = [int(nominal_k(q.numel(), args.density)) for q in params]
     settle = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
-    scales = StepScales(vs, [0.5 ** 0.5] * len(vs), 1e-8)  # Recipe.step_scales' shape
+    # Recipe.step_scales' shape, by the gain (root) and by the step
+    scales = {root: StepScales(vs, [0.5 ** 0.5] * len(vs), 1e-8, root) for root in (True, False)}
 
     parts, memories = {}, {}
-    for key in ("magnitude", "step", "step-torch"):
+    for key in ("magnitude", "gain", "gain-torch", "step", "step-torch"):
         parts[key] = SparsePart("g", list(range(len(shapes))), shapes, ks, "group",
                                 [make_sparsifier("topk") for _ in shapes], 0, torch.float32,
                                 torch.device(args.device), floors=[min(k, 1) for k in ks])
         if key != "magnitude":
-            parts[key].step_scales = lambda: scales
+            parts[key].step_scales = (lambda s=scales[key.startswith("gain")]: s)
         memories[key] = ResidualMemory()
     times = {key: [] for key in parts}
     for _ in range(args.reps):
         for key, part in parts.items():
             settle()
             t0 = time.perf_counter()
-            with torch_key(key == "step-torch"):
+            with torch_key(key.endswith("-torch")):
                 part.select_grads(memories[key], grads)
             settle()
             times[key].append(time.perf_counter() - t0)
@@ -67,8 +69,9 @@ def main() -> None:
         med[key] = statistics.median(ts)
         print(f"{args.model} ({n} elements, {len(params)} tensors, {args.device}) by {key}: "
               f"{1e3 * med[key]:.1f} ms (min {1e3 * min(ts):.1f}, max {1e3 * max(ts):.1f})")
-    print(f"by step / by magnitude: {med['step'] / med['magnitude']:.2f}x; "
-          f"torch composition / native key: {med['step-torch'] / med['step']:.2f}x")
+    for key in ("gain", "step"):
+        print(f"by {key} / by magnitude: {med[key] / med['magnitude']:.2f}x; "
+              f"its torch composition / its native key: {med[key + '-torch'] / med[key]:.2f}x")
 
 
 @contextlib.contextmanager
