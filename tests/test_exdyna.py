@@ -121,12 +121,14 @@ def _flat(d, names, like):
                       for n in names])
 
 
-def reference_step(ranks, density, op="average"):
+def reference_step(ranks, density, op="average", key="gain"):
     """Expected (synced flat gradient, per-rank selections, per-rank new residuals).
 
     The recipe applies: the density in force is the warm-up's (``density_target``; a new
     density recalibrates the threshold), float16 gradients accumulate in float32 and the
-    values travel as float16, their rounding staying in the residual."""
+    values travel as float16, their rounding staying in the residual. ``key``: Adam's
+    selection key, ``"gain"`` (the default's: the denominator's square root) or
+    ``"step"``."""
     nranks = len(ranks)
     names = sorted(ranks[0]["synced"])  # canonical order: sorted by name
     s = ranks[0]["state"]["exdyna"]
@@ -134,10 +136,10 @@ def reference_step(ranks, density, op="average"):
     final, density = density, ranks[0]["stats"]["density_target"]
     # Adam's shared denominators (its state before the step): the threshold on the step,
     # recalibrated at a change of unit and, on the key, every step of the density warm-up
-    den = adam_denominator(ranks[0]["state"].get("adam"), names)
+    den = adam_denominator(ranks[0]["state"].get("adam"), names, root=key == "gain")
     keyed = den is not None
     threshold = s["threshold"] if (s["density"] == density
-                                   and s.get("keyed", False) == (keyed and "gain")
+                                   and s.get("keyed", False) == (keyed and key)
                                    and not (keyed and density > final)) else None
     k = max(1, math.ceil(s["numel"] * density - 1e-9))
     wire = ranks[0]["synced"][names[0]].dtype
@@ -173,7 +175,7 @@ def reference_step(ranks, density, op="average"):
     return total, sels, residuals
 
 
-def check_run(runs, density, op="average", rtol=1e-5, atol=1e-6):
+def check_run(runs, density, op="average", rtol=1e-5, atol=1e-6, key="gain"):
     """Checks every step of a recorded run on all ranks; returns per-step densities."""
     nranks = len(runs)
     names = sorted(runs[0]["steps"][0]["synced"])
@@ -184,7 +186,7 @@ def check_run(runs, density, op="average", rtol=1e-5, atol=1e-6):
             assert r["state"]["exdyna"] == ranks[0]["state"]["exdyna"], s
             for n in names:
                 assert torch.equal(r["synced"][n], ranks[0]["synced"][n]), (s, n)
-        want, sels, residuals = reference_step(ranks, density, op)
+        want, sels, residuals = reference_step(ranks, density, op, key)
         # (1) exclusive: no index selected by two ranks; each rank's selection as rebuilt
         got = [r["selected"].long() for r in ranks]
         for r in range(nranks):
@@ -230,15 +232,16 @@ def test_matches_reference(results):
     for case, density, op in [("stream", 0.05, "average"), ("stream_predivide", 0.02, "average"),
                               ("stream_sum", 0.05, "sum"), ("net", 0.05, "average"),
                               ("net_sum", 0.05, "sum"), ("net_fp16", 0.05, "average"),
-                              ("net_adam", 0.05, "average")]:
+                              ("net_adam", 0.05, "average"), ("net_adam_step", 0.05, "average")]:
         runs = [r[case] for r in results]
         tol = dict(rtol=2e-3, atol=2e-3) if case == "net_fp16" else {}
-        check_run(runs, density, op, **tol)
+        key = "step" if case == "net_adam_step" else "gain"
+        check_run(runs, density, op, key=key, **tol)
         assert runs[0]["steps"][0]["stats"]["phase"] == "calibration"
-        if case == "net_adam":  # thresholds on the pending step, which select otherwise
+        if case.startswith("net_adam"):  # thresholds on the key, which select otherwise
             steps = [[run["steps"][s] for run in runs] for s in range(len(runs[0]["steps"]))]
             keyed = [st[0]["state"]["exdyna"].get("keyed") for st in steps[1:]]
-            assert keyed[-1] == "gain" and sum(map(bool, keyed)) >= 3, keyed
+            assert keyed[-1] == key and sum(map(bool, keyed)) >= 3, keyed
             phases = [st[0]["stats"]["phase"] for st in steps]
             assert phases[:9] == ["calibration"] * 9 and phases[9:] == ["sparse"] * 2, phases
             differ = 0  # keyed steps where rank 0's selection is not its largest |acc|

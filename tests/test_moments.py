@@ -292,9 +292,10 @@ def _float16_share(variance, value):
     """One rank's share of a noise ratio as it travels (``wire.noise_shares``, its own
     reference): ``variance / value²`` rounded to float16, 0 where the value is 0, and
     clamped so that 2 ranks' shares cannot overflow (these runs have 2 ranks)."""
+    from ssfusion_hvd.core.wire import share_max
     ratio = variance.double() / value.double() ** 2
     ratio = torch.where((value != 0) & torch.isfinite(ratio), ratio, 0.0)
-    return ratio.clamp(0, torch.finfo(torch.float16).max / 2).half().double()
+    return ratio.clamp(0, share_max(2)).half().double()
 
 
 @pytest.fixture(scope="module")

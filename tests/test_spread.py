@@ -19,7 +19,8 @@ import torch
 
 from ssfusion_hvd.core import sparse_part
 from ssfusion_hvd.core.buffers import SelectionResult, SparsePart, fresh_table, unpack
-from ssfusion_hvd.core.wire import SPREAD_MAX, SPREAD_MIN, code_spreads, noise_shares, spread_codes
+from ssfusion_hvd.core.wire import (SPREAD_MAX, SPREAD_MIN, code_spreads, noise_shares,
+                                   share_max, spread_codes)
 from ssfusion_hvd.moments import SHARE_ROWS, SharedMoments
 from ssfusion_hvd.sparsify import ResidualMemory, make_sparsifier
 
@@ -62,9 +63,24 @@ def test_noise_shares_sum_to_the_ratio_in_16_bits_and_cannot_overflow():
     # noise far above the value saturates at float16's largest over the ranks
     edge = noise_shares(torch.tensor([1.0, 1.0, float("nan"), -1.0, 1e30, 1e-1]),
                         torch.tensor([0.0, 1e-30, 1.0, 1.0, 1.0, 1e-3]), 1.0, nranks=4)
-    top = float(torch.tensor(torch.finfo(torch.float16).max / 4).half())
-    assert edge.tolist() == [0.0, 0.0, 0.0, 0.0, top, top]
-    assert bool(torch.isfinite(edge.repeat(4, 1).float().sum(0).half()).all())
+    assert edge.tolist() == [0.0, 0.0, 0.0, 0.0, share_max(4), share_max(4)]
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 10, 64, 257, 2048])
+def test_saturated_shares_sum_to_a_finite_float16_in_any_order(nranks):
+    """P shares at the clamp, summed in float16 one by one (a ring's hops) or pairwise (a
+    tree's), stay finite: a clamp at 65504 / P did not (3 ranks: 21840 each, rounded up;
+    10 ranks one by one: the partial sums round up to inf)."""
+    top = noise_shares(torch.tensor([1e30]), torch.tensor([1.0]), 1.0, nranks)
+    assert float(top) == share_max(nranks) > 0.9 * 65504 / nranks / (1 + 2 ** -11) ** nranks
+    ring = torch.zeros(1, dtype=torch.float16)
+    for _ in range(nranks):
+        ring = (ring.float() + top.float()).half()
+    tree = top.repeat(nranks)
+    while tree.numel() > 1:
+        tree = torch.cat([tree, torch.zeros(tree.numel() % 2, dtype=torch.float16)])
+        tree = (tree[0::2].float() + tree[1::2].float()).half()
+    assert bool(torch.isfinite(ring).all()) and bool(torch.isfinite(tree).all())
 
 
 def test_sent_spreads_are_each_elements_variance_over_its_wait():

@@ -48,20 +48,22 @@ def _scheme_state(opt):
 
 
 def _optimizer(model, density, op="average", predivide=1.0, lr=0.01, momentum=0.0, warmup=0,
-               optimizer="sgd"):
+               optimizer="sgd", select_by=None):
     # density warm-up off unless asked: the stream cases measure Algorithm 5's tracking
     inner = (torch.optim.Adam(model.parameters(), lr=0.01) if optimizer == "adam" else
              torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum))
     return ssfusion_hvd.DistributedOptimizer(
         inner,
         named_parameters=model.named_parameters(), scheme="exdyna", density=density,
-        op=OPS[op], gradient_predivide_factor=predivide, density_warmup_steps=warmup)
+        op=OPS[op], gradient_predivide_factor=predivide, density_warmup_steps=warmup,
+        scheme_options={} if select_by is None else {"select_by": select_by})
 
 
 def record(model_kind="synthetic", steps=5, density=0.05, op="average", predivide=1.0,
-           dtype="float32", optimizer="sgd", warmup=None):
+           dtype="float32", optimizer="sgd", warmup=None, select_by=None):
     """``optimizer="adam"``: shared moments, so from Adam's first step on the threshold is
-    on the pending step; each step also records Adam's state before it."""
+    on the key (``select_by``: the gain by default, or the step); each step also records
+    Adam's state before it."""
     if model_kind == "synthetic":
         model = Synthetic()
     else:
@@ -70,7 +72,8 @@ def record(model_kind="synthetic", steps=5, density=0.05, op="average", predivid
     # the net cases run the density warm-up through two of its stages (steps 0, 1), then d
     if warmup is None:
         warmup = 0 if model_kind == "synthetic" else 2
-    opt = _optimizer(model, density, op, predivide, warmup=warmup, optimizer=optimizer)
+    opt = _optimizer(model, density, op, predivide, warmup=warmup, optimizer=optimizer,
+                     select_by=select_by)
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     loss_fn = nn.CrossEntropyLoss()
@@ -242,6 +245,8 @@ def all_cases(long_steps=50):
         # warm-up step calibrates (on the key from step 1, also within a stage), the final
         # density at step 8, a threshold from step 9
         "net_adam": record("net", steps=11, density=0.05, optimizer="adam", warmup=8),
+        "net_adam_step": record("net", steps=11, density=0.05, optimizer="adam", warmup=8,
+                                select_by="step"),
         "train_average": train("average"),
         "train_sum": train("sum", lr=0.1),
         "dense_average": train("average", scheme="dense"),

@@ -27,7 +27,7 @@ from .. import ops
 
 __all__ = ["Sparse", "SPARSE_GRAD_DTYPES", "encode", "decode", "count_of", "record_bytes",
            "wait_codes", "code_waits", "WAIT_EXACT", "WAIT_MAX", "spread_codes", "code_spreads",
-           "SPREAD_MIN", "SPREAD_MAX", "noise_shares"]
+           "SPREAD_MIN", "SPREAD_MAX", "noise_shares", "share_max"]
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (values, indices)
 
@@ -152,11 +152,25 @@ def noise_shares(variances: torch.Tensor, values: torch.Tensor, scale: float,
     gathers, ExDyna after its values' allreduce), the ratio is what the optimizer reads,
     and dimensionless, so 16 bits carry it where a variance (a gradient squared) would
     underflow: float16 keeps 11 bits of it from 6e-8 up (a share below reads as 0: noise
-    a ten-millionth of the value's square). Each share is clamped to float16's largest
-    over ``nranks``, so the sum cannot overflow; a ratio that large (noise hundreds of
-    times the value) saturates, as the planned schemes' one-byte spread code does at
-    SPREAD_MAX. A zero or non-finite ratio (a value of 0) reads as no noise."""
+    a ten-millionth of the value's square). Each share is clamped to
+    :func:`share_max` (``nranks``), so the float16 sum cannot overflow; a ratio that large
+    (noise over a hundred times the value) saturates, as the planned schemes' one-byte
+    spread code does at SPREAD_MAX. A zero or non-finite ratio (a value of 0) reads as no
+    noise."""
     ratio = variances.float().mul(scale * scale).div_(values.float().square())
     ok = (values != 0) & torch.isfinite(ratio)
-    top = torch.finfo(torch.float16).max / max(1, nranks)
-    return torch.where(ok, ratio, torch.zeros_like(ratio)).clamp_(0.0, top).to(torch.float16)
+    return torch.where(ok, ratio, torch.zeros_like(ratio)).clamp_(
+        0.0, share_max(nranks)).to(torch.float16)
+
+
+def share_max(nranks: int) -> float:
+    """A float16 of which ``nranks`` summed in float16, in any order, stay finite: each
+    addition rounds up by at most half a unit (a factor 1 + 2^-11), so the bound divides
+    float16's largest by ``nranks·(1 + 2^-11)^nranks`` and rounds down (65504 / 3 rounds
+    up to 21840, three of which overflow; ten 6548s, summed one by one, reach inf)."""
+    n = max(1, nranks)
+    top = torch.finfo(torch.float16).max / (n * (1 + 2 ** -11) ** n)
+    half = torch.tensor([top], dtype=torch.float64).to(torch.float16)
+    if float(half) > top:  # the float16 below it: its bit pattern less one (positive)
+        half = (half.view(torch.int16) - 1).view(torch.float16)
+    return float(half)
