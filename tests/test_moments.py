@@ -75,8 +75,8 @@ SPARSE = {
     "zen_adam": dict(scheme="zen", optimizer="adam", density=0.05, steps=8),
     "zen_adam_magnitude": dict(scheme="zen", optimizer="adam", density=0.05, steps=8,
                                select_by="magnitude"),
-    # ExDyna: every rank sends every selected element; the variances ride the values'
-    # allreduce as floats
+    # ExDyna: every rank sends every selected element; the variances follow the values'
+    # allreduce as float16 shares (against Adam's second moment) in a second one
     "exdyna_adam": dict(scheme="exdyna", optimizer="adam", density=0.05, steps=8),
     # SparDL: merged partial sums; each rank's variance since the last delivery, summed
     "spardl_adam": dict(scheme="spardl", optimizer="adam", density=0.05, steps=8),
@@ -240,7 +240,8 @@ def _noise(ranks, s, n, group, pulled=False, coded=True):
     rank order), and ``R`` times the synchronized gradient squared is the term (in
     gradient units the senders' mean variance over P). ``pulled``: ``R`` travels as one
     byte too (ZEN's owner to every rank); ``coded=False``: every rank sends its variance
-    as its share of ``R`` in float16 (ExDyna's second allreduce), ``R`` their sum."""
+    as a float16 share against :func:`_against` (ExDyna's second allreduce), the term the
+    float16 sum of the shares times it."""
     from ssfusion_hvd.core.wire import code_spreads, spread_codes
     table = code_spreads().float()
     coupled = 0.0 if group.get("decoupled_weight_decay") else group["weight_decay"]
@@ -258,10 +259,13 @@ def _noise(ranks, s, n, group, pulled=False, coded=True):
         variances.append(torch.where(sent, spread * acc.square(), 0.0))
         count = count + sent.float()
         total = total + torch.where(sent, acc, 0.0)
-    if coded:
-        ratio = sum(variances) / count * float(len(ranks)) / total.square()
-    else:  # every rank sent (count is P): the float16 shares of Σ_r σ_r² / total²
-        ratio = sum(_float16_share(v, total) for v in variances).half().float()
+    if not coded:  # every rank sent (count is P): float16 shares of the summed variance
+        synced = ranks[0]["steps"][s]["synced"][n]
+        against = _against(ranks[0]["steps"][s]["own"].get(n, {}), group, synced)
+        c2 = float(len(ranks)) ** -2  # (the average's scale, squared: variances are acc²)
+        summed = sum(_float16_share(c2 * v, against) for v in variances).half().double()
+        return torch.where((total != 0) & (synced != 0), summed * against, 0.0)
+    ratio = sum(variances) / count * float(len(ranks)) / total.square()
     ratio = torch.where((count > 0) & (total != 0) & torch.isfinite(ratio), ratio, 0.0)
     ratio = code_spreads()[spread_codes(ratio).long()] if pulled else ratio.double()
     return ratio * ranks[0]["steps"][s]["synced"][n].double() ** 2
@@ -283,19 +287,35 @@ def _window_noise(ranks, s, n, group):
         m = (st["sums"].get(n, torch.zeros_like(g)).double() + g.double()) / w
         variances.append((q / w - m * m).clamp(min=0) / len(ranks) ** 2)
     delivered = ranks[0]["steps"][s + 1]["waits"][n] == 0
-    value = ranks[0]["steps"][s]["synced"][n].double()
-    ratio = sum(_float16_share(v, value) for v in variances).half().double()
-    return torch.where(delivered, ratio * value ** 2, 0.0)
+    value = ranks[0]["steps"][s]["synced"][n]
+    against = _against(ranks[0]["steps"][s]["own"].get(n, {}), group, value)
+    summed = sum(_float16_share(v, against) for v in variances).half().double()
+    return torch.where(delivered & (value != 0), summed * against, 0.0)
 
 
-def _float16_share(variance, value):
-    """One rank's share of a noise ratio as it travels (``wire.noise_shares``, its own
-    reference): ``variance / value²`` rounded to float16, 0 where the value is 0, and
-    clamped so that 2 ranks' shares cannot overflow (these runs have 2 ranks)."""
+def _against(own, group, value):
+    """What a rank's variance is measured against on the wire (``wire.noise_shares``, the
+    schemes' ``_noise_against``): the shared Adam rule's denominator squared,
+    ``(sqrt(v) / sqrt(1 - b2^t) + eps)²`` in float32 (the square root correctly rounded),
+    where the second moment ``v`` (before the step) is not 0, else the value squared."""
+    squares = value.float().square()
+    if "exp_avg_sq" not in own:
+        return squares.double()
+    v = own["exp_avg_sq"].float()
+    eps = group["eps"]
+    b2s = math.sqrt(1.0 - group["betas"][1] ** max(float(own["step"]), 1.0))
+    den = torch.from_numpy(np.sqrt(v.numpy())) / b2s + eps
+    return torch.where(den > eps, den.square(), squares).double()
+
+
+def _float16_share(variance, against):
+    """One rank's share as it travels (``wire.noise_shares``, its own reference):
+    ``variance / against`` rounded to float16, 0 where ``against`` is 0, and clamped so
+    that 2 ranks' shares cannot overflow (these runs have 2 ranks)."""
     from ssfusion_hvd.core.wire import share_max
-    ratio = variance.double() / value.double() ** 2
-    ratio = torch.where((value != 0) & torch.isfinite(ratio), ratio, 0.0)
-    return ratio.clamp(0, share_max(2)).half().double()
+    share = variance.double() / against.double()
+    share = torch.where((against > 0) & torch.isfinite(share), share, 0.0)
+    return share.clamp(0, share_max(2)).half().double()
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ import torch
 
 from ssfusion_hvd.core import sparse_part
 from ssfusion_hvd.core.buffers import SelectionResult, SparsePart, fresh_table, unpack
-from ssfusion_hvd.core.wire import (SPREAD_MAX, SPREAD_MIN, code_spreads, noise_shares,
-                                   share_max, spread_codes)
+from ssfusion_hvd.core.wire import (SPREAD_MAX, SPREAD_MIN, code_spreads, noise_ratio,
+                                   noise_shares, share_max, spread_codes)
 from ssfusion_hvd.moments import SHARE_ROWS, SharedMoments
 from ssfusion_hvd.sparsify import ResidualMemory, make_sparsifier
 
@@ -44,26 +44,42 @@ def test_spread_codes_are_within_7_percent_zero_below_and_saturate_above():
     assert code_spreads()[0] == 0
 
 
-def test_noise_shares_sum_to_the_ratio_in_16_bits_and_cannot_overflow():
-    """Each rank's share ``scale² σ_r² / value²`` in float16: within float16's rounding
-    of the float64 ratio over its range, 0 where the value is 0 or the ratio not finite,
-    and P shares at the clamp sum to a finite float16."""
+def test_noise_shares_carry_the_summed_variance_in_16_bits_whatever_the_wait():
+    """Each rank's share ``scale² σ_r² / against`` in float16, ``against`` Adam's second
+    moment: the shares' float16 sum, turned back by ``noise_ratio``, is the summed
+    variance within float16's rounding plus P·2^-23 of v-hat, for elements that waited 1
+    to 10^5 steps (a value ~ wait · rate) and 2 to 1024 ranks; against the value squared
+    (the first form) a long wait's share fell below float16's normals. 0 where
+    ``against`` is 0, NaN or negative variances."""
     torch.manual_seed(0)
-    value = torch.randn(4000, dtype=torch.float64) * 1e-3  # gradient-sized, squares ~1e-6
-    ratio = torch.logspace(-7, 3, 4000, dtype=torch.float64)  # noise up to 30x the value
-    var = ratio * value.square() / 0.25 ** 2  # so that scale 0.25 gives ``ratio`` back
-    got = noise_shares(var.float(), value.float(), 0.25, nranks=4)
-    assert got.dtype == torch.float16
-    rel = ((got.double() - ratio) / ratio).abs()
-    assert float(rel[ratio >= 2 ** -14].max()) < 2 ** -10  # normal float16: 11 bits
-    assert float((got.double() - ratio).abs()[ratio < 2 ** -14].max()) <= 2 ** -25  # subnormal
-    # a variance a gradient squared would underflow in float16; its ratio does not
-    assert bool((var.half() == 0).any()) and bool((got[ratio >= 2 ** -14] > 0).all())
-    # a value of 0 (or one whose square underflows), NaN, a negative variance: no noise;
-    # noise far above the value saturates at float16's largest over the ranks
-    edge = noise_shares(torch.tensor([1.0, 1.0, float("nan"), -1.0, 1e30, 1e-1]),
-                        torch.tensor([0.0, 1e-30, 1.0, 1.0, 1.0, 1e-3]), 1.0, nranks=4)
-    assert edge.tolist() == [0.0, 0.0, 0.0, 0.0, share_max(4), share_max(4)]
+    n = 4000
+    rate = torch.randn(n, dtype=torch.float64) * 1e-3  # a gradient's size per step
+    v_hat = rate.square() * (1 + torch.rand(n, dtype=torch.float64))  # Adam's, per step
+    for nranks in (2, 8, 1024):
+        for wait in (1, 1000, 100_000):
+            value = rate * wait  # the synchronized sum of ``wait`` steps
+            rel = torch.logspace(-4, 1, n, dtype=torch.float64)  # noise / v-hat, summed
+            var_r = rel * v_hat * nranks  # each rank's, so that scale² · P · var_r = rel·v-hat
+            shares = noise_shares(var_r.float(), v_hat.float(), 1.0 / nranks, nranks)
+            assert shares.dtype == torch.float16
+            summed = (shares.float() * nranks).half()  # P equal shares (one multiply: exact)
+            got = noise_ratio(summed, v_hat.float(), value.float()).double() * value.square()
+            want = rel * v_hat
+            # float16's rounding of a share and of the sum (2^-11 each), and its subnormals
+            # (steps of 2^-24 per share): at most P·2^-24 of v-hat, whatever the wait
+            bound = 2 ** -9 * want + nranks * 2 ** -23 * v_hat
+            assert bool(((got - want).abs() <= bound).all()), (nranks, wait)
+            # against the value squared the same shares are rel·v-hat / (P·value²): tiny
+            old = (rel * v_hat / nranks / value.square()).float().half()
+            if wait >= 1000 and nranks >= 8:
+                assert bool((old.float() < 2 ** -14).all())  # subnormal or 0: bits lost
+    # a zero ``against``, NaN, a negative variance: no noise; noise far above it saturates
+    edge = noise_shares(torch.tensor([1.0, float("nan"), -1.0, 1e30, 1e-1]),
+                        torch.tensor([0.0, 1.0, 1.0, 1.0, 1e-6]), 1.0, nranks=4)
+    assert edge.tolist() == [0.0, 0.0, 0.0, share_max(4), share_max(4)]
+    back = noise_ratio(torch.tensor([1.0, 2.0, float("inf")]).half(), torch.ones(3),
+                       torch.tensor([0.0, 1e-30, 1.0]))
+    assert back.tolist() == [0.0, 0.0, 0.0]  # a value of 0, or one whose square underflows
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4, 10, 64, 257, 2048])
@@ -302,3 +318,33 @@ def test_adam_step_adds_the_noise_to_the_second_moment(with_shares):
     r.grad = torch.ones(n)
     SharedMoments("momentum", {"momentum": 0.9}).step(sgd2, sgd2.param_groups[0], [r], {})
     assert torch.equal(q.detach(), r.detach())
+
+
+def test_whole_gradient_schemes_measure_shares_against_adams_second_moment():
+    """SparDL's and ExDyna's ``_noise_against``: at the given flat elements the shared
+    rule's denominator squared, ``(sqrt(v) / sqrt(1 - b2^t) + eps)²``, where Adam's
+    ``exp_avg_sq`` is not 0, the synchronized value squared where it is (a first
+    arrival) and everywhere before Adam's first step."""
+    from types import SimpleNamespace
+
+    from ssfusion_hvd.recipe import StepScales
+    from ssfusion_hvd.schemes.whole import WholeGradientScheme
+
+    torch.manual_seed(0)
+    vs = [torch.rand(6) * 1e-6, torch.rand(2, 3) * 1e-6]
+    vs[0][[1, 4]] = 0.0
+    bias, eps = [0.3, 0.5], 1e-8
+    scales = StepScales(vs, bias, eps)
+    recipe = SimpleNamespace(step_scales=lambda params: scales)
+    stub = SimpleNamespace(config=SimpleNamespace(recipe=recipe), _trainable=[0, 1], _den=None,
+                           flat=SimpleNamespace(numel=12))
+    idx = torch.tensor([0, 1, 4, 7, 11])
+    values = torch.tensor([1e-3, -2e-3, 3e-3, 4e-3, -5e-3])
+    got = WholeGradientScheme._noise_against(stub, idx, values)
+    flat_v = torch.cat([vs[0], vs[1].reshape(-1)])[idx]
+    b2s = torch.tensor([bias[0]] * 6 + [bias[1]] * 6)[idx]
+    want = torch.where(flat_v > 0, (flat_v.sqrt() / b2s + eps).square(), values.square())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert got[1] == values[1] ** 2 and got[2] == values[2] ** 2  # v = 0 there
+    recipe.step_scales = lambda params: None  # before Adam's first step
+    assert torch.equal(WholeGradientScheme._noise_against(stub, idx, values), values.square())

@@ -27,7 +27,7 @@ from .. import ops
 
 __all__ = ["Sparse", "SPARSE_GRAD_DTYPES", "encode", "decode", "count_of", "record_bytes",
            "wait_codes", "code_waits", "WAIT_EXACT", "WAIT_MAX", "spread_codes", "code_spreads",
-           "SPREAD_MIN", "SPREAD_MAX", "noise_shares", "share_max"]
+           "SPREAD_MIN", "SPREAD_MAX", "noise_shares", "noise_ratio", "share_max"]
 
 Sparse = Tuple[torch.Tensor, torch.Tensor]  # (values, indices)
 
@@ -143,24 +143,34 @@ def code_spreads(device=None) -> torch.Tensor:
                        torch.zeros_like(c))
 
 
-def noise_shares(variances: torch.Tensor, values: torch.Tensor, scale: float,
+def noise_shares(variances: torch.Tensor, against: torch.Tensor, scale: float,
                  nranks: int) -> torch.Tensor:
-    """This rank's share of a noise ratio ``scale² · Σ_r σ_r² / value²``, as float16 for a
-    Sum allreduce: ``scale² · variances / values²`` (``values`` the synchronized values,
-    the same on every rank; ``scale`` the average's, 1/P). Where a scheme sums every
-    rank's variance at elements whose value every rank already holds (SparDL after its
-    gathers, ExDyna after its values' allreduce), the ratio is what the optimizer reads,
-    and dimensionless, so 16 bits carry it where a variance (a gradient squared) would
-    underflow: float16 keeps 11 bits of it from 6e-8 up (a share below reads as 0: noise
-    a ten-millionth of the value's square). Each share is clamped to
-    :func:`share_max` (``nranks``), so the float16 sum cannot overflow; a ratio that large
-    (noise over a hundred times the value) saturates, as the planned schemes' one-byte
-    spread code does at SPREAD_MAX. A zero or non-finite ratio (a value of 0) reads as no
-    noise."""
-    ratio = variances.float().mul(scale * scale).div_(values.float().square())
-    ok = (values != 0) & torch.isfinite(ratio)
-    return torch.where(ok, ratio, torch.zeros_like(ratio)).clamp_(
+    """This rank's share of a summed variance, as float16 for a Sum allreduce:
+    ``scale² · variances / against``, ``scale`` the average's (1/P), ``against`` a per
+    element quantity every rank holds alike in the units of a synchronized gradient
+    squared (:func:`noise_ratio` turns the sum back). Where a scheme sums every rank's
+    variance at elements whose synchronized value every rank already holds (SparDL after
+    its gathers, ExDyna after its values' allreduce), the shares travel in 16 bits where
+    a variance (a gradient squared) would underflow. ``against`` is Adam's second moment
+    there (``v-hat``, what the noise is added to), so a share is about ``σ_r² / (P² v-hat)``:
+    up to about 1/P where the noise matters, whatever the element's wait (against the
+    value squared, which a long wait makes large, a share fell below float16's normals
+    at density 0.001). Shares below 6e-8 read as 0 (noise a ten-millionth of v-hat per
+    rank); each is clamped to :func:`share_max` (``nranks``), so the float16 sum cannot
+    overflow. A zero ``against`` or a non-finite share reads as no noise."""
+    share = variances.float().mul(scale * scale).div_(against)
+    ok = (against > 0) & torch.isfinite(share)
+    return torch.where(ok, share, torch.zeros_like(share)).clamp_(
         0.0, share_max(nranks)).to(torch.float16)
+
+
+def noise_ratio(summed: torch.Tensor, against: torch.Tensor,
+                values: torch.Tensor) -> torch.Tensor:
+    """The noise ratio ``R = scale² Σ_r σ_r² / value²`` (float32) from the allreduced
+    :func:`noise_shares` ``summed``: ``summed · against / values²``, 0 where a value is 0
+    or the ratio not finite (Adam adds ``R · value²``: the summed variance)."""
+    ratio = summed.float().mul(against).div_(values.float().square())
+    return torch.where((values != 0) & torch.isfinite(ratio), ratio, torch.zeros_like(ratio))
 
 
 def share_max(nranks: int) -> float:

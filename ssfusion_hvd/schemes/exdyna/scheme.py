@@ -11,7 +11,7 @@ import torch
 
 from ... import ops
 from ...core.transport import Sum
-from ...core.wire import noise_shares
+from ...core.wire import noise_ratio, noise_shares
 from ...sparsify.base import trim
 from ..base import SELECT_BY, SPREAD, Option, SyncConfig, carries_spread, is_int, is_real
 from ..whole import WholeGradientScheme
@@ -36,9 +36,9 @@ class ExDynaScheme(WholeGradientScheme):
         # the threshold on Adam's pending gain (or step) instead of the magnitude, as the
         # other schemes' top-k (docs/recipe.md, "Selecting by the gain")
         "select_by": SELECT_BY,
-        # each rank's variance beside its values in their allreduce (docs/recipe.md, "The
-        # senders' variance"): every rank sends every selected element, so the sum of the
-        # ranks' variances is an allreduce too
+        # each rank's variance after its values, as a float16 share in a second allreduce
+        # (docs/recipe.md, "The senders' variance"): every rank sends every selected
+        # element, so the sum of the ranks' variances is an allreduce too
         "spread": SPREAD,
     }
 
@@ -150,8 +150,11 @@ class ExDynaScheme(WholeGradientScheme):
             # allreduce (riding the values' one as a variance took 4 bytes an element, and
             # a float16 wire underflowed it)
             pre, post = tr.scales()
-            shares = noise_shares(variances, reduced, pre * post, self._nranks)
-            self._noise[gathered.long()] = tr.wait(tr.allreduce(shares, "var", op=Sum)).float()
+            where = gathered.long()
+            against = self._noise_against(where, reduced)
+            shares = noise_shares(variances, against, pre * post, self._nranks)
+            self._noise[where] = noise_ratio(tr.wait(tr.allreduce(shares, "var", op=Sum)),
+                                             against, reduced)
         self._out.zero_()
         ops.scatter_add(self._out, reduced, gathered)
         self._deliver(self._out)

@@ -14,7 +14,7 @@ import torch
 
 from ... import ops
 from ...core.transport import Sum
-from ...core.wire import noise_shares
+from ...core.wire import noise_ratio, noise_shares
 from ..base import SELECT_BY, SPREAD, Option, SyncConfig, carries_spread, is_int
 from ..whole import WholeGradientScheme
 from .algorithm import BSAGState, Gather, Layout, RankResult, output_scale, run_rank
@@ -168,15 +168,17 @@ class SparDLScheme(WholeGradientScheme):
         the synchronized gradient is ``c·Σ_r g_r`` (``c`` its scale), whose variance per
         step is ``c²·Σ_r σ_r²``, over the delivered value ``flat`` squared; ``σ_r²`` each
         rank's gradient variance over the steps since the element was last delivered
-        (``ResidualMemory.window_variances``). Every rank holds the delivered values, so
-        each sends its share of the ratio (``wire.noise_shares``, 16 bits) and an
-        allreduce sums them."""
+        (``ResidualMemory.window_variances``). Every rank holds the delivered values and
+        Adam's second moment, so each sends its variance as a float16 share against that
+        moment (``wire.noise_shares``) and an allreduce sums them."""
         idx = final.long()
         var = self._memory.window_variances(self._KEY, final,
                                             self._memory.sent_waits(self._KEY, final))
-        shares = noise_shares(var, flat.index_select(0, idx), self._scale, self._nranks)
-        self._noise[idx] = self.transport.wait(
-            self.transport.allreduce(shares, "var", op=Sum)).float()
+        value = flat.index_select(0, idx)
+        against = self._noise_against(idx, value)
+        shares = noise_shares(var, against, self._scale, self._nranks)
+        self._noise[idx] = noise_ratio(
+            self.transport.wait(self.transport.allreduce(shares, "var", op=Sum)), against, value)
 
     def noise(self) -> dict:
         return self._noise_views if self._last_sparse else {}
