@@ -253,6 +253,16 @@ class Recipe:
             torch._foreach_sqrt_(bias2_sqrt)
         return StepScales([st["exp_avg_sq"] for st in states], bias2_sqrt, eps, bool(root))
 
+    def arrival_ages(self, params: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """Per element of each of ``params``, the shared moments' age: the steps since it
+        last arrived (an arrival this step has waited one more). The same on every rank
+        (their state). None without shared moments, or while a tensor has no age yet
+        (before its first step)."""
+        if self.shared is None:
+            return None
+        ages = [self.shared.ages.get(p) for p in params]
+        return None if any(a is None for a in ages) else ages
+
     def undo_takes(self, entries) -> None:
         """Puts back the wrapped optimizer's state that :meth:`take_state` replaced with
         placeholders while :attr:`journal` was ``entries`` (a skipped step)."""

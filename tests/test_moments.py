@@ -261,7 +261,7 @@ def _noise(ranks, s, n, group, pulled=False, coded=True):
         total = total + torch.where(sent, acc, 0.0)
     if not coded:  # every rank sent (count is P): float16 shares of the summed variance
         synced = ranks[0]["steps"][s]["synced"][n]
-        against = _against(ranks[0]["steps"][s]["own"].get(n, {}), group, synced)
+        against = _against(ranks[0]["steps"][s]["ages"].get(n), synced)
         c2 = float(len(ranks)) ** -2  # (the average's scale, squared: variances are acc²)
         summed = sum(_float16_share(c2 * v, against) for v in variances).half().double()
         return torch.where((total != 0) & (synced != 0), summed * against, 0.0)
@@ -288,24 +288,20 @@ def _window_noise(ranks, s, n, group):
         variances.append((q / w - m * m).clamp(min=0) / len(ranks) ** 2)
     delivered = ranks[0]["steps"][s + 1]["waits"][n] == 0
     value = ranks[0]["steps"][s]["synced"][n]
-    against = _against(ranks[0]["steps"][s]["own"].get(n, {}), group, value)
+    against = _against(ranks[0]["steps"][s]["ages"].get(n), value)
     summed = sum(_float16_share(v, against) for v in variances).half().double()
     return torch.where(delivered & (value != 0), summed * against, 0.0)
 
 
-def _against(own, group, value):
+def _against(age, value):
     """What a rank's variance is measured against on the wire (``wire.noise_shares``, the
-    schemes' ``_noise_against``): the shared Adam rule's denominator squared,
-    ``(sqrt(v) / sqrt(1 - b2^t) + eps)²`` in float32 (the square root correctly rounded),
-    where the second moment ``v`` (before the step) is not 0, else the value squared."""
-    squares = value.float().square()
-    if "exp_avg_sq" not in own:
-        return squares.double()
-    v = own["exp_avg_sq"].float()
-    eps = group["eps"]
-    b2s = math.sqrt(1.0 - group["betas"][1] ** max(float(own["step"]), 1.0))
-    den = torch.from_numpy(np.sqrt(v.numpy())) / b2s + eps
-    return torch.where(den > eps, den.square(), squares).double()
+    schemes' ``_noise_against``): the value's rate per step squared, ``(value / a)²`` in
+    float32, ``a`` the shared moments' age before the step plus one (1 before their
+    first step)."""
+    rate = value.float()
+    if age is not None:
+        rate = rate / (age.float() + 1.0)
+    return rate.square().double()
 
 
 def _float16_share(variance, against):

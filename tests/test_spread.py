@@ -45,34 +45,36 @@ def test_spread_codes_are_within_7_percent_zero_below_and_saturate_above():
 
 
 def test_noise_shares_carry_the_summed_variance_in_16_bits_whatever_the_wait():
-    """Each rank's share ``scale² σ_r² / against`` in float16, ``against`` Adam's second
-    moment: the shares' float16 sum, turned back by ``noise_ratio``, is the summed
-    variance within float16's rounding plus P·2^-23 of v-hat, for elements that waited 1
-    to 10^5 steps (a value ~ wait · rate) and 2 to 1024 ranks; against the value squared
-    (the first form) a long wait's share fell below float16's normals. 0 where
-    ``against`` is 0, NaN or negative variances."""
+    """Each rank's share ``scale² σ_r² / against`` in float16, ``against`` the value's rate
+    per step squared: the shares' float16 sum, turned back by ``noise_ratio``, is the
+    summed variance within float16's rounding plus P·2^-23 of the rate squared, for
+    elements that waited 1 to 10^5 steps (a value = wait · rate), 2 to 1024 ranks and a
+    loss scale of 1 or 2^16 on the wire; against the value squared (the first form) a
+    long wait's share fell below float16's normals. 0 where ``against`` is 0, NaN or
+    negative variances."""
     torch.manual_seed(0)
     n = 4000
-    rate = torch.randn(n, dtype=torch.float64) * 1e-3  # a gradient's size per step
-    v_hat = rate.square() * (1 + torch.rand(n, dtype=torch.float64))  # Adam's, per step
     for nranks in (2, 8, 1024):
         for wait in (1, 1000, 100_000):
-            value = rate * wait  # the synchronized sum of ``wait`` steps
-            rel = torch.logspace(-4, 1, n, dtype=torch.float64)  # noise / v-hat, summed
-            var_r = rel * v_hat * nranks  # each rank's, so that scale² · P · var_r = rel·v-hat
-            shares = noise_shares(var_r.float(), v_hat.float(), 1.0 / nranks, nranks)
-            assert shares.dtype == torch.float16
-            summed = (shares.float() * nranks).half()  # P equal shares (one multiply: exact)
-            got = noise_ratio(summed, v_hat.float(), value.float()).double() * value.square()
-            want = rel * v_hat
-            # float16's rounding of a share and of the sum (2^-11 each), and its subnormals
-            # (steps of 2^-24 per share): at most P·2^-24 of v-hat, whatever the wait
-            bound = 2 ** -9 * want + nranks * 2 ** -23 * v_hat
-            assert bool(((got - want).abs() <= bound).all()), (nranks, wait)
-            # against the value squared the same shares are rel·v-hat / (P·value²): tiny
-            old = (rel * v_hat / nranks / value.square()).float().half()
-            if wait >= 1000 and nranks >= 8:
-                assert bool((old.float() < 2 ** -14).all())  # subnormal or 0: bits lost
+            for loss_scale in (1.0, 2.0 ** 16):
+                rate = torch.randn(n, dtype=torch.float64) * 1e-3 * loss_scale
+                value = rate * wait  # the synchronized sum of ``wait`` steps
+                rel = torch.logspace(-4, 1, n, dtype=torch.float64)  # summed noise / rate²
+                var_r = rel * rate.square() * nranks  # so that scale²·P·var_r = rel·rate²
+                against = (value.float() / wait).square()
+                shares = noise_shares(var_r.float(), against, 1.0 / nranks, nranks)
+                assert shares.dtype == torch.float16
+                summed = (shares.float() * nranks).half()  # P equal shares: one exact multiply
+                got = noise_ratio(summed, against, value.float()).double() * value.square()
+                want = rel * rate.square()
+                # float16's rounding of a share and of the sum (2^-11 each), and its
+                # subnormals (steps of 2^-24 per share): at most P·2^-24 of the rate²
+                bound = 2 ** -9 * want + nranks * 2 ** -23 * rate.square()
+                assert bool(((got - want).abs() <= bound).all()), (nranks, wait, loss_scale)
+                # against the value squared the same shares are rel / (P·wait²): tiny
+                if wait >= 1000 and nranks >= 8:
+                    old = (rel / nranks / wait ** 2).float().half()
+                    assert bool((old.float() < 2 ** -14).all())  # subnormal or 0: bits lost
     # a zero ``against``, NaN, a negative variance: no noise; noise far above it saturates
     edge = noise_shares(torch.tensor([1.0, float("nan"), -1.0, 1e30, 1e-1]),
                         torch.tensor([0.0, 1.0, 1.0, 1.0, 1e-6]), 1.0, nranks=4)
@@ -320,31 +322,24 @@ def test_adam_step_adds_the_noise_to_the_second_moment(with_shares):
     assert torch.equal(q.detach(), r.detach())
 
 
-def test_whole_gradient_schemes_measure_shares_against_adams_second_moment():
-    """SparDL's and ExDyna's ``_noise_against``: at the given flat elements the shared
-    rule's denominator squared, ``(sqrt(v) / sqrt(1 - b2^t) + eps)²``, where Adam's
-    ``exp_avg_sq`` is not 0, the synchronized value squared where it is (a first
-    arrival) and everywhere before Adam's first step."""
+def test_whole_gradient_schemes_measure_shares_against_the_rate_per_step():
+    """SparDL's and ExDyna's ``_noise_against``: at the given flat elements the
+    synchronized value over the steps it waited, squared, ``(value / (age + 1))²``, by
+    the shared moments' ages (the same on every rank); the value squared before they
+    have any."""
     from types import SimpleNamespace
 
-    from ssfusion_hvd.recipe import StepScales
+    from ssfusion_hvd.core.layout import FlatLayout
     from ssfusion_hvd.schemes.whole import WholeGradientScheme
 
-    torch.manual_seed(0)
-    vs = [torch.rand(6) * 1e-6, torch.rand(2, 3) * 1e-6]
-    vs[0][[1, 4]] = 0.0
-    bias, eps = [0.3, 0.5], 1e-8
-    scales = StepScales(vs, bias, eps)
-    recipe = SimpleNamespace(step_scales=lambda params: scales)
+    ages = [torch.tensor([0.0, 3.0, 1.0, 0.0, 9.0, 2.0]), torch.full((2, 3), 4.0)]
+    recipe = SimpleNamespace(arrival_ages=lambda params: ages)
     stub = SimpleNamespace(config=SimpleNamespace(recipe=recipe), _trainable=[0, 1], _den=None,
-                           flat=SimpleNamespace(numel=12))
+                           flat=FlatLayout([torch.Size([6]), torch.Size([2, 3])]))
     idx = torch.tensor([0, 1, 4, 7, 11])
     values = torch.tensor([1e-3, -2e-3, 3e-3, 4e-3, -5e-3])
     got = WholeGradientScheme._noise_against(stub, idx, values)
-    flat_v = torch.cat([vs[0], vs[1].reshape(-1)])[idx]
-    b2s = torch.tensor([bias[0]] * 6 + [bias[1]] * 6)[idx]
-    want = torch.where(flat_v > 0, (flat_v.sqrt() / b2s + eps).square(), values.square())
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    assert got[1] == values[1] ** 2 and got[2] == values[2] ** 2  # v = 0 there
-    recipe.step_scales = lambda params: None  # before Adam's first step
+    waited = torch.tensor([1.0, 4.0, 10.0, 5.0, 5.0])
+    torch.testing.assert_close(got, (values / waited).square(), rtol=1e-6, atol=0)
+    recipe.arrival_ages = lambda params: None  # before the shared moments' first step
     assert torch.equal(WholeGradientScheme._noise_against(stub, idx, values), values.square())

@@ -151,13 +151,18 @@ def noise_shares(variances: torch.Tensor, against: torch.Tensor, scale: float,
     squared (:func:`noise_ratio` turns the sum back). Where a scheme sums every rank's
     variance at elements whose synchronized value every rank already holds (SparDL after
     its gathers, ExDyna after its values' allreduce), the shares travel in 16 bits where
-    a variance (a gradient squared) would underflow. ``against`` is Adam's second moment
-    there (``v-hat``, what the noise is added to), so a share is about ``σ_r² / (P² v-hat)``:
-    up to about 1/P where the noise matters, whatever the element's wait (against the
-    value squared, which a long wait makes large, a share fell below float16's normals
-    at density 0.001). Shares below 6e-8 read as 0 (noise a ten-millionth of v-hat per
-    rank); each is clamped to :func:`share_max` (``nranks``), so the float16 sum cannot
-    overflow. A zero ``against`` or a non-finite share reads as no noise."""
+    a variance (a gradient squared) would underflow. ``against`` is the value's rate per
+    step squared there, ``(value / a)²`` for an element that waited ``a`` steps: what
+    Adam's second moment takes at the arrival, beside which it adds the noise. A share is
+    then about ``σ_r² / (P² μ²)`` (μ the mean gradient per step): up to about 1/P where
+    the noise is as large as the rate, whatever the wait, and in the wire's own units (a
+    loss scale on the wire scales both). Against the value squared, which a long wait
+    makes ``a²`` larger, shares fell below float16's normals at density 0.001; against
+    Adam's ``v-hat``, a loss scale the wire carries and the optimizer does not (a manual
+    or apex-style unscale after ``synchronize()``) saturated them. Shares below 6e-8 read
+    as 0 (noise a ten-millionth of the rate per rank); each is clamped to
+    :func:`share_max` (``nranks``), so the float16 sum cannot overflow. A zero
+    ``against`` or a non-finite share reads as no noise."""
     share = variances.float().mul(scale * scale).div_(against)
     ok = (against > 0) & torch.isfinite(share)
     return torch.where(ok, share, torch.zeros_like(share)).clamp_(

@@ -8,7 +8,6 @@ import time
 
 import torch
 
-from .. import ops
 from ..core.layout import FlatLayout
 from ..core.stats import StepStats
 from ..core.transport import Transport
@@ -125,20 +124,20 @@ class WholeGradientScheme(Scheme):
 
     def _noise_against(self, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """What a rank's share of the senders' variance is measured against at the flat
-        elements ``idx`` (``wire.noise_shares``), the same on every rank: Adam's second
-        moment as its rule divides by it, ``(sqrt(v-hat) + eps)²``, where it has one, else
-        the synchronized ``values`` squared (an element's first arrival). One pass over
-        the model's ``exp_avg_sq`` into the denominators' buffer, which the step's
-        selection no longer reads."""
-        squares = values.float().square()
-        scales = self.config.recipe.step_scales(self._trainable)  # (the step's: no root)
-        if scales is None:  # before Adam's first step
-            return squares
-        if self._den is None:
-            self._den = torch.empty(self.flat.numel, dtype=torch.float32, device=idx.device)
-        den = ops.step_denominator(scales.exp_avg_sqs, scales.bias2_sqrt, scales.eps,
-                                   self._den).index_select(0, idx)
-        return torch.where(den > scales.eps, den.square(), squares)
+        elements ``idx`` (``wire.noise_shares``), the same on every rank: the synchronized
+        value's rate per step squared, ``(values / a)²``, ``a`` the steps the element
+        waited by the shared moments' age (their state; 1 before their first step). The
+        rate is what Adam's second moment takes at the arrival, so a share is the noise
+        relative to it, whatever the wait, in the units the wire carries (a loss scale on
+        the wire scales both). One copy of the ages into the denominators' buffer."""
+        rate = values.float()
+        ages = self.config.recipe.arrival_ages(self._trainable)
+        if ages is not None:
+            if self._den is None:
+                self._den = torch.empty(self.flat.numel, dtype=torch.float32, device=idx.device)
+            waited = self.flat.gather(ages, out=self._den)[:self.flat.numel].index_select(0, idx)
+            rate = rate / waited.add_(1.0)
+        return rate.square()
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad.is_sparse:  # sparse gradients travel densely in these schemes
