@@ -256,12 +256,15 @@ class Recipe:
     def arrival_ages(self, params: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         """Per element of each of ``params``, the shared moments' age: the steps since it
         last arrived (an arrival this step has waited one more). The same on every rank
-        (their state). None without shared moments, or while a tensor has no age yet
-        (before its first step)."""
+        (their state). A tensor without an age yet reads 0, the age its first step gives
+        it; None without shared moments or before any tensor has one."""
         if self.shared is None:
             return None
         ages = [self.shared.ages.get(p) for p in params]
-        return None if any(a is None for a in ages) else ages
+        if all(a is None for a in ages):
+            return None
+        return [a if a is not None else torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                for a, p in zip(ages, params)]
 
     def undo_takes(self, entries) -> None:
         """Puts back the wrapped optimizer's state that :meth:`take_state` replaced with

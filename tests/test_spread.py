@@ -343,3 +343,20 @@ def test_whole_gradient_schemes_measure_shares_against_the_rate_per_step():
     torch.testing.assert_close(got, (values / waited).square(), rtol=1e-6, atol=0)
     recipe.arrival_ages = lambda params: None  # before the shared moments' first step
     assert torch.equal(WholeGradientScheme._noise_against(stub, idx, values), values.square())
+
+
+def test_arrival_ages_read_a_tensor_without_one_as_zero():
+    """``Recipe.arrival_ages``: the shared moments' ages per tensor; a tensor without one
+    yet reads 0 (what its first step gives it), so the others keep theirs; None without
+    shared moments or before any tensor has an age."""
+    from types import SimpleNamespace
+
+    from ssfusion_hvd.recipe import Recipe
+
+    p, q = torch.zeros(3), torch.zeros(2, 2)
+    aged = torch.tensor([1.0, 0.0, 7.0])
+    recipe = SimpleNamespace(shared=SimpleNamespace(ages={p: aged}))
+    got = Recipe.arrival_ages(recipe, [p, q])
+    assert got[0] is aged and torch.equal(got[1], torch.zeros(2, 2))
+    assert Recipe.arrival_ages(SimpleNamespace(shared=SimpleNamespace(ages={})), [p, q]) is None
+    assert Recipe.arrival_ages(SimpleNamespace(shared=None), [p, q]) is None

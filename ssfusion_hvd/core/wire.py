@@ -153,10 +153,12 @@ def noise_shares(variances: torch.Tensor, against: torch.Tensor, scale: float,
     its gathers, ExDyna after its values' allreduce), the shares travel in 16 bits where
     a variance (a gradient squared) would underflow. ``against`` is the value's rate per
     step squared there, ``(value / a)²`` for an element that waited ``a`` steps: what
-    Adam's second moment takes at the arrival, beside which it adds the noise. A share is
-    then about ``σ_r² / (P² μ²)`` (μ the mean gradient per step): up to about 1/P where
-    the noise is as large as the rate, whatever the wait, and in the wire's own units (a
-    loss scale on the wire scales both). Against the value squared, which a long wait
+    Adam's second moment takes at the arrival, beside which it adds the noise. Where the
+    mean gradient μ per step dominates the rate, a share is about ``σ_r² / (P² μ²)``:
+    about 1/P where the noise is as large as the mean, whatever the wait, and in the
+    wire's own units (a loss scale on the wire scales both). Where noise dominates, the
+    rate shrinks as the wait grows and a share grows with it; the sum saturates once the
+    noise is about 4e4 times the rate squared (a top-k rarely sends such an element). Against the value squared, which a long wait
     makes ``a²`` larger, shares fell below float16's normals at density 0.001; against
     Adam's ``v-hat``, a loss scale the wire carries and the optimizer does not (a manual
     or apex-style unscale after ``synchronize()``) saturated them. Shares below 6e-8 read

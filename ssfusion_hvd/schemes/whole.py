@@ -43,6 +43,10 @@ class WholeGradientScheme(Scheme):
                              "use scheme='dense'")
         self._submitted = 0
         self._t_first = None  # first submission of the step (for stats' communicate_s)
+        # a model-sized float32 buffer, allocated once where used: Adam's denominators and
+        # the keys of a selection by step (SparDL, ExDyna), then the ages
+        # ``_noise_against`` reads
+        self._den = None
         self._all = frozenset(self._trainable)
         self._last_sparse = frozenset()
         #: the whole model gradient as one flat vector (canonical order)

@@ -56,7 +56,6 @@ class ExDynaScheme(WholeGradientScheme):
                        if self.spread else None)
         self._noise_views = (dict(zip(self._trainable, self.flat.views(self._noise)))
                              if self.spread else {})
-        self._den = None  # Adam's denominators, then the keys (by step), allocated once
         self._flat = torch.empty(self._numel, dtype=self._dtype, device=self._device)
         self._out = torch.empty(self._numel, dtype=self._acc_dtype(), device=self._device)
         self.selected: Optional[torch.Tensor] = None  # this rank's indices, last iteration

@@ -50,7 +50,6 @@ class SparDLScheme(WholeGradientScheme):
         # (a new tensor each step cost page faults over the whole model every step)
         self._flat = torch.empty(self.flat.numel, dtype=self._dtype, device=self._device)
         self._scratch = None  # run_rank's working copy and output, allocated at the first step
-        self._den = None  # Adam's denominators, where the selection is by step (allocated once)
         # An arrival here is a merge of partial sums, some of them dropped on the way and
         # kept by another rank, so no rank's value is its own sum over its own wait: each
         # rank keeps its gradient's sum and sum of squares since an element was last
@@ -169,8 +168,9 @@ class SparDLScheme(WholeGradientScheme):
         step is ``c²·Σ_r σ_r²``, over the delivered value ``flat`` squared; ``σ_r²`` each
         rank's gradient variance over the steps since the element was last delivered
         (``ResidualMemory.window_variances``). Every rank holds the delivered values and
-        Adam's second moment, so each sends its variance as a float16 share against that
-        moment (``wire.noise_shares``) and an allreduce sums them."""
+        the shared moments' ages, so each sends its variance as a float16 share against
+        the value's rate per step squared (``wire.noise_shares``, ``_noise_against``) and
+        an allreduce sums them."""
         idx = final.long()
         var = self._memory.window_variances(self._KEY, final,
                                             self._memory.sent_waits(self._KEY, final))
