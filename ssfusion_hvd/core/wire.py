@@ -18,6 +18,7 @@ back with ``raw.view(dtype)``. Nothing here calls Horovod.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Sequence, Tuple
 
@@ -151,19 +152,17 @@ def noise_shares(variances: torch.Tensor, against: torch.Tensor, scale: float,
     squared (:func:`noise_ratio` turns the sum back). Where a scheme sums every rank's
     variance at elements whose synchronized value every rank already holds (SparDL after
     its gathers, ExDyna after its values' allreduce), the shares travel in 16 bits where
-    a variance (a gradient squared) would underflow. ``against`` is the value's rate per
-    step squared there, ``(value / a)²`` for an element that waited ``a`` steps: what
-    Adam's second moment takes at the arrival, beside which it adds the noise. Where the
-    mean gradient μ per step dominates the rate, a share is about ``σ_r² / (P² μ²)``:
-    about 1/P where the noise is as large as the mean, whatever the wait, and in the
-    wire's own units (a loss scale on the wire scales both). Where noise dominates, the
-    rate shrinks as the wait grows and a share grows with it; the sum saturates once the
-    noise is about 4e4 times the rate squared (a top-k rarely sends such an element). Against the value squared, which a long wait
-    makes ``a²`` larger, shares fell below float16's normals at density 0.001; against
-    Adam's ``v-hat``, a loss scale the wire carries and the optimizer does not (a manual
-    or apex-style unscale after ``synchronize()``) saturated them. Shares below 6e-8 read
-    as 0 (noise a ten-millionth of the rate per rank); each is clamped to
-    :func:`share_max` (``nranks``), so the float16 sum cannot overflow. A zero
+    a variance (a gradient squared) would underflow.
+
+    ``against`` is the value's rate per step squared, ``(value / a)²`` for an element that
+    waited ``a`` steps: what Adam's second moment takes at the arrival. Where the mean
+    gradient μ per step dominates the rate, a share is about ``σ_r² / (P² μ²)``, about
+    1/P where the noise is as large as the mean, whatever the wait, and in the wire's own
+    units (a loss scale on the wire scales both; docs/design.md has the two measures that
+    failed: the value squared, Adam's ``v-hat``). Where noise dominates, a share grows
+    with the wait; the sum saturates once the noise is about 4e4 times the rate squared
+    (a top-k rarely sends such an element). Shares below 6e-8 read as 0; each is clamped
+    to :func:`share_max` (``nranks``), so the float16 sum cannot overflow. A zero
     ``against`` or a non-finite share reads as no noise."""
     share = variances.float().mul(scale * scale).div_(against)
     ok = (against > 0) & torch.isfinite(share)
@@ -180,6 +179,7 @@ def noise_ratio(summed: torch.Tensor, against: torch.Tensor,
     return torch.where((values != 0) & torch.isfinite(ratio), ratio, torch.zeros_like(ratio))
 
 
+@functools.lru_cache(maxsize=None)
 def share_max(nranks: int) -> float:
     """A float16 of which ``nranks`` summed in float16, in any order, stay finite: each
     addition rounds up by at most half a unit (a factor 1 + 2^-11), so the bound divides
