@@ -23,14 +23,15 @@ def _state(opt):
 
 
 def _optimizer(model, teams, op="average", predivide=1.0, density=0.05, lr=0.05, momentum=0.0,
-               warmup=100, optimizer="sgd"):
+               warmup=100, optimizer="sgd", select_by=None):
     inner = (torch.optim.Adam(model.parameters(), lr=0.01) if optimizer == "adam" else
              torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum))
     return ssfusion_hvd.DistributedOptimizer(
         inner,
         named_parameters=model.named_parameters(), scheme="spardl", density=density,
         op=OPS[op], gradient_predivide_factor=predivide, density_warmup_steps=warmup,
-        scheme_options={"teams": teams})
+        scheme_options={"teams": teams} if select_by is None else
+        {"teams": teams, "select_by": select_by})
 
 
 def bad_teams(teams):
@@ -43,12 +44,13 @@ def bad_teams(teams):
 
 
 def record(teams, steps=4, op="average", predivide=1.0, dtype="float32", density=0.05,
-           optimizer="sgd"):
+           optimizer="sgd", select_by=None):
     """``optimizer="adam"``: shared moments (the default), so from the second step every
     selection is by the pending step; each step also records Adam's state before it."""
     model = _model(dtype)
     # a short density warm-up: the recorded steps cross its stages (new layouts)
-    opt = _optimizer(model, teams, op, predivide, density, warmup=2, optimizer=optimizer)
+    opt = _optimizer(model, teams, op, predivide, density, warmup=2, optimizer=optimizer,
+                     select_by=select_by)
     names = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     params = dict(model.named_parameters())
     loss_fn = nn.CrossEntropyLoss()
@@ -140,6 +142,9 @@ def run_all(teams, steps=4, train_steps=30):
         out[("checkpoint", d)] = checkpoint(d)
         out[("train", d, "average")] = train(d, steps=train_steps)
         out[("train", d, "sum")] = train(d, "sum", steps=train_steps)
+    # by the step, at a density where the gain's key would select otherwise
+    out["adam_step"] = record(max(teams), steps=8, optimizer="adam", select_by="step",
+                              density=0.2)
     if 1 in teams:  # other dtypes and the predivide factor, plain SRS
         out[("record", 1, "predivide")] = record(1, steps=3, predivide=2.0)
         out[("record", 1, "float16")] = record(1, steps=3, dtype="float16")
