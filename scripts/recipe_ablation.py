@@ -84,7 +84,7 @@ import torch.nn.functional as F
 from ssfusion_hvd import ops
 from ssfusion_hvd.examples.data import DigitsNet, load_digits_split, shard
 from ssfusion_hvd.plan.cost import nominal_k
-from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe  # noqa: E402
+from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe, warmup_length  # noqa: E402
 from ssfusion_hvd.rules import AdamRule, MomentumRule
 from ssfusion_hvd.sparsify.memory import ResidualMemory
 
@@ -301,7 +301,8 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="", help="default: digits 0-7, lm 0")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--density", type=float, default=0.01)
-    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP_STEPS)
+    p.add_argument("--warmup", type=int, default=None,
+                   help="the density warm-up's steps (default: the package's for --density)")
     p.add_argument("--min-k", type=int, default=32, help="auto_min_k's threshold")
     p.add_argument("--epochs", type=int, default=0, help="0: digits 10, lm 3 (of 100 steps)")
     p.add_argument("--no-seed", action="store_true",
@@ -402,12 +403,16 @@ def make_task(task: str, seed: int, ranks: int, args=None):
     return model, loss, lambda: text.perplexity(model, va), 100, "adam", getattr(args, "lm_lr", 2e-3)
 
 
+def _warmup(args) -> int:
+    return warmup_length(args.density, DEFAULT_WARMUP_STEPS if args.warmup is None else args.warmup)
+
+
 def run(task: str, variant: str, seed: int, args) -> dict:
     ranks = args.ranks
     model, loss, evaluate, steps, kind, lr = make_task(task, seed, ranks, args)
     params = list(model.parameters())
     epochs = args.epochs or (10 if task == "digits" else 3)
-    warm = 0 if variant == "ef" else args.warmup
+    warm = 0 if variant == "ef" else _warmup(args)
     schedule = Recipe("none", args.density, warm, True)
     opt = (torch.optim.SGD(params, lr=lr, momentum=0.9) if kind == "sgd"
            else torch.optim.Adam(params, lr=lr))
@@ -631,7 +636,7 @@ def main(argv=None):
     for task in dict.fromkeys(r["task"] for r in out):
         name = "test accuracy %" if task == "digits" else "validation perplexity"
         print(f"\n**{task}** ({name}; {args.ranks} replicated ranks, density {args.density}, "
-              f"warm-up {args.warmup} steps)\n\n| variant | mean | std | min | max | seeds |\n"
+              f"warm-up {_warmup(args)} steps)\n\n| variant | mean | std | min | max | seeds |\n"
               "|---|---:|---:|---:|---:|---:|")
         for variant in dict.fromkeys(r["variant"] for r in out if r["task"] == task):
             xs = [r["metric"] for r in out if r["task"] == task and r["variant"] == variant]

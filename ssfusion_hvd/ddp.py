@@ -55,7 +55,7 @@ import hashlib
 import inspect
 import math
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ from .core.sparse_part import SparsePart
 from .plan import CostModel, Plan, build_plan, default_backward_times, optimal_fusion
 from .plan.cost import nominal_k
 from .plan.selective import DEFAULT_ACCURACY_SLACK
-from .recipe import DEFAULT_WARMUP_STEPS, Recipe, resolve_recipe
+from .recipe import DEFAULT_WARMUP_STEPS, Recipe, resolve_recipe, warmup_length
 from .sparsify import SPARSIFIERS, ResidualMemory, make_sparsifier
 from .moments import SELECT_BY_CHOICES, selection_key
 
@@ -687,7 +687,7 @@ def _agree(group, **arguments) -> None:
 
 def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsifier: str = "topk",
              optimizer=None, momentum_correction="auto",
-             density_warmup_steps: int = DEFAULT_WARMUP_STEPS,
+             density_warmup_steps: Union[str, int] = DEFAULT_WARMUP_STEPS,
              fp32_accumulation: bool = True, grad_scaler=None,
              plan: Optional[Plan] = None, select_by: str = "auto") -> SparseHook:
     """Installs the hook on ``ddp_model`` (a ``DistributedDataParallel``) and returns its
@@ -696,7 +696,8 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
     ``optimizer``: the job's optimizer, for the recipe's momentum correction (shared
     moments; ``momentum_correction`` as in the Horovod optimizer: ``"auto"``, ``True``,
     ``False``; without an optimizer, plain error feedback); ``density_warmup_steps``:
-    DGC's exponential warm-up (0: off); ``grad_scaler``: the job's ``torch.amp.GradScaler``
+    DGC's exponential warm-up (``"auto"``: the Horovod optimizer's, longer below density
+    0.006; an int: its steps; 0: off); ``grad_scaler``: the job's ``torch.amp.GradScaler``
     (needs ``optimizer``): the residuals are kept in unscaled units and a step the scaler
     skips is undone; ``plan``: the planner's plan (:func:`make_plan`): which tensors of a
     bucket go dense by allreduce and each sparsified tensor's k (build the DDP model
@@ -749,11 +750,8 @@ def register(ddp_model, scheme: str = "ssfusion", density: float = 0.01, sparsif
         if momentum_correction is True:
             raise ValueError("momentum_correction=True needs the optimizer: "
                              "register(..., optimizer=opt)")
-        if isinstance(density_warmup_steps, bool) or not isinstance(density_warmup_steps, int) \
-                or density_warmup_steps < 0:
-            raise ValueError(f"density_warmup_steps must be an int >= 0, got "
-                             f"{density_warmup_steps!r}")
-        recipe = Recipe("none", float(density), density_warmup_steps if scheme != "dense" else 0,
+        warmup = warmup_length(density, density_warmup_steps)
+        recipe = Recipe("none", float(density), warmup if scheme != "dense" else 0,
                         bool(fp32_accumulation))
     hook = SparseHook(names, ddp_model.process_group, scheme, sparsifier, recipe, optimizer,
                       grad_scaler, plan, select_by)

@@ -323,7 +323,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         moments: ``"shared"`` (default: one optimizer state for all ranks, moved by the
             synchronized gradient with each element's age; exactly SGD / Adam at density
             1) or ``"local"`` (DGC's per-rank momentum correction).
-        density_warmup_steps: DGC's exponential density warm-up (default 50; 0: off).
+        density_warmup_steps: DGC's exponential density warm-up: ``"auto"`` (default: 50
+            steps from density 0.25; below density 0.006, ``⌈0.3 / density⌉`` steps from
+            25 times the density, ``ssfusion_hvd/recipe.py``), an int (its steps), 0 (off).
         fp32_accumulation: float16 gradients accumulated, selected and decoded in float32.
         momentum_masking: DGC's momentum factor masking under ``moments="local"``.
 

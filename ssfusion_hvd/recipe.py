@@ -26,12 +26,16 @@ same for every sparse scheme:
   need nothing: error feedback on gradients is already exact for them. Any other
   optimizer gets plain error feedback under ``"auto"`` and a ``ValueError`` under
   ``True``.
-* **Density warm-up** (``density_warmup_steps=50``): DGC's exponential schedule counted
-  in synchronized steps. Step ``t < W`` sends density
-  ``max(d, 0.25 · (d / 0.25) ** (s / 4))`` for stage ``s = ⌊4 t / W⌋``; four stages
-  (0.25, 0.11, 0.05, 0.022 at d = 0.01), then the target. Piecewise constant so a
-  planned scheme allocates its buffers once per stage. The planned schemes' dense
-  profiling steps count as steps. ``0`` switches it off.
+* **Density warm-up** (``density_warmup_steps="auto"``): DGC's exponential schedule
+  counted in synchronized steps, from ``a = min(0.25, 25 d)``. Step ``t < W`` sends
+  density ``max(d, a · (d / a) ** (s / 4))`` for stage ``s = ⌊4 t / W⌋``; four stages
+  (0.25, 0.11, 0.05, 0.022 at d = 0.01), then the target. ``"auto"`` lasts
+  ``W = max(50, ⌈0.3 / d⌉)`` steps: 50 from d = 0.006 up; below it, as long as the target
+  density takes to send 30 % of the model (300 steps at 0.001), so the stages are what a
+  short job trains in, at no more bytes (docs/results.md §2b, "Density 0.001"). An int
+  sets ``W``. Piecewise constant so a planned scheme allocates its buffers once per
+  stage. The planned schemes' dense profiling steps count as steps. ``0`` switches it
+  off.
 * **float32 accumulation** (``fp32_accumulation=True``): with float16 gradients,
   residuals, the rule's state, the selection input and the decode sums are float32; only
   the sent values are rounded to float16, and the rounding error stays in the residual.
@@ -54,10 +58,10 @@ from .rules import AdamRule, GradientRule, LocalRule, MomentumRule
 from .sparsify.memory import ResidualMemory
 
 __all__ = ["Recipe", "resolve_recipe", "DEFAULT_WARMUP_STEPS", "DEFAULT_MASKING", "DEFAULT_MOMENTS",
-           "WARMUP_START", "WARMUP_STAGES"]
+           "WARMUP_START", "WARMUP_STAGES", "warmup_length"]
 
-#: default ``density_warmup_steps``
-DEFAULT_WARMUP_STEPS = 50
+#: default ``density_warmup_steps``: :func:`warmup_length` of the density
+DEFAULT_WARMUP_STEPS = "auto"
 #: default ``momentum_masking``: "auto" masks only while the density in force is below
 #: ``1 - momentum`` (sparse enough for a sent velocity to be stale; docs/recipe.md)
 DEFAULT_MASKING = "auto"
@@ -68,9 +72,31 @@ DEFAULT_MASKING = "auto"
 #: of dense on every 2-worker SGD cell at density 0.01 (docs/results.md §2b)
 DEFAULT_MOMENTS = "shared"
 MOMENTS = ("shared", "local")
-#: density of the first warm-up stage (DGC: 75 % sparsity) and the number of stages
+#: density of the first warm-up stage (DGC: 75 % sparsity) at most, its multiple of the
+#: target below that, and the number of stages
 WARMUP_START = 0.25
+WARMUP_RATIO = 25
 WARMUP_STAGES = 4
+#: ``"auto"``'s length: at least WARMUP_MIN_STEPS, else the steps in which the target
+#: density sends WARMUP_SHARE of the model. At 0.001 in a 132-step job the 50-step
+#: warm-up from 0.25 left the deep MLP and the GRU 5.6 and 7.0 points below dense at 0.094
+#: of its bytes; from 0.025 over 300 steps (the job ends in the second stage, 0.011) they
+#: were +0.9 and -0.7, at 0.082 and 0.080 (7 and 3 seeds, docs/results.md §2b). Chosen
+#: among 100, 160 and 300 steps on those two cells, then run on the suite's others.
+WARMUP_MIN_STEPS = 50
+WARMUP_SHARE = 0.3
+
+
+def warmup_length(density: float, density_warmup_steps="auto") -> int:
+    """The density warm-up's length in steps for ``density_warmup_steps`` (``"auto"``, or
+    an int >= 0 taken as is); ``ValueError`` for anything else (the same on every rank)."""
+    if density_warmup_steps == "auto" and isinstance(density_warmup_steps, str):
+        return max(WARMUP_MIN_STEPS, math.ceil(WARMUP_SHARE / float(density) - 1e-9))
+    if isinstance(density_warmup_steps, bool) or not isinstance(density_warmup_steps, int) \
+            or density_warmup_steps < 0:
+        raise ValueError(f"density_warmup_steps must be 'auto' or an int >= 0, got "
+                         f"{density_warmup_steps!r}")
+    return density_warmup_steps
 
 
 def _zero_step(old, p: torch.Tensor, group: dict) -> torch.Tensor:
@@ -120,6 +146,8 @@ class Recipe:
             SharedMoments(kind, hparams or {}) if self.moments == "shared" else None)
         self.density = float(density)
         self.warmup_steps = int(warmup_steps)
+        #: the first stage's density
+        self.warmup_start = min(WARMUP_START, WARMUP_RATIO * self.density)
         self.fp32 = bool(fp32)
         self.hparams = dict(hparams or {})
         self.options: Optional[dict] = None  # resolve_recipe's arguments (set by it)
@@ -139,7 +167,8 @@ class Recipe:
     def stage_density(self, stage: int) -> float:
         if stage >= WARMUP_STAGES:
             return self.density
-        d = WARMUP_START * (self.density / WARMUP_START) ** (stage / WARMUP_STAGES)
+        a = self.warmup_start
+        d = a * (self.density / a) ** (stage / WARMUP_STAGES)
         return max(self.density, min(1.0, d))
 
     def density_at(self, step: int) -> float:
@@ -385,7 +414,7 @@ def _momentum_kind(optimizer) -> tuple:
 
 
 def resolve_recipe(optimizer, scheme: str, density: float, momentum_correction="auto",
-                   density_warmup_steps: int = DEFAULT_WARMUP_STEPS,
+                   density_warmup_steps: Union[str, int] = DEFAULT_WARMUP_STEPS,
                    fp32_accumulation: bool = True,
                    momentum_masking: bool = DEFAULT_MASKING,
                    moments: str = DEFAULT_MOMENTS) -> Recipe:
@@ -394,9 +423,7 @@ def resolve_recipe(optimizer, scheme: str, density: float, momentum_correction="
     if momentum_correction not in ("auto", True, False) or isinstance(momentum_correction, numbers.Number) \
             and not isinstance(momentum_correction, bool):
         raise ValueError(f"momentum_correction must be 'auto', True or False, got {momentum_correction!r}")
-    if isinstance(density_warmup_steps, bool) or not isinstance(density_warmup_steps, int) \
-            or density_warmup_steps < 0:
-        raise ValueError(f"density_warmup_steps must be an int >= 0, got {density_warmup_steps!r}")
+    warmup = warmup_length(density, density_warmup_steps)
     if not isinstance(fp32_accumulation, bool):
         raise ValueError(f"fp32_accumulation must be True or False, got {fp32_accumulation!r}")
     if momentum_masking != "auto" and not isinstance(momentum_masking, bool):
@@ -414,8 +441,8 @@ def resolve_recipe(optimizer, scheme: str, density: float, momentum_correction="
     elif momentum_correction == "auto" and kind == "none" and why and "no momentum" not in why:
         warnings.warn(f"momentum_correction='auto': {why}; sparse gradients get plain error "
                       "feedback, which converges worse at low density")
-    recipe = Recipe(kind, density, density_warmup_steps if scheme != "dense" else 0,
-                    fp32_accumulation, hp, moments)
+    recipe = Recipe(kind, density, warmup if scheme != "dense" else 0, fp32_accumulation, hp,
+                    moments)
     recipe.family = ("sgd" if isinstance(optimizer, torch.optim.SGD) else
                      "adam" if isinstance(optimizer, torch.optim.Adam) else "other")
     # what re-resolves it after hvd.broadcast_optimizer_state changed the hyper-parameters

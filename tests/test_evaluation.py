@@ -443,11 +443,11 @@ def test_recipe_ablation_replays_the_ranks(tmp_path, capsys):
     # density of that step
     from ssfusion_hvd.examples.data import DigitsNet, load_digits_split, shard
     from ssfusion_hvd.plan.cost import nominal_k
-    from ssfusion_hvd.recipe import DEFAULT_WARMUP_STEPS, Recipe
+    from ssfusion_hvd.recipe import Recipe, warmup_length
 
     sizes = [p.numel() for p in DigitsNet().parameters()]
     steps = len(shard(load_digits_split(seed=0)[0], 0, 2).y) // 32
-    schedule = Recipe("none", 0.01, DEFAULT_WARMUP_STEPS, True)
+    schedule = Recipe("none", 0.01, warmup_length(0.01), True)
     sent = sum(sum(sizes) if t <= 5 else sum(int(nominal_k(n, schedule.density_at(t - 1))) for n in sizes)
                for t in range(2, steps + 2))
     expected = sent / (steps * sum(sizes))

@@ -41,6 +41,7 @@ def test_bad_inputs_raise_on_every_rank_without_hang():
                 "density_str": "'0.1'", "passes": "0", "duplicate": "w", "missing": "not named",
                 "predivide": "gradient_predivide_factor",
                 "warmup_negative": "density_warmup_steps", "warmup_float": "density_warmup_steps",
+                "warmup_str": "density_warmup_steps",
                 "correction_value": "momentum_correction must be",
                 "correction_no_momentum": "no momentum", "correction_rmsprop": "RMSprop",
                 "correction_amsgrad": "amsgrad", "correction_groups": "different momentum",

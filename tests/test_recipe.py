@@ -19,10 +19,8 @@ from hvdrun import run_workers
 import workers_recipe
 from ssfusion_hvd.plan import Group, Plan
 from ssfusion_hvd.plan.cost import nominal_k
-from ssfusion_hvd.recipe import Recipe
+from ssfusion_hvd.recipe import Recipe, resolve_recipe, warmup_length
 from test_schemes import reference_step
-
-pytestmark = pytest.mark.multiworker
 
 CASES = {
     # live plans after 2 dense profiling steps: the rules continue the optimizer's state
@@ -186,6 +184,7 @@ def _check_case(name, case, runs):
     return planned
 
 
+@pytest.mark.multiworker
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_recipe_matches_reference(runs, name):
     case = CASES[name]
@@ -193,6 +192,7 @@ def test_recipe_matches_reference(runs, name):
     assert planned >= 3, (name, planned)
 
 
+@pytest.mark.multiworker
 def test_checkpoint_restart_is_bit_identical_with_the_recipe(tmp_path):
     cases = [("ssfusion_oi", "sgd", "local"), ("per_tensor", "adam", "local"),
              ("zen", "sgd", "local"), ("spardl", "adamw", "local"), ("exdyna", "sgd", "local"),
@@ -210,3 +210,29 @@ def test_checkpoint_restart_is_bit_identical_with_the_recipe(tmp_path):
                 assert not ck["buffers"] and ck["ages"], (scheme, optimizer)
             for n, t in ck["first"].items():
                 assert torch.equal(t, ck["second"][n]), (scheme, optimizer, moments, n)
+
+
+@pytest.mark.parametrize("density,length,start", [
+    (0.1, 50, 0.25), (0.01, 50, 0.25), (0.006, 50, 0.15), (0.005, 60, 0.125),
+    (0.001, 300, 0.025), (1e-4, 3000, 0.0025)])
+def test_auto_warm_up_length_and_stages(density, length, start):
+    """``"auto"``: 50 steps from 0.25 down to density 0.01, as DGC's; below it four stages
+    from 25 times the target, each 2.24x the next, over the steps in which the target
+    sends 30 % of the model (docs/results.md §2b); an int is taken as is."""
+    assert warmup_length(density) == length
+    assert warmup_length(density, 7) == 7 and warmup_length(density, 0) == 0
+    recipe = resolve_recipe(torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1,
+                                            momentum=0.9), "ssfusion_oi", density)
+    assert recipe.warmup_steps == length
+    stages = [recipe.density_at(t) for t in range(length + 2)]
+    assert stages[0] == pytest.approx(start) and stages[length] == stages[-1] == density
+    edges = [t for t in range(1, len(stages)) if stages[t] != stages[t - 1]]
+    assert edges == [-(-length * s // 4) for s in (1, 2, 3, 4)], edges
+    ratios = [stages[e - 1] / stages[e] for e in edges]
+    assert ratios == pytest.approx([(start / density) ** 0.25] * 4)
+    assert resolve_recipe(torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1),
+                          "dense", density).warmup_steps == 0
+    for bad in ("fast", 2.5, -1, True, None):
+        with pytest.raises(ValueError, match="density_warmup_steps"):
+            warmup_length(density, bad)
+

@@ -170,7 +170,8 @@ def bad_input(rank, world):
     ddp = DDP(_model())
     errors = {}
     for kw in ({"scheme": "nope"}, {"density": 0.0}, {"density": 1.5}, {"sparsifier": "x"},
-               {"density_warmup_steps": -1}, {"scheme": "ssfusion", "sparsifier": "randomk"},
+               {"density_warmup_steps": -1}, {"density_warmup_steps": "fast"},
+               {"scheme": "ssfusion", "sparsifier": "randomk"},
                {"momentum_correction": True}, {"optimizer": "sgd"},
                {"optimizer": torch.optim.SGD(_model().parameters(), lr=0.1)},
                {"optimizer": torch.optim.SGD(ddp.parameters(), lr=0.1), "momentum_correction": True},

@@ -68,6 +68,7 @@ def bad_inputs():
         # the sparse schemes' training recipe (ssfusion_hvd/recipe.py)
         "warmup_negative": dict(scheme="ssfusion_oi", density_warmup_steps=-1),
         "warmup_float": dict(scheme="ssfusion_oi", density_warmup_steps=2.5),
+        "warmup_str": dict(scheme="ssfusion_oi", density_warmup_steps="fast"),
         "correction_value": dict(scheme="per_tensor", momentum_correction="yes"),
         "correction_no_momentum": dict(scheme="per_tensor", momentum_correction=True),
         "correction_rmsprop": dict(scheme="zen", momentum_correction=True,

@@ -74,7 +74,7 @@ def parse_args(argv=None):
                    help="where the corrected optimizer state lives (default: the package's; "
                         "docs/recipe.md)")
     p.add_argument("--density-warmup-steps", type=int, default=None,
-                   help="the recipe's density warm-up in steps (default: the optimizer's, 50; 0: off)")
+                   help="the recipe's density warm-up in steps (default: the optimizer's, 'auto'; 0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-k", type=int, default=None,
                    help="SSFusion schemes and auto: scheme_options['min_k'], tensors whose top-k "
