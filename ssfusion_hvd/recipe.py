@@ -90,7 +90,10 @@ WARMUP_SHARE = 0.3
 def warmup_length(density: float, density_warmup_steps="auto") -> int:
     """The density warm-up's length in steps for ``density_warmup_steps`` (``"auto"``, or
     an int >= 0 taken as is); ``ValueError`` for anything else (the same on every rank)."""
-    if density_warmup_steps == "auto" and isinstance(density_warmup_steps, str):
+    if isinstance(density_warmup_steps, str) and density_warmup_steps == "auto":
+        if not float(density) > 0.0:
+            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        # (less a hair: 0.3 / 0.006 is 50.000000000000014 in floats, and means 50)
         return max(WARMUP_MIN_STEPS, math.ceil(WARMUP_SHARE / float(density) - 1e-9))
     if isinstance(density_warmup_steps, bool) or not isinstance(density_warmup_steps, int) \
             or density_warmup_steps < 0:

@@ -235,4 +235,6 @@ def test_auto_warm_up_length_and_stages(density, length, start):
     for bad in ("fast", 2.5, -1, True, None):
         with pytest.raises(ValueError, match="density_warmup_steps"):
             warmup_length(density, bad)
+    with pytest.raises(ValueError, match="density must be"):  # not a ZeroDivisionError
+        warmup_length(0.0)
 
