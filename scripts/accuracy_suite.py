@@ -28,12 +28,15 @@ the learning rate, ``ssfusion_oi/density=0.015`` the density in place of the cel
 Output: ``<out>/<name>.json`` (every run, rewritten after each; ``--merge`` keeps the
 runs of an earlier file that this invocation does not repeat) and ``<name>.md``: per cell
 the mean ± std of the last epoch's metric, its difference to dense, and the density
-actually sent over the whole run (warm-up included).
+actually sent over the whole run (warm-up included). ``--pair ssfusion_oi,multi_tensor``
+adds the two labels compared seed by seed (per cell and over all); ``--from a.json,b.json``
+reports runs already made, together, and runs nothing.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -92,6 +95,12 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(REPO / "docs" / "results"))
     p.add_argument("--name", default="accuracy_suite")
     p.add_argument("--merge", action="store_true")
+    p.add_argument("--pair", default="",
+                   help="two labels 'a,b': the report adds a by-seed comparison, a - b on the "
+                        "seeds both ran, per cell and over all cells")
+    p.add_argument("--from", dest="sources", default="",
+                   help="comma-separated suite JSON files: report their runs together (a later "
+                        "file's run of the same cell, label and seed wins); runs nothing")
     p.add_argument("--list", action="store_true")
     return p.parse_args(argv)
 
@@ -180,11 +189,65 @@ def report(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired(runs, a: str, b: str):
+    """Label ``a`` against ``b`` seed by seed, on the seeds both ran without error: per cell
+    ``(cell, n, mean a, mean b, mean of a - b, its standard error, median, ahead, behind)``,
+    then the same over every pair of every cell (cell ``"all"``; the means there are of
+    the pairs). Differences in points for accuracy, metric units otherwise. Pairing removes
+    the seed's share of the spread (data order, initialization), which on the short jobs
+    is most of it."""
+    final = {(r["cell"], r["label"], r["seed"]): _final(r) for r in runs if "error" not in r}
+    rows, everything = [], []
+    for cell in dict.fromkeys(r["cell"] for r in runs):
+        seeds = sorted(s for (c, label, s) in final if c == cell and label == a
+                       and (cell, b, s) in final)
+        if not seeds:
+            continue
+        scale = 100 if next(r for r in runs if r["cell"] == cell)["metric"] == "test_acc" else 1
+        xa = [scale * final[(cell, a, s)] for s in seeds]
+        xb = [scale * final[(cell, b, s)] for s in seeds]
+        rows.append(_paired_row(cell, xa, xb))
+        everything.append((xa, xb))
+    if len(rows) > 1:
+        rows.append(_paired_row("all", [x for xa, _ in everything for x in xa],
+                                [x for _, xb in everything for x in xb]))
+    return rows
+
+
+def _paired_row(cell, xa, xb):
+    d = [x - y for x, y in zip(xa, xb)]
+    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+    return (cell, len(d), statistics.mean(xa), statistics.mean(xb), statistics.mean(d), se,
+            statistics.median(d), sum(x > 0 for x in d), sum(x < 0 for x in d))
+
+
+def paired_report(runs, a: str, b: str) -> str:
+    lines = [f"\n{a} against {b}, seed by seed: mean of the differences ± its standard "
+             "error, median, and on how many seeds each was ahead.\n",
+             f"| cell | seeds | {a} | {b} | difference | median | ahead / behind |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for cell, n, ma, mb, md, se, med, ahead, behind in paired(runs, a, b):
+        lines.append(f"| {cell} | {n} | {ma:.2f} | {mb:.2f} | {md:+.2f} ± {se:.2f} | "
+                     f"{med:+.2f} | {ahead} / {behind} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     by_name = {cell_name(c): c for c in CELLS}
     if args.list:
         print("\n".join(by_name))
+        return
+    pair = [x for x in args.pair.split(",") if x]
+    if args.pair and len(pair) != 2:
+        raise SystemExit(f"--pair takes two labels 'a,b', got {args.pair!r}")
+    if args.sources:  # report only
+        runs = {}
+        for f in [x for x in args.sources.split(",") if x]:
+            for r in json.loads(Path(f).read_text())["runs"]:
+                runs[(r["cell"], r["label"], r["seed"])] = r
+        doc = {"seeds": sorted({r["seed"] for r in runs.values()}), "runs": list(runs.values())}
+        print(report(doc) + (paired_report(doc["runs"], *pair) if pair else ""))
         return
     names = [c for c in args.cells.split(",") if c] or list(by_name)
     for n in names:
@@ -214,7 +277,7 @@ def main(argv=None) -> None:
                 status = r.get("error") or f"{r['metric']} {_final(r):.4f}"
                 print(f"[suite] {n} {label} seed {seed}: {status} ({r['run_s']:.0f} s)", flush=True)
                 path.write_text(json.dumps(doc, indent=1))
-    text = report(doc)
+    text = report(doc) + (paired_report(doc["runs"], *pair) if pair else "")
     (out / f"{args.name}.md").write_text(text)
     print(text)
 

@@ -3,6 +3,7 @@
 task and the scale what-if. Speeds are never asserted; what is checked is that each tool
 measures what it says and reports it consistently."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -394,6 +395,35 @@ def test_accuracy_suite_cells_at_a_rate_pass_it_unless_the_label_sets_one(monkey
     accuracy_suite.run_cell(args, cell, "dense/lr=1e-3", 0, None)
     accuracy_suite.run_cell(args, ("mlp", "sgd", 0.01, 6, 2), "dense", 0, None)
     assert seen == [["--lr", "0.008", "--spread", "off"], ["--lr", "1e-3"], []]
+
+
+def test_accuracy_suite_pairs_two_labels_seed_by_seed(tmp_path, capsys):
+    """``--pair a,b``: per cell the seeds both ran without error, a - b in points, its
+    standard error, median and signs; then every pair of every cell. ``--from`` reports
+    saved runs (a later file's run of the same key wins) and runs nothing."""
+    def run(cell, label, seed, acc, metric="test_acc"):
+        return {"cell": cell, "label": label, "seed": seed, "metric": metric,
+                "history": [{metric: acc, "density_sent": 0.01}]}
+    runs = [run("c1", "a", 0, 0.90), run("c1", "b", 0, 0.88), run("c1", "a", 1, 0.91),
+            run("c1", "b", 1, 0.92), run("c1", "a", 2, 0.95),  # seed 2: no b, not paired
+            run("c2", "a", 0, 0.50), run("c2", "b", 0, 0.49), run("c2", "b", 1, 0.1),
+            {**run("c2", "a", 1, 0.0), "error": "exit 1"}]  # failed: seed 1 not paired
+    rows = accuracy_suite.paired(runs, "a", "b")
+    assert [r[0] for r in rows] == ["c1", "c2", "all"]
+    c1, c2, both = rows
+    assert c1[1] == 2 and c1[2:5] == pytest.approx((90.5, 90.0, 0.5))
+    assert c1[5] == pytest.approx(1.5) and c1[7:] == (1, 1)  # d = (+2, -1): stdev 2.12/sqrt 2
+    assert c2[1] == 1 and c2[4] == pytest.approx(1.0) and math.isnan(c2[5])
+    assert both[1] == 3 and both[4] == pytest.approx(2 / 3) and both[6] == pytest.approx(1.0)
+    assert both[7:] == (2, 1)
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps({"runs": runs}))
+    new.write_text(json.dumps({"runs": [run("c1", "b", 1, 0.89)]}))  # replaces 0.92
+    accuracy_suite.main(["--from", f"{old},{new}", "--pair", "a,b"])
+    out = capsys.readouterr().out
+    assert "| c1 | 2 | 90.50 | 88.50 | +2.00 ± 0.00 | +2.00 | 2 / 0 |" in out
+    with pytest.raises(SystemExit, match="two labels"):
+        accuracy_suite.main(["--from", str(old), "--pair", "a"])
 
 
 @pytest.mark.multiworker
