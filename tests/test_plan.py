@@ -307,6 +307,26 @@ def test_compensation_sends_fewer_dense_costliest_first():
     assert min(out.k[0] / 6e5, out.k[1] / 4e3) >= 0.005
 
 
+def test_compensation_pays_the_floors_from_the_budget():
+    """Small tensors whose share is below their floor of one element keep that element,
+    and it comes out of the large tensor's share: the plan sends ``d·Σn`` elements. (It
+    used to budget ``Σ ceil(d·n)`` and add the floors on top: 608 here, and the density
+    warm-up multiplies the plan's k, so a small MLP at 0.001 sent 22 % over its density in
+    every stage.)"""
+    sizes = [60_000, 50, 50, 50, 50, 10]
+    p = Plan("x", [f"t{i}" for i in range(6)], sizes, [Group(0, 6)], [True] * 6,
+             [int(nominal_k(n, 0.01)) for n in sizes], [ALLGATHER] * 6, [False] * 6, 0.01)
+    c = cost([0.0] * 6, ar=(0.0, 1e-9), ag=(0.0, 1e-9))
+    out = compensate_density(p, c)
+    # 602.1 elements of budget; 0.5 and 0.1 of them for the small ones, which keep 1 each
+    assert out.k == [597, 1, 1, 1, 1, 1]
+    assert sum(out.k) == round(0.01 * sum(sizes))
+    assert wire_time(out, c) <= wire_budget(p, c)
+    # without small tensors nothing changes: the exact budget is the large tensor's k
+    alone = Plan("x", ["a"], [60_000], [Group(0, 1)], [True], [600], [ALLGATHER], [False], 0.01)
+    assert compensate_density(alone, c).k == [600]
+
+
 # -- offloading (SSFusion-O) -------------------------------------------------------------
 
 @settings(max_examples=150, deadline=None)
