@@ -142,11 +142,11 @@ def wire_budget(plan: Plan, cost: CostModel) -> float:
     """The link time of every tensor sparsified at exactly the user's density,
     ``β_ag · d · n`` entries each: what density-aware compensation holds ``plan`` to.
 
-    Exact, not ``nominal_k``'s ``ceil``: rounding each tensor up was a budget of ``Σ
-    ceil(d·n)``, 13 % above ``d·Σn`` for a 10-tensor MLP of 59 k parameters at 0.001,
-    and the floors of one came on top; the warm-up's stages scale the plan's k
-    (:meth:`Plan.at_density`), so the job sent 22 % over its density in every stage. The
-    floors are charged to this budget instead (:func:`_common_k`)."""
+    Exact, not ``nominal_k``'s ``ceil``: on a model of many small tensors at a low
+    density, rounding each up (and adding the floors after) is a budget well above
+    ``d·Σn``, and the warm-up's stages scale the plan's k (:meth:`Plan.at_density`), so
+    the excess is sent in every stage (``docs/schemes.md``). The floors are paid from
+    this budget instead (:func:`_common_k`)."""
     _, b_ag = _betas(cost)
     return sum(b_ag * plan.density * n * cost.entry_size(n) for n in plan.sizes)
 
