@@ -196,14 +196,16 @@ def paired(runs, a: str, b: str):
     the pairs). Differences in points for accuracy, metric units otherwise. Pairing removes
     the seed's share of the spread (data order, initialization), which on the short jobs
     is most of it."""
-    final = {(r["cell"], r["label"], r["seed"]): _final(r) for r in runs if "error" not in r}
+    ok = [r for r in runs if "error" not in r]  # a failed run has no metric
+    final = {(r["cell"], r["label"], r["seed"]): _final(r) for r in ok}
+    metric = {r["cell"]: r["metric"] for r in ok}
     rows, everything = [], []
     for cell in dict.fromkeys(r["cell"] for r in runs):
         seeds = sorted(s for (c, label, s) in final if c == cell and label == a
                        and (cell, b, s) in final)
         if not seeds:
             continue
-        scale = 100 if next(r for r in runs if r["cell"] == cell)["metric"] == "test_acc" else 1
+        scale = 100 if metric[cell] == "test_acc" else 1
         xa = [scale * final[(cell, a, s)] for s in seeds]
         xb = [scale * final[(cell, b, s)] for s in seeds]
         rows.append(_paired_row(cell, xa, xb))

@@ -404,10 +404,11 @@ def test_accuracy_suite_pairs_two_labels_seed_by_seed(tmp_path, capsys):
     def run(cell, label, seed, acc, metric="test_acc"):
         return {"cell": cell, "label": label, "seed": seed, "metric": metric,
                 "history": [{metric: acc, "density_sent": 0.01}]}
+    failed = {"cell": "c2", "label": "a", "seed": 1, "error": "exit 1"}  # as run_one: no metric
     runs = [run("c1", "a", 0, 0.90), run("c1", "b", 0, 0.88), run("c1", "a", 1, 0.91),
             run("c1", "b", 1, 0.92), run("c1", "a", 2, 0.95),  # seed 2: no b, not paired
-            run("c2", "a", 0, 0.50), run("c2", "b", 0, 0.49), run("c2", "b", 1, 0.1),
-            {**run("c2", "a", 1, 0.0), "error": "exit 1"}]  # failed: seed 1 not paired
+            failed,  # the cell's first run: seed 1 not paired
+            run("c2", "a", 0, 0.50), run("c2", "b", 0, 0.49), run("c2", "b", 1, 0.1)]
     rows = accuracy_suite.paired(runs, "a", "b")
     assert [r[0] for r in rows] == ["c1", "c2", "all"]
     c1, c2, both = rows

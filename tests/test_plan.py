@@ -311,7 +311,7 @@ def test_compensation_pays_the_floors_from_the_budget():
     """Small tensors whose share is below their floor of one element keep that element,
     and it comes out of the large tensor's share: the plan sends ``d·Σn`` elements. (It
     used to budget ``Σ ceil(d·n)`` and add the floors on top: 608 here, and the density
-    warm-up multiplies the plan's k, so a small MLP at 0.001 sent 22 % over its density in
+    warm-up multiplies the plan's k, so a small MLP at 0.001 sent 1.24x its density in
     every stage.)"""
     sizes = [60_000, 50, 50, 50, 50, 10]
     p = Plan("x", [f"t{i}" for i in range(6)], sizes, [Group(0, 6)], [True] * 6,

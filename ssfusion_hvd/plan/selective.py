@@ -158,8 +158,11 @@ def _common_k(sizes, sparse, cost: CostModel, available: float, least):
 
     The floors are paid from ``available`` (water-filling: a tensor whose share at the
     common density is below its floor is fixed there and the density recomputed for the
-    others), so the plan's elements stay at its budget, not the budget plus a floor per
-    small tensor. Shares are split by largest remainder, ties to the earlier tensor."""
+    others), so the plan's elements stay at its budget (within the half element that
+    rounding the total may add), not the budget plus a floor per small tensor. Shares are
+    split by largest remainder, ties to the earlier tensor. When every tensor is held at
+    its floor the density returned is 0: nothing is left above the floors (the caller's
+    floor check then sends fewer tensors dense)."""
     _, b_ag = _betas(cost)
     sizes = np.asarray(sizes, dtype=np.int64)
     sparse = np.asarray(sparse, dtype=bool)
