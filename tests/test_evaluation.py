@@ -158,8 +158,12 @@ def test_bench_worker_reports_a_planned_run(tmp_path):
     assert len(r["iteration_s_all"]) == 3 and r["iteration_s"] == sorted(r["iteration_s_all"])[1]
     assert r["samples_per_s"] == pytest.approx(2 * 32 / r["iteration_s"])
     assert r["missing_rate"] == 0.0 and r["nonfinite"] == 0
-    # the measured plan decides what goes dense (on a fast loopback maybe everything)
-    assert 0.01 <= r["achieved_density"] <= 1.0
+    # the measured plan decides what goes dense (on a fast loopback maybe everything);
+    # sparsified, it sends the density's share rounded to the nearest element (the
+    # compensation's exact budget: 1513 of the CNN's 151 306, 0.0099996)
+    from ssfusion_hvd.examples.data import DigitsNet
+    n = sum(p.numel() for p in DigitsNet().parameters())
+    assert round(0.01 * n) <= r["achieved_density"] * n + 1e-6 and r["achieved_density"] <= 1.0
     assert r["payload_bytes"] > 0 and r["tensors"] == 8
     # step() split into synchronize() and the update, as Horovod's API allows
     assert r["sync_s"] > 0.0 and r["update_s"] > 0.0
