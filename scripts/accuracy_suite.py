@@ -29,8 +29,9 @@ Output: ``<out>/<name>.json`` (every run, rewritten after each; ``--merge`` keep
 runs of an earlier file that this invocation does not repeat) and ``<name>.md``: per cell
 the mean ± std of the last epoch's metric, its difference to dense, and the density
 actually sent over the whole run (warm-up included). ``--pair ssfusion_oi,multi_tensor``
-adds the two labels compared seed by seed (per cell and over all); ``--from a.json,b.json``
-reports runs already made, together, and runs nothing.
+adds the two labels compared seed by seed (per cell and over all), on the metric or, with
+``--pair-on loss``, on the last epoch's training loss; ``--from a.json,b.json`` reports runs
+already made, together, and runs nothing.
 """
 from __future__ import annotations
 
@@ -98,6 +99,10 @@ def parse_args(argv=None):
     p.add_argument("--pair", default="",
                    help="two labels 'a,b': the report adds a by-seed comparison, a - b on the "
                         "seeds both ran, per cell and over all cells")
+    p.add_argument("--pair-on", default="metric", choices=("metric", "loss"),
+                   help="what --pair compares: the cell's metric (default) or the last epoch's "
+                        "training loss (the mean over its steps: the seed's test-set luck "
+                        "left out, so a lag in optimization shows on fewer seeds)")
     p.add_argument("--from", dest="sources", default="",
                    help="comma-separated suite JSON files: report their runs together (a later "
                         "file's run of the same cell, label and seed wins); runs nothing")
@@ -189,15 +194,17 @@ def report(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def paired(runs, a: str, b: str):
+def paired(runs, a: str, b: str, on: str = "metric"):
     """Label ``a`` against ``b`` seed by seed, on the seeds both ran without error: per cell
     ``(cell, n, mean a, mean b, mean of a - b, its standard error, median, ahead, behind)``,
     then the same over every pair of every cell (cell ``"all"``; the means there are of
     the pairs). Differences in points for accuracy, metric units otherwise. Pairing removes
     the seed's share of the spread (data order, initialization), which on the short jobs
-    is most of it."""
+    is most of it. ``on="loss"`` compares the last epoch's training loss instead ("ahead"
+    then means a higher loss)."""
     ok = [r for r in runs if "error" not in r]  # a failed run has no metric
-    final = {(r["cell"], r["label"], r["seed"]): _final(r) for r in ok}
+    value = _final if on == "metric" else (lambda r: r["history"][-1]["loss"])
+    final = {(r["cell"], r["label"], r["seed"]): value(r) for r in ok}
     metric = {r["cell"]: r["metric"] for r in ok}
     rows, everything = [], []
     for cell in dict.fromkeys(r["cell"] for r in runs):
@@ -205,7 +212,7 @@ def paired(runs, a: str, b: str):
                        and (cell, b, s) in final)
         if not seeds:
             continue
-        scale = 100 if metric[cell] == "test_acc" else 1
+        scale = 100 if on == "metric" and metric[cell] == "test_acc" else 1
         xa = [scale * final[(cell, a, s)] for s in seeds]
         xb = [scale * final[(cell, b, s)] for s in seeds]
         rows.append(_paired_row(cell, xa, xb))
@@ -223,14 +230,19 @@ def _paired_row(cell, xa, xb):
             statistics.median(d), sum(x > 0 for x in d), sum(x < 0 for x in d))
 
 
-def paired_report(runs, a: str, b: str) -> str:
-    lines = [f"\n{a} against {b}, seed by seed: mean of the differences ± its standard "
-             "error, median, and on how many seeds each was ahead.\n",
-             f"| cell | seeds | {a} | {b} | difference | median | ahead / behind |",
+def paired_report(runs, a: str, b: str, on: str = "metric") -> str:
+    if on == "metric":
+        what, signs, head, f = "", "on how many seeds each was ahead", "ahead / behind", ".2f"
+    else:
+        what, signs, head, f = ("the last epoch's training loss: ",
+                                f"on how many seeds {a}'s was higher / lower", "higher / lower", ".4f")
+    lines = [f"\n{a} against {b}, seed by seed, {what}mean of the differences ± its standard "
+             f"error, median, and {signs}.\n",
+             f"| cell | seeds | {a} | {b} | difference | median | {head} |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    for cell, n, ma, mb, md, se, med, ahead, behind in paired(runs, a, b):
-        lines.append(f"| {cell} | {n} | {ma:.2f} | {mb:.2f} | {md:+.2f} ± {se:.2f} | "
-                     f"{med:+.2f} | {ahead} / {behind} |")
+    for cell, n, ma, mb, md, se, med, ahead, behind in paired(runs, a, b, on):
+        lines.append(f"| {cell} | {n} | {ma:{f}} | {mb:{f}} | {md:+{f}} ± {se:{f}} | "
+                     f"{med:+{f}} | {ahead} / {behind} |")
     return "\n".join(lines) + "\n"
 
 
@@ -249,7 +261,7 @@ def main(argv=None) -> None:
             for r in json.loads(Path(f).read_text())["runs"]:
                 runs[(r["cell"], r["label"], r["seed"])] = r
         doc = {"seeds": sorted({r["seed"] for r in runs.values()}), "runs": list(runs.values())}
-        print(report(doc) + (paired_report(doc["runs"], *pair) if pair else ""))
+        print(report(doc) + (paired_report(doc["runs"], *pair, args.pair_on) if pair else ""))
         return
     names = [c for c in args.cells.split(",") if c] or list(by_name)
     for n in names:
@@ -279,7 +291,7 @@ def main(argv=None) -> None:
                 status = r.get("error") or f"{r['metric']} {_final(r):.4f}"
                 print(f"[suite] {n} {label} seed {seed}: {status} ({r['run_s']:.0f} s)", flush=True)
                 path.write_text(json.dumps(doc, indent=1))
-    text = report(doc) + (paired_report(doc["runs"], *pair) if pair else "")
+    text = report(doc) + (paired_report(doc["runs"], *pair, args.pair_on) if pair else "")
     (out / f"{args.name}.md").write_text(text)
     print(text)
 

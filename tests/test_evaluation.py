@@ -431,6 +431,25 @@ def test_accuracy_suite_pairs_two_labels_seed_by_seed(tmp_path, capsys):
         accuracy_suite.main(["--from", str(old), "--pair", "a"])
 
 
+def test_accuracy_suite_pairs_on_the_training_loss(tmp_path, capsys):
+    """``--pair-on loss``: the same pairing on the last epoch's training loss, in its own
+    units (not points), whatever the cell's metric."""
+    def run(label, seed, acc, losses):
+        return {"cell": "c", "label": label, "seed": seed, "metric": "test_acc",
+                "history": [{"test_acc": acc, "loss": x} for x in losses]}
+    runs = [run("a", 0, 0.9, [2.0, 0.40]), run("b", 0, 0.8, [2.0, 0.45]),
+            run("a", 1, 0.7, [2.0, 0.50]), run("b", 1, 0.9, [1.0, 0.52])]
+    (row,) = accuracy_suite.paired(runs, "a", "b", on="loss")
+    assert row[1] == 2 and row[2:5] == pytest.approx((0.45, 0.485, -0.035))
+    assert row[5] == pytest.approx(0.015) and row[7:] == (0, 2)  # d = (-0.05, -0.02)
+    assert accuracy_suite.paired(runs, "a", "b")[0][4] == pytest.approx(-5.0)  # the metric
+    saved = tmp_path / "runs.json"
+    saved.write_text(json.dumps({"runs": runs}))
+    accuracy_suite.main(["--from", str(saved), "--pair", "a,b", "--pair-on", "loss"])
+    out = capsys.readouterr().out
+    assert "training loss" in out and "| c | 2 | 0.4500 | 0.4850 | -0.0350 ± 0.0150 |" in out
+
+
 @pytest.mark.multiworker
 def test_accuracy_suite_runs_cells_and_reports_against_dense(tmp_path):
     """One cell, dense and ssfusion_oi with the paper's per-tensor k, one seed, 2 epochs:
