@@ -69,7 +69,8 @@ DEFAULT_MASKING = "auto"
 #: synchronized gradient with each element's age, ssfusion_hvd/moments.py) or "local"
 #: (each rank's own momentum / Adam moments, error-compensated; DGC's correction)
 #: Shared: ahead of the local rules on 17 of the accuracy suite's 18 cells, within 1 point
-#: of dense on every 2-worker SGD cell at density 0.01 (docs/results.md §2b)
+#: of dense on every 2-worker SGD cell at density 0.01 over three seeds (over ten, the GRU is
+#: 1.17 short, as global top-k is; docs/results.md §2b)
 DEFAULT_MOMENTS = "shared"
 MOMENTS = ("shared", "local")
 #: density of the first warm-up stage (DGC: 75 % sparsity) at most, its multiple of the
