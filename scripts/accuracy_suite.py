@@ -102,7 +102,7 @@ def parse_args(argv=None):
     p.add_argument("--pair-on", default="metric", choices=("metric", "loss"),
                    help="what --pair compares: the cell's metric (default) or the last epoch's "
                         "training loss (the mean over its steps: the seed's test-set luck "
-                        "left out, so a lag in optimization shows on fewer seeds)")
+                        "left out, so a lag in optimization shows with fewer seeds)")
     p.add_argument("--from", dest="sources", default="",
                    help="comma-separated suite JSON files: report their runs together (a later "
                         "file's run of the same cell, label and seed wins); runs nothing")
@@ -232,17 +232,19 @@ def _paired_row(cell, xa, xb):
 
 def paired_report(runs, a: str, b: str, on: str = "metric") -> str:
     if on == "metric":
-        what, signs, head, f = "", "on how many seeds each was ahead", "ahead / behind", ".2f"
-    else:
-        what, signs, head, f = ("the last epoch's training loss: ",
-                                f"on how many seeds {a}'s was higher / lower", "higher / lower", ".4f")
-    lines = [f"\n{a} against {b}, seed by seed, {what}mean of the differences ± its standard "
-             f"error, median, and {signs}.\n",
-             f"| cell | seeds | {a} | {b} | difference | median | {head} |",
+        intro = (f"seed by seed: mean of the differences ± its standard error, median, and on "
+                 f"how many seeds each was ahead")
+        signs, fmt = "ahead / behind", ".2f"
+    else:  # the "all" row then mixes the cells' loss scales, as the metric's mixes units
+        intro = (f"seed by seed, the last epoch's training loss: mean of the differences ± its "
+                 f"standard error, median, and on how many seeds {a}'s was higher / lower")
+        signs, fmt = "higher / lower", ".4f"
+    lines = [f"\n{a} against {b}, {intro}.\n",
+             f"| cell | seeds | {a} | {b} | difference | median | {signs} |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    for cell, n, ma, mb, md, se, med, ahead, behind in paired(runs, a, b, on):
-        lines.append(f"| {cell} | {n} | {ma:{f}} | {mb:{f}} | {md:+{f}} ± {se:{f}} | "
-                     f"{med:+{f}} | {ahead} / {behind} |")
+    for cell, n, ma, mb, md, se, med, above, below in paired(runs, a, b, on):
+        lines.append(f"| {cell} | {n} | {ma:{fmt}} | {mb:{fmt}} | {md:+{fmt}} ± {se:{fmt}} | "
+                     f"{med:+{fmt}} | {above} / {below} |")
     return "\n".join(lines) + "\n"
 
 
@@ -255,6 +257,8 @@ def main(argv=None) -> None:
     pair = [x for x in args.pair.split(",") if x]
     if args.pair and len(pair) != 2:
         raise SystemExit(f"--pair takes two labels 'a,b', got {args.pair!r}")
+    if args.pair_on != "metric" and not pair:
+        raise SystemExit("--pair-on needs --pair a,b")
     if args.sources:  # report only
         runs = {}
         for f in [x for x in args.sources.split(",") if x]:

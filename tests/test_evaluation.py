@@ -437,8 +437,10 @@ def test_accuracy_suite_pairs_on_the_training_loss(tmp_path, capsys):
     def run(label, seed, acc, losses):
         return {"cell": "c", "label": label, "seed": seed, "metric": "test_acc",
                 "history": [{"test_acc": acc, "loss": x} for x in losses]}
+    failed = {"cell": "c", "label": "a", "seed": 2, "error": "exit 1", "history": []}
     runs = [run("a", 0, 0.9, [2.0, 0.40]), run("b", 0, 0.8, [2.0, 0.45]),
-            run("a", 1, 0.7, [2.0, 0.50]), run("b", 1, 0.9, [1.0, 0.52])]
+            run("a", 1, 0.7, [2.0, 0.50]), run("b", 1, 0.9, [1.0, 0.52]),
+            failed, run("b", 2, 0.9, [1.0, 0.3])]  # seed 2: a failed, not paired
     (row,) = accuracy_suite.paired(runs, "a", "b", on="loss")
     assert row[1] == 2 and row[2:5] == pytest.approx((0.45, 0.485, -0.035))
     assert row[5] == pytest.approx(0.015) and row[7:] == (0, 2)  # d = (-0.05, -0.02)
@@ -448,6 +450,9 @@ def test_accuracy_suite_pairs_on_the_training_loss(tmp_path, capsys):
     accuracy_suite.main(["--from", str(saved), "--pair", "a,b", "--pair-on", "loss"])
     out = capsys.readouterr().out
     assert "training loss" in out and "| c | 2 | 0.4500 | 0.4850 | -0.0350 ± 0.0150 |" in out
+    assert "| higher / lower |" in out and "| ahead / behind |" not in out
+    with pytest.raises(SystemExit, match="needs --pair"):
+        accuracy_suite.main(["--from", str(saved), "--pair-on", "loss"])
 
 
 @pytest.mark.multiworker
