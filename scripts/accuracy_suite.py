@@ -23,7 +23,8 @@ paper's per-tensor density) instead of the group budget; ``ssfusion_oi/waits`` (
 without it; ``ssfusion_oi/slack=0.2`` and
 ``ssfusion_oi/floor=0.5`` set ``scheme_options`` ``slack`` and ``floor``,
 ``ssfusion_oi/warmup=150`` the recipe's ``density_warmup_steps``, ``dense/lr=1e-3``
-the learning rate, ``ssfusion_oi/density=0.015`` the density in place of the cell's.
+the learning rate, ``ssfusion_oi/density=0.015`` the density in place of the cell's,
+``ssfusion_oi/min_k=32`` the small tensors dense (``scheme_options["min_k"]``).
 
 Output: ``<out>/<name>.json`` (every run, rewritten after each; ``--merge`` keeps the
 runs of an earlier file that this invocation does not repeat) and ``<name>.md``: per cell
@@ -114,21 +115,24 @@ def scheme_of(label: str):
     """(scheme, extra train.py arguments) of a label: ``scheme``, ``scheme/uniform``,
     ``scheme/slack=x`` or ``scheme/floor=x`` (``scheme_options["slack"]``, ``["floor"]``),
     ``scheme/warmup=n`` (``density_warmup_steps``), ``scheme/lr=x`` (the learning rate),
-    ``scheme/density=x`` (the density, in place of the cell's: a run at a peer's bytes);
+    ``scheme/density=x`` (the density, in place of the cell's: a run at a peer's bytes),
+    ``scheme/min_k=n`` (``scheme_options["min_k"]``: tensors whose top-k would be below n
+    sent dense);
     variants joined by ``+`` combine (``ssfusion_oi/bymagnitude+lr=1e-3``)."""
     scheme, _, variants = label.partition("/")
     extra = []
     for variant in [v for v in variants.split("+") if v]:
         for option, flag in (("slack", "--slack"), ("floor", "--floor"),
                              ("warmup", "--density-warmup-steps"), ("lr", "--lr"),
-                             ("density", "--density")):
+                             ("density", "--density"), ("min_k", "--min-k")):
             if variant.startswith(option + "="):
                 extra += [flag, variant[len(option) + 1:]]
                 break
         else:
             if variant not in VARIANTS:
                 raise SystemExit(f"unknown variant {variant!r} of {label!r}; known: "
-                                 f"{sorted(VARIANTS)}, slack=x, floor=x, warmup=n, lr=x, density=x")
+                                 f"{sorted(VARIANTS)}, slack=x, floor=x, warmup=n, lr=x, density=x, "
+                                 f"min_k=n")
             extra += VARIANTS[variant]
     return scheme, extra
 

@@ -381,6 +381,7 @@ def test_accuracy_suite_labels_give_train_py_its_flags():
     assert accuracy_suite.scheme_of("ssfusion_oi/uniform") == ("ssfusion_oi", ["--floor", "none"])
     assert accuracy_suite.scheme_of("ssfusion_oi/bymagnitude+lr=1e-3+density=0.015") == (
         "ssfusion_oi", ["--select-by", "magnitude", "--lr", "1e-3", "--density", "0.015"])
+    assert accuracy_suite.scheme_of("ssfusion_oi/min_k=32") == ("ssfusion_oi", ["--min-k", "32"])
     with pytest.raises(SystemExit, match="unknown variant 'nope'"):
         accuracy_suite.scheme_of("ssfusion_oi/lr=1e-3+nope")
 
