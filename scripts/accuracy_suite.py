@@ -236,8 +236,8 @@ def _paired_row(cell, xa, xb):
 
 def paired_report(runs, a: str, b: str, on: str = "metric") -> str:
     if on == "metric":
-        intro = (f"seed by seed: mean of the differences ± its standard error, median, and on "
-                 f"how many seeds each was ahead")
+        intro = ("seed by seed: mean of the differences ± its standard error, median, and on "
+                 "how many seeds each was ahead")
         signs, fmt = "ahead / behind", ".2f"
     else:  # the "all" row then mixes the cells' loss scales, as the metric's mixes units
         intro = (f"seed by seed, the last epoch's training loss: mean of the differences ± its "
