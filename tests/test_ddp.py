@@ -51,8 +51,10 @@ def _mask(acc, sizes, scheme, density, ks=None):
 
 
 def _planned_k(k: int, n: int, density: float, planned: float) -> int:
-    """A plan's k at another density (the warm-up's stages): ``Plan.at_density``."""
-    return k if density == planned else min(n, max(k, math.ceil(k * density / planned - 1e-9)))
+    """A plan's k at another density (the warm-up's stages): ``Plan.at_density``, which
+    scales the tensor's share at the plan's density (a floor is not a share)."""
+    share = min(k, planned * n)
+    return k if density == planned else min(n, max(k, math.ceil(share * density / planned - 1e-9)))
 
 
 def _reference(ranks, scheme, density, warmup=0):

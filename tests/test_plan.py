@@ -226,6 +226,22 @@ def test_plan_validation():
         plan([10], [(0, 1)], [True], [0])
 
 
+def test_warmup_stages_scale_each_tensors_share_not_its_floor():
+    # at the plan's density 0.01: t0 (32 elements, share 0.32) held at its floor of 1, t1
+    # compensated below its share (80 of 10000), t2 dense, t3 a multi-tensor buffer of 5000
+    p = plan([32, 10_000, 64, 5000], [(0, 3), (3, 4)], [True, True, False, True],
+             [1, 80, 64, None], [ALLGATHER, ALLGATHER, ALLREDUCE, ALLGATHER], buffer_k={1: 50})
+    assert p.at_density(0.01) is p
+    for d, want in [(0.25, [8, 2000, 64]), (0.02, [1, 160, 64]), (0.05, [2, 400, 64]),
+                    (1.0, [32, 8000, 64])]:
+        at = p.at_density(d)
+        assert at.k[:3] == want, d
+        assert at.k[3] is None and at.groups[1].buffer_k == min(5000, round(50 * d / 0.01))
+        # the floored tensor sends what global top-k would give it at the stage
+        assert at.k[0] == max(1, nominal_k(32, d))
+        assert at.density == d and at.sparse == p.sparse and at.collective == p.collective
+
+
 # -- density-aware compensation (SSFusion §IV-B) ------------------------------------------
 
 @settings(max_examples=300, deadline=None)

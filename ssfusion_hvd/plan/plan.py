@@ -133,13 +133,19 @@ class Plan(JsonFile):
         """The same plan sending ``density / self.density`` times as many elements from
         every sparsified tensor and multi-tensor buffer (at least as many, at most all):
         the density warm-up's stages. Groups, dense tensors, collectives and offloading are
-        unchanged, so buffers keep their parts and residuals their shapes."""
+        unchanged, so buffers keep their parts and residuals their shapes.
+
+        What scales is a tensor's share at the plan's density, ``min(k, density · n)``,
+        not its ``k``: a tensor held at its floor (k = 1 where ``d · n`` is 0.03) sends its
+        own share of the stage, ``ceil(d' · n)``, as global top-k would, not ``d'/d``
+        floors (at 0.001 that had the warm-up's stages send 1.04-1.13x their density)."""
         if density == self.density:
             return self
         ratio = float(density) / self.density
 
         def scaled(k: int, n: int) -> int:
-            return int(min(n, max(k, math.ceil(k * ratio - 1e-9))))
+            share = min(float(k), self.density * n)
+            return int(min(n, max(k, math.ceil(share * ratio - 1e-9))))
 
         k = [scaled(ki, n) if s and ki is not None else ki
              for ki, n, s in zip(self.k, self.sizes, self.sparse)]
