@@ -290,6 +290,17 @@ def test_checkpoint_on_one_rank_without_broadcast_fails_clearly(scheme, tmp_path
     assert "different points" in errors[0] and "broadcast_optimizer_state" in errors[0]
 
 
+@pytest.mark.parametrize("scheme", ["ssfusion", "ssfusion_oi"])
+def test_ranks_that_scale_the_plan_differently_raise_on_every_rank(scheme):
+    """The agreement compares the plan in force, the warm-up stage's, not only the plan
+    the ranks started from: rank 1's stage sends one element more of one tensor, and
+    both ranks raise the same error at the first sparse step instead of decoding
+    records laid out for another k (or waiting on a collective of another size)."""
+    errors = run_workers(workers_horovod.stage_plans_differ, np=2, timeout=120, scheme=scheme)
+    assert errors[0] is not None and errors[0] == errors[1]
+    assert "different points" in errors[0]
+
+
 @pytest.mark.parametrize("scheme", ["dense", "ssfusion_oi", "per_tensor", "spardl", "zen",
                                     "exdyna"])
 def test_the_agreement_rides_on_the_steps_one_small_allreduce(scheme):

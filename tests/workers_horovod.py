@@ -5,6 +5,7 @@ The resume pattern is the one of Horovod's ``examples/pytorch/pytorch_imagenet_r
 every rank builds the model and the optimizer; rank 0 alone loads the checkpoint; then
 ``hvd.broadcast_parameters`` and ``hvd.broadcast_optimizer_state`` from rank 0.
 """
+import dataclasses
 import os
 
 import horovod.torch as hvd
@@ -345,6 +346,38 @@ def load_on_rank0_only(scheme, ckpt_dir, save_at=6):
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def stage_plans_differ(scheme, steps=5):
+    """The ranks agree on the plan but rank 1 scales it to the warm-up's stages
+    differently (one more element of one tensor, as another release of
+    ``Plan.at_density`` might): every rank raises the same RanksDisagree at the first
+    sparse step instead of decoding records laid out for another k; then a collective
+    both ranks run (nobody was left waiting). Returns the error each rank raised."""
+    from ssfusion_hvd.plan.plan import Plan
+
+    real = Plan.at_density
+    if hvd.rank() == 1:
+        def at_density(self, density):
+            at = real(self, density)
+            if at is self:
+                return at
+            i = next(i for i, (sp, k, n) in enumerate(zip(at.sparse, at.k, at.sizes))
+                     if sp and k is not None and k < n)
+            return dataclasses.replace(at, k=[k + 1 if j == i else k for j, k in enumerate(at.k)])
+        Plan.at_density = at_density
+    torch.manual_seed(1234)
+    model = Net()
+    opt = _wrap(model, "sgd", scheme)
+    error = None
+    try:
+        _train_steps(model, opt, range(steps))
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        Plan.at_density = real
+    hvd.allreduce(torch.ones(1), name="after_stage_plans_differ", op=hvd.Sum)
+    return error
 
 
 def resume_cases(scheme, optimizers, ckpt_dir, owns=(False,), moments=None, options=None):
