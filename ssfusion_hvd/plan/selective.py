@@ -144,9 +144,8 @@ def wire_budget(plan: Plan, cost: CostModel) -> float:
 
     Exact, not ``nominal_k``'s ``ceil``: on a model of many small tensors at a low
     density, rounding each up (and adding the floors after) is a budget well above
-    ``d·Σn``, and the warm-up's stages scale the plan's k (:meth:`Plan.at_density`), so
-    the excess is sent in every stage (``docs/schemes.md``). The floors are paid from
-    this budget instead (:func:`_common_k`)."""
+    ``d·Σn`` (``docs/schemes.md``). The floors are paid from this budget instead
+    (:func:`_common_k`)."""
     _, b_ag = _betas(cost)
     return sum(b_ag * plan.density * n * cost.entry_size(n) for n in plan.sizes)
 

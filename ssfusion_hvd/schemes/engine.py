@@ -60,8 +60,8 @@ class PlannedPhase:
             raise ValueError(f"scheme {name!r} supports float32, float16 and bfloat16 "
                              f"gradients, got {self.dtype}; use scheme='dense'")
         self.plan = plan
-        #: the checksum of the plan in force (this stage's: :meth:`enter_stage`), which the
-        #: step's agreement compares across ranks (``PlannedScheme.signature``)
+        #: the checksum of the plan and of its stage in force (:meth:`enter_stage`), which
+        #: the step's agreement compares across ranks (``PlannedScheme.signature``)
         self.crc = 0
         self.config, self.transport = config, transport
         self.params = list(params)
@@ -116,8 +116,9 @@ class PlannedPhase:
         self.active = active = self.plan.at_density(recipe.stage_density(stage))
         # The stage's k shape every record: ranks that agree on the plan but scale it
         # differently (another release of Plan.at_density) must fail the agreement, not
-        # decode each other's records at the wrong offsets.
-        self.crc = zlib.crc32(active.to_json().encode())
+        # decode each other's records at the wrong offsets; and two plans may scale to one
+        # stage, so the plan's own checksum stays in.
+        self.crc = zlib.crc32(active.to_json().encode(), zlib.crc32(self.plan.to_json().encode()))
         self.memory.set_density(active.density)
         offload = any(active.offload)
         shapes = [p.shape for p in self.params]

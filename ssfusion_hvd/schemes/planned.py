@@ -95,7 +95,7 @@ class PlannedScheme(Scheme):
             if not elastic():
                 # rank 0's plan everywhere; under elastic no collective here (a joining
                 # rank builds this while the others train): every rank hands its own, and
-                # the per-step agreement (the plan's checksum) raises on every rank if
+                # the per-step agreement (the checksum of the plan and its stage) raises on every rank if
                 # they differ
                 text = self.transport.broadcast_object(text, "plan")
             self._adopt(Plan.from_json(text))
