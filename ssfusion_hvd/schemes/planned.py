@@ -94,9 +94,9 @@ class PlannedScheme(Scheme):
             text = _load(config.plan, Plan).to_json()
             if not elastic():
                 # rank 0's plan everywhere; under elastic no collective here (a joining
-                # rank builds this while the others train): every rank hands its own, and
-                # the per-step agreement (the checksum of the plan and its stage) raises on every rank if
-                # they differ
+                # rank builds this while the others train): every rank hands its own,
+                # and the per-step agreement (the checksum of the plan and its stage)
+                # raises on every rank if they differ
                 text = self.transport.broadcast_object(text, "plan")
             self._adopt(Plan.from_json(text))
 
