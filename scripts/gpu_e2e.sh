@@ -42,6 +42,10 @@ tail -n 4 "$OUT/tests_ddp_gpu.log"
 wait "$setup"
 if [[ "$(cat "$OUT/setup.rc")" != 0 ]]; then tail -n 40 "$OUT/setup.log"; exit 1; fi
 grep "built/installed\|cuda_built" "$OUT/setup.log"
+# the CUDA kernel of the selection by Adam's step (test_ops_cuda.py imports a helper module
+# that needs Horovod: the venv's python)
+PYTHONPATH="$PWD" timeout 100 build/gpu-venv/bin/python -m pytest tests/test_ops_cuda.py -k step_key -q \
+    -p no:cacheprovider --tb=short 2>&1 | tail -n 3
 say "Horovod built; the hook's cost per GPT-2 step, one rank (NCCL)"
 PYTHONPATH="$PWD" timeout 150 "$PY_SYS" scripts/ddp_hook_cost.py --device cuda --model gpt2 \
     --batch-size 8 --seq-len 1024 --amp bfloat16 --json "$OUT/hook_cost.json" \
@@ -61,12 +65,17 @@ sweep() {  # sweep MODEL SCHEMES [bench_e2e args...]: what is left of the budget
 }
 gpt=(--batch-size 8 --seq-len 1024 --warmup 4 --iters 5)
 pace=(env LD_PRELOAD="$PWD/build/pace/libssfpace.so" SSF_PACE_BYTES_PER_S=125000000)
-# 1a. the digits gap on the GPU (docs/gpu.md, 2026-11-27: ssfusion_oi 95.28 % against dense
+# 1a. the DDP hook against PowerSGD on the same paced links (issue 36), at density 0.01 and
+#     at PowerSGD rank 4's bytes (0.0037: records are 8 bytes an element)
+sweep gpt2 ddp_ssfusion,ddp_ssfusion_plan,ddp_powersgd4 "${gpt[@]}" --name e2e_gpu_ddp
+sweep gpt2 ddp_ssfusion_plan,ddp_ssfusion,ssfusion_oi "${gpt[@]}" --density 0.0037 --name e2e_gpu_d0037
+# 1b. the digits gap on the GPU (docs/gpu.md, 2026-11-27: ssfusion_oi 95.28 % against dense
 #     98.33 %, one seed; the CPU is within 0.6 points): 3 seeds, and the schemes that take
 #     fewer of the GPU-only paths (no offload worker, no group budget), 10 epochs, unshaped
 hvdrun=(timeout 150 build/gpu-venv/bin/horovodrun -np 2 -H localhost:2 --gloo "$PY" -m ssfusion_hvd.examples.train --device cuda --no-progress)
-for run in "ssfusion_oi 0" "ssfusion_oi 1" "ssfusion_oi 2" "ssfusion 0" "multi_tensor 0" "dense 0"; do
+for run in "ssfusion_oi 0" "dense 0" "ssfusion_oi 1" "dense 1" "ssfusion 0" "multi_tensor 0"; do
     set -- $run
+    (( BUDGET - (SECONDS - t0) > 40 )) || { say "no time left for digits ($1, seed $2)"; continue; }
     say "digits on the GPU, $1, seed $2"
     "${hvdrun[@]}" --scheme "$1" --seed "$2" --epochs 10 --json "$OUT/train_digits_$1_$2.json" 2>&1 \
         | grep "epoch  *10/\|plan\|Error" | tail -n 3
@@ -74,7 +83,7 @@ done
 # 1. where GPT-2's sparse collective time went on 2026-11-27 (docs/gpu.md): one 10 MB
 #    allgather of host and CUDA tensors, with and without queued GPU work (about 20 s)
 mkdir -p build/pace && cc -O2 -shared -fPIC -o build/pace/libssfpace.so scripts/pace.c -ldl -lpthread
-if [[ -f build/pace/libssfpace.so ]]; then
+if [[ -f build/pace/libssfpace.so ]] && (( BUDGET - (SECONDS - t0) > 60 )); then
     say "collective probe"
     timeout 90 build/gpu-venv/bin/horovodrun -np 2 -H localhost:2 --gloo "${pace[@]}" "$PY" \
         scripts/gpu_probe_collectives.py --json "$OUT/probe.json" 2>&1 | grep "probe\]"
@@ -82,12 +91,9 @@ if [[ -f build/pace/libssfpace.so ]]; then
     timeout 90 build/gpu-venv/bin/horovodrun -np 2 -H localhost:2 --gloo "$PY" \
         scripts/gpu_probe_collectives.py --json "$OUT/probe_unpaced.json" 2>&1 | grep "probe\]"
 fi
-# 1b. the DDP hook against PowerSGD on the same paced links (issue 36), at density 0.01 and
-#     at PowerSGD rank 4's bytes (0.0037: records are 8 bytes an element)
-sweep gpt2 ddp_ssfusion,ddp_ssfusion_plan,ddp_powersgd4 "${gpt[@]}" --name e2e_gpu_ddp
-sweep gpt2 ddp_ssfusion_plan,ddp_ssfusion,ssfusion_oi "${gpt[@]}" --density 0.0037 --name e2e_gpu_d0037
 # 2. the LM on the GPU converges as on the CPU (4 epochs, 2 ranks on the GPU, unshaped)
 for scheme in ssfusion_oi dense; do
+    (( BUDGET - (SECONDS - t0) > 60 )) || { say "no time left for the LM ($scheme)"; continue; }
     say "LM on the GPU, $scheme"
     "${hvdrun[@]}" --task lm --scheme "$scheme" --epochs 4 --json "$OUT/train_lm_$scheme.json" 2>&1 | grep "epoch  *4/\|Error" | tail -n 2
 done
