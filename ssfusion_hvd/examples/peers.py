@@ -100,7 +100,7 @@ def _init_gloo() -> None:
 
 def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
               powersgd_start: int = POWERSGD_START, density: float = 0.01,
-              density_warmup_steps: int = 50, backward=None,
+              density_warmup_steps="auto", backward=None,
               profile=None) -> Tuple[torch.nn.Module, object, str]:
     """``(module to run forward through, optimizer to step, description)`` for ``peer``.
     Every rank starts from rank 0's parameters (DDP broadcasts them; the Horovod peer is
@@ -108,7 +108,10 @@ def make_peer(peer: str, model: torch.nn.Module, optimizer, named_parameters,
     ``ssfusion_hook`` (its ``bytes_sent``). ``backward``: one forward and backward of
     ``model`` (``ddp_ssfusion_plan`` times each tensor's backward with it for the plan).
     ``profile``: a saved cost model (path) ``ddp_ssfusion_plan`` plans on instead of
-    measuring the job (as ``--profile`` makes our planned schemes do)."""
+    measuring the job (as ``--profile`` makes our planned schemes do).
+    ``density_warmup_steps``: the hook's, by default the product's (``"auto"``, as the
+    Horovod optimizer's runs get; a fixed 50 gave the hook a shorter warm-up than ours
+    below density 0.006)."""
     if peer not in PEERS:
         raise ValueError(f"unknown peer {peer!r}; choose one of {PEERS}")
     if peer == "hvd_fp16":
