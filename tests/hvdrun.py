@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -72,7 +74,9 @@ def launch(args, np: int, timeout: float, env=None, controller: str = "gloo", ho
             + (["--mpi"] if controller == "mpi" else []) + ["--"] + list(args)
     else:
         cmd = [HOROVODRUN, "-np", str(np), "-H", f"localhost:{np}", f"--{controller}"] + list(args)
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # PYTHONFAULTHANDLER: a worker that aborts (Gloo's timeout in Horovod's background loop
+    # ends in SIGABRT) prints every thread's Python stack, so a hang says where it was
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     if controller == "mpi":  # Open MPI refuses root unless told twice (CI runs as root)
         full_env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     full_env.update(env or {})
@@ -89,22 +93,49 @@ def launch(args, np: int, timeout: float, env=None, controller: str = "gloo", ho
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
-        raise WorkerError(f"workers did not finish within {timeout}s:\n{out[-6000:]}")
+        raise WorkerError(f"workers did not finish within {timeout}s:\n{out[-12000:]}")
     if hosts > 1 and proc.returncode == 124:
-        raise WorkerError(f"workers did not finish within {timeout}s:\n{out[-6000:]}")
+        raise WorkerError(f"workers did not finish within {timeout}s:\n{out[-12000:]}")
     return proc.returncode, out
 
 
+#: what each rank prints when Gloo times out inside Horovod's background loop
+_LOOP_TIMEOUT = re.compile(r"\[(\d+)\]: Horovod background loop uncaught exception: .*"
+                           r"Timed out waiting \d+ms for (?:recv|send) operation")
+
+
+def gloo_loop_timeout_on_every_rank(out: str, np: int) -> bool:
+    """Whether every rank's Horovod background loop ended in a Gloo transport timeout
+    (``HOROVOD_GLOO_TIMEOUT_SECONDS``, 30 s), which is not how a rank gone astray in our
+    code shows: a collective that some ranks of a set never submit leaves the background
+    loops cycling (Horovod's stall warning, then this module's ``timeout``), and a
+    mismatch raises. All of them timing out together means they were all inside Gloo
+    operations that never met, below anything the plugin submits."""
+    return {int(r) for r in _LOOP_TIMEOUT.findall(out)} == set(range(np))
+
+
 def run_workers(fn, np: int = 2, timeout: float = 180, env=None,
-                controller: str = "gloo", hosts: int = 1, **kwargs):
+                controller: str = "gloo", hosts: int = 1, rerun_on_gloo_timeout: bool = False,
+                **kwargs):
+    """``rerun_on_gloo_timeout``: run the job once more (with a warning) when it failed by
+    :func:`gloo_loop_timeout_on_every_rank` and nothing else. Only the tests with dynamic
+    process sets over Gloo ask for it: there, Horovod 0.28.1 has timed out so about once
+    in 40 three-rank jobs under pytest (2026-11-29/30, docs/horovod.md "Process sets"),
+    never in 140 direct launches of the same job, nor in 120 add/use/remove cycles of
+    Horovod alone; the cause is not found."""
     if not callable(fn) or "." in fn.__qualname__ or fn.__module__ == "__main__":
         raise TypeError(f"run_workers takes a module-level function of an importable module, "
                         f"got {fn!r}")
     target = f"{fn.__module__}:{fn.__name__}"
-    with tempfile.TemporaryDirectory(prefix="ssf-workers-") as outdir:
-        rc, out = launch([sys.executable, str(TESTS / "_worker.py"), target, outdir,
-                          json.dumps(kwargs)], np, timeout, env, controller, hosts)
-        if rc != 0:
-            raise WorkerError(f"horovodrun exited {rc}:\n{out[-6000:]}")
-        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
-                for r in range(np)]
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory(prefix="ssf-workers-") as outdir:
+            rc, out = launch([sys.executable, str(TESTS / "_worker.py"), target, outdir,
+                              json.dumps(kwargs)], np, timeout, env, controller, hosts)
+            if rc == 0:
+                return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+                        for r in range(np)]
+        if attempt == 1 and rerun_on_gloo_timeout and gloo_loop_timeout_on_every_rank(out, np):
+            warnings.warn(f"{target}: every rank's Horovod background loop timed out in Gloo; "
+                          f"running the job once more:\n{out[-3000:]}")
+            continue
+        raise WorkerError(f"horovodrun exited {rc}:\n{out[-12000:]}")

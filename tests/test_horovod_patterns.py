@@ -172,7 +172,8 @@ def test_process_sets(scheme, np_, layout):
     (the pair's ranks end identical, planned in the sparse schemes) and no rank waits on
     a rank outside its set."""
     ranks = run_workers(workers_horovod.process_sets, np=np_, timeout=180,
-                        env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, scheme=scheme, layout=layout)
+                        env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, rerun_on_gloo_timeout=True,
+                        scheme=scheme, layout=layout)
     for ranks_of_set in layout:
         first = ranks[ranks_of_set[0]]
         for r in ranks_of_set[1:]:
@@ -222,7 +223,8 @@ def outside():
     """One job per size: every scheme's optimizer built on every rank with the even
     ranks' process set (Horovod's own test shape)."""
     return {np_: run_workers(workers_horovod.outside_the_set, np=np_, timeout=240,
-                             env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, schemes=SCHEMES)
+                             env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"},
+                             rerun_on_gloo_timeout=True, schemes=SCHEMES)
             for np_ in (2, 3)}
 
 
@@ -425,8 +427,8 @@ def test_process_sets_with_live_probes():
     """The start-up probes, the cost model's and the plan's broadcasts run on each
     scheme's own process set (no profile given): a pair and a single rank plan at once."""
     ranks = run_workers(workers_horovod.process_sets, np=3, timeout=240,
-                        env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, scheme="ssfusion_oi",
-                        layout=[[0, 1], [2]], probe=True)
+                        env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}, rerun_on_gloo_timeout=True,
+                        scheme="ssfusion_oi", layout=[[0, 1], [2]], probe=True)
     _equal_dicts(ranks[0]["params"], ranks[1]["params"])
     assert ranks[0]["plan"] == ranks[1]["plan"] is not None and ranks[2]["plan"] is not None
     assert all(r["stats"]["phase"] == "planned" for r in ranks)
