@@ -119,9 +119,9 @@ def run_workers(fn, np: int = 2, timeout: float = 180, env=None,
                 **kwargs):
     """``rerun_on_gloo_timeout``: run the job once more (with a warning) when it failed by
     :func:`gloo_loop_timeout_on_every_rank` and nothing else. Only the tests with dynamic
-    process sets over Gloo ask for it: there, Horovod 0.28.1 has timed out so about once
-    in 40 three-rank jobs under pytest (2026-11-29/30, docs/horovod.md "Process sets"),
-    never in 140 direct launches of the same job, nor in 120 add/use/remove cycles of
+    process sets over Gloo ask for it: there, Horovod 0.28.1 has timed out so twice in
+    about 50 three-rank jobs under pytest (2026-11-29/30, docs/horovod.md "Process sets"),
+    never in 77 direct launches of the same job, nor in 120 add/use/remove cycles of
     Horovod alone; the cause is not found."""
     if not callable(fn) or "." in fn.__qualname__ or fn.__module__ == "__main__":
         raise TypeError(f"run_workers takes a module-level function of an importable module, "
